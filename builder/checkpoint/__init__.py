@@ -1,0 +1,65 @@
+"""Checkpoint readers: each turns a checkpoint into one ModelSpec and canonical tensors.
+
+Only safetensors, GGUF and JSON are read; nothing is unpickled."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from kiln import constants as names
+from kiln.errors import CheckpointError
+from kiln.runtime.spec import ModelSpec
+
+
+@dataclass
+class Checkpoint:
+    spec: ModelSpec
+    tensors: dict[str, torch.Tensor]  # canonical names (kiln.constants.CKPT_*), float32
+    tokenizer_files: dict[str, str] = field(default_factory=dict)  # file name -> text
+
+    def expected_names(self) -> list[str]:
+        spec = self.spec
+        expected = [names.CKPT_EMBED, names.CKPT_FINAL_NORM]
+        if not spec.tie_embeddings:
+            expected.append(names.CKPT_LM_HEAD)
+        per_layer = names.CKPT_LAYER_TENSORS + (names.CKPT_QKV_BIASES if spec.qkv_bias else ())
+        for i in range(spec.num_layers):
+            expected += [names.layer_tensor(i, n) for n in per_layer]
+        return expected
+
+    def validate(self, source: Path) -> None:
+        missing = [n for n in self.expected_names() if n not in self.tensors]
+        if missing:
+            raise CheckpointError(
+                f"checkpoint {source} lacks {len(missing)} tensors the model needs, e.g. "
+                f"{missing[:3]} (canonical names); is it complete?"
+            )
+
+
+def detect_format(path: Path) -> str:
+    if path.is_file() and path.suffix == ".gguf":
+        return "gguf"
+    if path.is_dir() and (path / "config.json").is_file():
+        return "hf"
+    raise CheckpointError(
+        f"cannot tell the format of checkpoint {path}: expected a .gguf file or a Hugging Face "
+        f"folder with config.json; set model.format to hf or gguf"
+    )
+
+
+def load_checkpoint(path: Path, fmt: str = "auto") -> Checkpoint:
+    fmt = detect_format(path) if fmt == "auto" else fmt
+    if fmt == "hf":
+        from kiln.builder.checkpoint.hf import load_hf
+
+        checkpoint = load_hf(path)
+    elif fmt == "gguf":
+        from kiln.builder.checkpoint.gguf import load_gguf
+
+        checkpoint = load_gguf(path)
+    else:
+        raise CheckpointError(f"unknown checkpoint format {fmt!r}; expected hf or gguf")
+    checkpoint.validate(path)
+    return checkpoint

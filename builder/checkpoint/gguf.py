@@ -1,0 +1,173 @@
+"""GGUF files (llama architecture): dequantized with the `gguf` package, tokenizer rebuilt
+for `tokenizers`."""
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from kiln import constants as names
+from kiln.builder.checkpoint import Checkpoint
+from kiln.errors import CheckpointError
+from kiln.runtime.spec import ModelSpec
+
+_TOP_NAMES = {
+    "token_embd.weight": names.CKPT_EMBED,
+    "output_norm.weight": names.CKPT_FINAL_NORM,
+    "output.weight": names.CKPT_LM_HEAD,
+}
+_LAYER = re.compile(r"^blk\.(\d+)\.(.+)$")
+_LAYER_NAMES = {
+    "attn_norm.weight": "input_norm.weight",
+    "ffn_norm.weight": "post_attention_norm.weight",
+    "attn_q.weight": "attention.q.weight",
+    "attn_k.weight": "attention.k.weight",
+    "attn_v.weight": "attention.v.weight",
+    "attn_output.weight": "attention.o.weight",
+    "ffn_gate.weight": "mlp.gate.weight",
+    "ffn_up.weight": "mlp.up.weight",
+    "ffn_down.weight": "mlp.down.weight",
+}
+
+# Pre-tokenizer splits per tokenizer.ggml.pre, as llama.cpp applies them before byte-level BPE.
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+KNOWN_PRE = ("default", "gpt2", "smollm", "llama-bpe", "llama3")
+
+TOKEN_TYPE_CONTROL = 3
+TOKEN_TYPE_USER_DEFINED = 4
+
+
+def _field(reader, key: str, default=None):
+    field = reader.fields.get(key)
+    return default if field is None else field.contents()
+
+
+def _unpermute(weight: torch.Tensor, heads: int) -> torch.Tensor:
+    """Undo llama.cpp's q/k row permutation (interleaved rotary pairs -> rotate-half halves)."""
+    rows = weight.shape[0]
+    return (
+        weight.reshape(heads, rows // heads // 2, 2, *weight.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(weight.shape)
+    )
+
+
+def _tokenizer_json(reader, source: Path) -> tuple[str, str]:
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+
+    kind = _field(reader, "tokenizer.ggml.model")
+    if kind != "gpt2":
+        raise CheckpointError(
+            f"{source}: tokenizer model {kind!r} is not supported yet (byte-level BPE 'gpt2' is)"
+        )
+    pre = _field(reader, "tokenizer.ggml.pre", "default")
+    if pre not in KNOWN_PRE:
+        raise CheckpointError(f"{source}: pre-tokenizer {pre!r} unknown; kiln knows {KNOWN_PRE}")
+    tokens = _field(reader, "tokenizer.ggml.tokens")
+    merges = [tuple(m.split(" ", 1)) for m in _field(reader, "tokenizer.ggml.merges")]
+    types = _field(reader, "tokenizer.ggml.token_type") or [1] * len(tokens)
+    tokenizer = Tokenizer(models.BPE({t: i for i, t in enumerate(tokens)}, merges, ignore_merges=False))
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    if pre == "smollm":  # digits one by one, as the model's own tokenizer (and llama.cpp) split them
+        tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+            [pre_tokenizers.Digits(individual_digits=True), byte_level]
+        )
+    elif pre in ("llama-bpe", "llama3"):
+        tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Split(Regex(_LLAMA3_SPLIT), behavior="isolated", invert=False),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+            ]
+        )
+    else:
+        tokenizer.pre_tokenizer = byte_level
+    tokenizer.decoder = decoders.ByteLevel()
+    special = [
+        AddedToken(t, special=ty == TOKEN_TYPE_CONTROL, normalized=False)
+        for t, ty in zip(tokens, types)
+        if ty in (TOKEN_TYPE_CONTROL, TOKEN_TYPE_USER_DEFINED)
+    ]
+    tokenizer.add_tokens(special)
+    bos = _field(reader, "tokenizer.ggml.bos_token_id")
+    if _field(reader, "tokenizer.ggml.add_bos_token", False) and bos is not None:
+        tokenizer.post_processor = processors.TemplateProcessing(
+            single=f"{tokens[bos]} $A", pair=f"{tokens[bos]} $A $B", special_tokens=[(tokens[bos], bos)]
+        )
+    else:
+        tokenizer.post_processor = processors.ByteLevel(trim_offsets=False)
+    eos = _field(reader, "tokenizer.ggml.eos_token_id")
+    config = {
+        "bos_token": tokens[bos] if bos is not None else None,
+        "eos_token": tokens[eos] if eos is not None else None,
+        "chat_template": _field(reader, "tokenizer.chat_template"),
+    }
+    return tokenizer.to_str(), json.dumps(config, indent=2)
+
+
+def load_gguf(path: Path) -> Checkpoint:
+    import gguf
+
+    try:
+        reader = gguf.GGUFReader(path)
+    except Exception as exc:  # the reader raises assorted errors on damaged files
+        raise CheckpointError(f"cannot read GGUF file {path}: {exc} (truncated or corrupt?)") from None
+    arch = _field(reader, "general.architecture")
+    if arch != "llama":
+        raise CheckpointError(f"{path}: GGUF architecture {arch!r} is not supported (llama is)")
+
+    def meta(key, default=None):
+        value = _field(reader, f"llama.{key}", default)
+        if value is None:
+            raise CheckpointError(f"{path}: GGUF metadata llama.{key} is missing")
+        return value
+
+    heads, kv_heads, hidden = meta("attention.head_count"), meta("attention.head_count_kv"), meta("embedding_length")
+    tensors: dict[str, torch.Tensor] = {}
+    for t in reader.tensors:
+        if t.name == "rope_freqs.weight":
+            raise CheckpointError(f"{path}: per-dimension rope frequency factors are not supported yet")
+        name = _TOP_NAMES.get(t.name)
+        match = _LAYER.match(t.name)
+        if match and match.group(2) in _LAYER_NAMES:
+            name = names.layer_tensor(int(match.group(1)), _LAYER_NAMES[match.group(2)])
+        if name is None:
+            continue
+        shape = tuple(int(d) for d in reversed(t.shape))
+        values = gguf.quants.dequantize(t.data, t.tensor_type)
+        weight = torch.from_numpy(np.array(values, dtype=np.float32)).reshape(shape)
+        if name.endswith("attention.q.weight"):
+            weight = _unpermute(weight, heads)
+        elif name.endswith("attention.k.weight"):
+            weight = _unpermute(weight, kv_heads)
+        tensors[name] = weight
+    tokens = _field(reader, "tokenizer.ggml.tokens") or []
+    eos = _field(reader, "tokenizer.ggml.eos_token_id")
+    spec = ModelSpec(
+        architecture="llama",
+        vocab_size=int(_field(reader, "llama.vocab_size", len(tokens))),
+        hidden_size=int(hidden),
+        num_layers=int(meta("block_count")),
+        num_heads=int(heads),
+        num_kv_heads=int(kv_heads),
+        head_dim=int(_field(reader, "llama.attention.key_length", hidden // heads)),
+        intermediate_size=int(meta("feed_forward_length")),
+        max_position_embeddings=int(meta("context_length")),
+        rope_theta=float(_field(reader, "llama.rope.freq_base", 10000.0)),
+        norm_eps=float(meta("attention.layer_norm_rms_epsilon")),
+        tie_embeddings=names.CKPT_LM_HEAD not in tensors,
+        bos_id=_field(reader, "tokenizer.ggml.bos_token_id"),
+        eos_ids=(int(eos),) if eos is not None else (),
+        pad_id=_field(reader, "tokenizer.ggml.padding_token_id"),
+    )
+    tokenizer_json, tokenizer_config = _tokenizer_json(reader, path)
+    return Checkpoint(
+        spec,
+        tensors,
+        {names.TOKENIZER_JSON: tokenizer_json, names.TOKENIZER_CONFIG_JSON: tokenizer_config},
+    )

@@ -1,0 +1,161 @@
+"""Hugging Face folders: config.json + one or many .safetensors files + tokenizer.json."""
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+from safetensors import SafetensorError, safe_open
+
+from kiln import constants as names
+from kiln.builder.checkpoint import Checkpoint
+from kiln.errors import CheckpointError
+from kiln.runtime.spec import ModelSpec, RopeScaling
+
+ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+}
+
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+_LAYER_NAMES = {
+    "input_layernorm.weight": "input_norm.weight",
+    "post_attention_layernorm.weight": "post_attention_norm.weight",
+    "self_attn.q_proj.weight": "attention.q.weight",
+    "self_attn.k_proj.weight": "attention.k.weight",
+    "self_attn.v_proj.weight": "attention.v.weight",
+    "self_attn.o_proj.weight": "attention.o.weight",
+    "self_attn.q_proj.bias": "attention.q.bias",
+    "self_attn.k_proj.bias": "attention.k.bias",
+    "self_attn.v_proj.bias": "attention.v.bias",
+    "mlp.gate_proj.weight": "mlp.gate.weight",
+    "mlp.up_proj.weight": "mlp.up.weight",
+    "mlp.down_proj.weight": "mlp.down.weight",
+}
+_TOP_NAMES = {
+    "model.embed_tokens.weight": names.CKPT_EMBED,
+    "model.norm.weight": names.CKPT_FINAL_NORM,
+    "lm_head.weight": names.CKPT_LM_HEAD,
+}
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+
+
+def canonical_name(hf_name: str) -> str | None:
+    if hf_name in _TOP_NAMES:
+        return _TOP_NAMES[hf_name]
+    match = _LAYER.match(hf_name)
+    if match and match.group(2) in _LAYER_NAMES:
+        return names.layer_tensor(int(match.group(1)), _LAYER_NAMES[match.group(2)])
+    return None
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise CheckpointError(f"{path} is not valid JSON: {exc}") from None
+
+
+def _ids(value) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    return tuple(value) if isinstance(value, list) else (int(value),)
+
+
+def _rope(config: dict, source: Path) -> tuple[float, RopeScaling | None]:
+    params = config.get("rope_parameters") or {}
+    theta = float(params.get("rope_theta", config.get("rope_theta", 10000.0)))
+    scaling = config.get("rope_scaling") or params
+    kind = scaling.get("rope_type", scaling.get("type", "default")) if scaling else "default"
+    if kind in (None, "default"):
+        return theta, None
+    if kind == "llama3":
+        return theta, RopeScaling(
+            factor=float(scaling["factor"]),
+            low_freq_factor=float(scaling["low_freq_factor"]),
+            high_freq_factor=float(scaling["high_freq_factor"]),
+            original_max_position_embeddings=int(scaling["original_max_position_embeddings"]),
+        )
+    raise CheckpointError(f"{source}: rope scaling type {kind!r} is not supported (default, llama3)")
+
+
+def spec_from_config(config: dict, generation: dict, source: Path) -> ModelSpec:
+    archs = config.get("architectures") or []
+    arch = next((ARCHITECTURES[a] for a in archs if a in ARCHITECTURES), None)
+    if arch is None:
+        raise CheckpointError(
+            f"{source}: architectures {archs} not supported; kiln reads {sorted(ARCHITECTURES)}"
+        )
+    if config.get("mlp_bias") or (arch == "llama" and config.get("attention_bias")):
+        raise CheckpointError(f"{source}: attention_bias / mlp_bias Llama variants are not supported")
+    heads = int(config["num_attention_heads"])
+    hidden = int(config["hidden_size"])
+    theta, scaling = _rope(config, source)
+    eos = _ids(generation.get("eos_token_id")) or _ids(config.get("eos_token_id"))
+    sliding = config.get("sliding_window") if config.get("use_sliding_window", arch == "mistral") else None
+    return ModelSpec(
+        architecture=arch,
+        vocab_size=int(config["vocab_size"]),
+        hidden_size=hidden,
+        num_layers=int(config["num_hidden_layers"]),
+        num_heads=heads,
+        num_kv_heads=int(config.get("num_key_value_heads") or heads),
+        head_dim=int(config.get("head_dim") or hidden // heads),
+        intermediate_size=int(config["intermediate_size"]),
+        max_position_embeddings=int(config.get("max_position_embeddings", 2048)),
+        rope_theta=theta,
+        rope_scaling=scaling,
+        norm_eps=float(config.get("rms_norm_eps", 1e-6)),
+        tie_embeddings=bool(config.get("tie_word_embeddings", False)),
+        qkv_bias=arch == "qwen2",
+        bos_id=config.get("bos_token_id"),
+        eos_ids=eos,
+        pad_id=config.get("pad_token_id"),
+        sliding_window=int(sliding) if sliding else None,
+    )
+
+
+def _safetensors_files(folder: Path) -> list[Path]:
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = _read_json(index).get("weight_map", {})
+        files = sorted({folder / f for f in weight_map.values()})
+    else:
+        files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"{folder} has no .safetensors files (kiln does not read .bin/.pt)")
+    for f in files:
+        if not f.is_file():
+            raise CheckpointError(f"{folder}: {f.name} is listed in the index but missing")
+    return files
+
+
+def load_hf(folder: Path) -> Checkpoint:
+    config = _read_json(folder / "config.json")
+    generation_path = folder / "generation_config.json"
+    generation = _read_json(generation_path) if generation_path.is_file() else {}
+    try:
+        spec = spec_from_config(config, generation, folder)
+    except KeyError as exc:
+        raise CheckpointError(f"{folder}/config.json lacks the key {exc}") from None
+    tensors = {}
+    for file in _safetensors_files(folder):
+        try:
+            with safe_open(file, framework="pt") as f:
+                for key in f.keys():
+                    name = canonical_name(key)
+                    if name is not None:
+                        tensors[name] = f.get_tensor(key).float()
+        except (SafetensorError, OSError) as exc:
+            raise CheckpointError(f"cannot read {file}: {exc} (is it truncated or corrupt?)") from None
+    tokenizer_files = {}
+    for name in TOKENIZER_FILES:
+        if (folder / name).is_file():
+            tokenizer_files[name] = (folder / name).read_text()
+    if "tokenizer.json" not in tokenizer_files:
+        raise CheckpointError(
+            f"{folder} has no tokenizer.json (a fast tokenizer file); save one with "
+            f"AutoTokenizer.from_pretrained(...).save_pretrained(folder)"
+        )
+    return Checkpoint(spec, tensors, tokenizer_files)

@@ -1,0 +1,138 @@
+"""`build-engine --config FILE [--output DIR]`: checkpoint + YAML -> engine/ and triton_repo/."""
+from __future__ import annotations
+
+import argparse
+import shutil
+import sys
+import tempfile
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from kiln.errors import ConfigError, KilnError
+
+console = Console(stderr=True, highlight=False)
+
+STEPS = ("Validate config", "Load checkpoint", "Compile plugins", "Pack weights", "Write engine",
+         "Write Triton repository")
+
+
+class StepLog:
+    def __init__(self):
+        self.index = 0
+
+    @contextmanager
+    def __call__(self, title: str):
+        self.index += 1
+        console.print(f"[bold][{self.index}/{len(STEPS)}][/bold] {title} ...")
+        start = time.perf_counter()
+        yield
+        console.print(f"      done in {time.perf_counter() - start:.1f}s")
+
+
+def check_model_limits(config, spec) -> None:
+    build = config.build
+    if build.max_seq_len > spec.max_position_embeddings:
+        raise ConfigError(
+            f"build.max_seq_len: {build.max_seq_len} exceeds the model's max_position_embeddings "
+            f"{spec.max_position_embeddings}; allowed: <= {spec.max_position_embeddings}"
+        )
+    if spec.sliding_window and build.max_seq_len > spec.sliding_window:
+        raise ConfigError(
+            f"build.max_seq_len: {build.max_seq_len} exceeds the model's sliding_window "
+            f"{spec.sliding_window}, which kiln does not implement; allowed: <= {spec.sliding_window}"
+        )
+
+
+def _replace(staged: Path, final: Path) -> None:
+    """Put a finished folder in place; an older one there is removed only after the swap."""
+    old = None
+    if final.exists():
+        old = final.with_name(f".{final.name}.old-{int(time.time() * 1000)}")
+        final.rename(old)
+    staged.rename(final)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def build(config_path: Path, output: Path | None) -> tuple[Path, Path]:
+    from kiln.builder.checkpoint import load_checkpoint
+    from kiln.builder.compile import pack_weights
+    from kiln.builder.config import load_config, resolve_checkpoint
+    from kiln.builder.engine_writer import write_engine
+    from kiln.builder.triton_writer import write_triton_repo
+    from kiln.plugins import ops
+    from kiln.plugins.build import build_plugins
+    from kiln.runtime.engine import DTYPES
+
+    step = StepLog()
+    with step(f"Validate config {config_path}"):
+        config = load_config(config_path)
+        checkpoint_path = resolve_checkpoint(config.model.checkpoint, Path.cwd())
+        out = output or Path("kiln-out")
+        engine_dir = Path(config.engine_output or out / "engine").absolute()
+        repo_dir = Path(config.triton.output or out / "triton_repo").absolute()
+    with step(f"Load checkpoint {checkpoint_path}"):
+        checkpoint = load_checkpoint(checkpoint_path, config.model.format)
+        spec = checkpoint.spec
+        check_model_limits(config, spec)
+        console.print(
+            f"      {spec.architecture}: {spec.num_layers} layers, hidden {spec.hidden_size}, "
+            f"{spec.num_heads} heads / {spec.num_kv_heads} kv heads, vocab {spec.vocab_size}"
+        )
+    with step("Compile plugins (cached by content hash)"):
+        library = build_plugins()
+        ops.load_library(library)
+        isa = ops.select_isa("auto")
+        console.print(f"      {library} (kernels for this host: {isa})")
+    with step(f"Pack weights ({config.model.dtype}, QKV and gate/up fused)"):
+        with Progress(TextColumn("      layers"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                      console=console, transient=True) as bar:
+            task = bar.add_task("pack", total=spec.num_layers)
+            weights = pack_weights(checkpoint, DTYPES[config.model.dtype], lambda: bar.advance(task))
+    staging = []
+    try:
+        with step(f"Write engine {engine_dir}"):
+            engine_dir.parent.mkdir(parents=True, exist_ok=True)
+            staging.append(Path(tempfile.mkdtemp(prefix=".kiln-staging-", dir=engine_dir.parent)))
+            write_engine(staging[-1] / "engine", config, spec, weights, checkpoint.tokenizer_files,
+                         library, isa)
+        with step(f"Write Triton repository {repo_dir}"):
+            repo_dir.parent.mkdir(parents=True, exist_ok=True)
+            staging.append(Path(tempfile.mkdtemp(prefix=".kiln-staging-", dir=repo_dir.parent)))
+            write_triton_repo(config, repo_dir, engine_dir, write_to=staging[-1] / "repo")
+        _replace(staging[0] / "engine", engine_dir)
+        _replace(staging[1] / "repo", repo_dir)
+    finally:
+        for folder in staging:
+            shutil.rmtree(folder, ignore_errors=True)
+    return engine_dir, repo_dir
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="build-engine", description="Build a kiln engine and its Triton model repository."
+    )
+    parser.add_argument("--config", required=True, type=Path, help="build config (YAML)")
+    parser.add_argument(
+        "--output", type=Path, default=None,
+        help="folder for engine/ and triton_repo/ (default ./kiln-out; the YAML's "
+        "engine_output and triton.output override)",
+    )
+    args = parser.parse_args(argv)
+    try:
+        engine_dir, repo_dir = build(args.config, args.output)
+    except KilnError as exc:
+        console.print(f"[bold red]error:[/bold red] {exc}")
+        return 2
+    console.print(f"[bold green]engine[/bold green] {engine_dir}")
+    console.print(f"[bold green]triton repository[/bold green] {repo_dir}")
+    console.print(f"serve it with: kiln serve {repo_dir}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

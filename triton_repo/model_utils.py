@@ -1,0 +1,42 @@
+"""Helpers for the Python-backend models (imported inside tritonserver's stub only)."""
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+
+
+def parameter(args: dict, key: str) -> str:
+    return json.loads(args["model_config"])["parameters"][key]["string_value"]
+
+
+def repo_path(args: dict, relative: str) -> str:
+    """Paths in the generated configs are relative to the repository folder, so the whole
+    build output can move."""
+    repo_root = os.path.dirname(os.path.abspath(args["model_repository"]))
+    return os.path.normpath(os.path.join(repo_root, relative))
+
+
+def optional_scalar(request, name: str, default=None):
+    import triton_python_backend_utils as pb_utils
+
+    tensor = pb_utils.get_input_tensor_by_name(request, name)
+    if tensor is None:
+        return default
+    return tensor.as_numpy().reshape(-1)[0].item()
+
+
+def required(request, name: str) -> np.ndarray:
+    import triton_python_backend_utils as pb_utils
+
+    tensor = pb_utils.get_input_tensor_by_name(request, name)
+    if tensor is None:
+        raise ValueError(f"input {name!r} is required")
+    return tensor.as_numpy()
+
+
+def error_response(message: str):
+    import triton_python_backend_utils as pb_utils
+
+    return pb_utils.InferenceResponse(output_tensors=[], error=pb_utils.TritonError(message))
