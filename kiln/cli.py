@@ -1,0 +1,73 @@
+"""`kiln serve REPO` (the real tritonserver) and `kiln generate --url HOST:PORT PROMPT`."""
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+
+from kiln.errors import KilnError
+
+
+def _serve(args) -> int:
+    from kiln.triton_repo.serve import TritonServer
+
+    server = TritonServer(args.repo, args.grpc_port, args.http_port, args.metrics_port, args.log_file)
+    print(f"starting tritonserver on {args.repo} ...", file=sys.stderr)
+    server.start(args.timeout)
+    print(f"ready: gRPC {server.grpc_url}  HTTP {server.http_url}  metrics 127.0.0.1:{server.metrics_port}",
+          file=sys.stderr, flush=True)
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # SIGTERM stops it like Ctrl-C
+    try:
+        code = server.process.wait()
+    except KeyboardInterrupt:
+        server.stop()
+        return 0
+    print(f"tritonserver exited with code {code}", file=sys.stderr)
+    return code
+
+
+def _generate(args) -> int:
+    from kiln.triton_repo.client import stream_generate
+
+    sampling = {"temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p, "seed": args.seed}
+    for text in stream_generate(args.url, args.prompt, args.max_tokens, model=args.model,
+                                **{k: v for k, v in sampling.items() if v is not None}):
+        print(text, end="", flush=True)
+    print()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="kiln", description="Serve kiln engines and talk to them.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    serve = sub.add_parser("serve", help="start tritonserver on a kiln model repository")
+    serve.add_argument("repo", help="the triton_repo/ folder build-engine wrote")
+    serve.add_argument("--grpc-port", type=int, default=8001)
+    serve.add_argument("--http-port", type=int, default=8000)
+    serve.add_argument("--metrics-port", type=int, default=8002)
+    serve.add_argument("--log-file", default=None, help="tritonserver's log (default: discarded)")
+    serve.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for readiness")
+    serve.set_defaults(run=_serve)
+
+    gen = sub.add_parser("generate", help="stream a completion over gRPC (tritonclient)")
+    gen.add_argument("prompt")
+    gen.add_argument("--url", default="127.0.0.1:8001", help="tritonserver gRPC HOST:PORT")
+    gen.add_argument("--model", default="ensemble")
+    gen.add_argument("--max-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=None)
+    gen.add_argument("--top-k", type=int, default=None)
+    gen.add_argument("--top-p", type=float, default=None)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.set_defaults(run=_generate)
+
+    args = parser.parse_args(argv)
+    try:
+        return args.run(args)
+    except KilnError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

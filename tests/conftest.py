@@ -1,0 +1,67 @@
+import pytest
+
+from tests.helpers import SMOLLM2_CHECKPOINT, build_engine, make_tiny_model
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory):
+    """architecture -> Hugging Face folder of a tiny random model."""
+    root = tmp_path_factory.mktemp("tiny_models")
+    return {arch: make_tiny_model(root / arch, arch) for arch in ("llama", "mistral", "qwen2")}
+
+
+@pytest.fixture(scope="session")
+def tiny_engines(tiny_models, tmp_path_factory):
+    """(architecture, dtype) -> engine dir, built on first use."""
+    root = tmp_path_factory.mktemp("tiny_engines")
+    built = {}
+
+    def get(arch: str, dtype: str = "float32"):
+        if (arch, dtype) not in built:
+            built[arch, dtype] = build_engine(root / f"{arch}-{dtype}", tiny_models[arch], dtype)
+        return built[arch, dtype]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def smollm2_engines(tmp_path_factory):
+    root = tmp_path_factory.mktemp("smollm2")
+    built = {}
+
+    def get(dtype: str):
+        if dtype not in built:
+            built[dtype] = build_engine(root / dtype, SMOLLM2_CHECKPOINT, dtype, max_input_len=512,
+                                        max_seq_len=1024)
+        return built[dtype]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def plugin_isas():
+    """Load the plugin library; the instruction sets this host can run (reset to auto after)."""
+    from kiln.plugins import ops
+    from kiln.plugins.build import build_plugins
+
+    ops.load_library(build_plugins())
+    isas = []
+    for isa in ("scalar", "avx2", "avx512"):
+        try:
+            ops.select_isa(isa)
+            isas.append(isa)
+        except RuntimeError:
+            pass
+    ops.select_isa("auto")
+    return isas
+
+
+@pytest.fixture(params=["scalar", "avx2", "avx512"])
+def isa(request, plugin_isas):
+    from kiln.plugins import ops
+
+    if request.param not in plugin_isas:
+        pytest.skip(f"this CPU lacks {request.param}")
+    ops.select_isa(request.param)
+    yield request.param
+    ops.select_isa("auto")

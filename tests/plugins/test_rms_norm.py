@@ -1,0 +1,35 @@
+import pytest
+import torch
+
+from kiln.plugins import ops, reference
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(1, 576), (7, 64), (3, 5, 129), (2, 1), (0, 32), (33, 1000)])
+def test_rms_norm_matches_reference(isa, dtype, shape):
+    g = torch.Generator().manual_seed(hash((isa, str(dtype), shape)) % 2**31)
+    x = (torch.randn(shape, generator=g) * 3).to(dtype)
+    w = torch.randn(shape[-1], generator=g).to(dtype)
+    got = ops.rms_norm(x, w, 1e-5)
+    want = reference.rms_norm(x, w, 1e-5)
+    assert got.dtype == dtype and got.shape == x.shape
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    else:  # bf16: at most one rounding step apart
+        torch.testing.assert_close(got.float(), want.float(), rtol=1e-2, atol=1e-2)
+
+
+def test_rms_norm_non_contiguous_input(plugin_isas):
+    x = torch.randn(16, 8).t()
+    w = torch.randn(16)
+    torch.testing.assert_close(ops.rms_norm(x, w, 1e-6), reference.rms_norm(x, w, 1e-6))
+
+
+def test_rms_norm_rejects_mismatched_weight(plugin_isas):
+    with pytest.raises(RuntimeError, match="weight shape"):
+        ops.rms_norm(torch.randn(2, 8), torch.randn(7), 1e-5)
+
+
+def test_rms_norm_opcheck(plugin_isas):
+    x, w = torch.randn(3, 40), torch.randn(40)
+    torch.library.opcheck(torch.ops.kiln.rms_norm.default, (x, w, 1e-5))

@@ -1,0 +1,65 @@
+"""The real SmolLM2-135M-Instruct GGUF: kiln's greedy tokens equal transformers' on the same file."""
+import pytest
+import torch
+
+from kiln.runtime.llm import LLM
+from tests.helpers import SMOLLM2_FILE, smollm2_dir
+
+# no digits: transformers' tokenizer built from the GGUF does not split digits one by one as
+# the model's own (and kiln's rebuilt) tokenizer does
+PROMPTS = [
+    "The capital of France is",
+    "Once upon a time, there was a",
+    "The best way to learn a new language is",
+]
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def hf():
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder = smollm2_dir()
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=SMOLLM2_FILE)
+    # transformers computes GGUF weights in float32; the float32 engine is the like-for-like build
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=SMOLLM2_FILE, dtype=torch.float32)
+    return tokenizer, model.eval()
+
+
+@pytest.fixture(scope="module")
+def llm(smollm2_engines):
+    return LLM(smollm2_engines("float32"))
+
+
+@pytest.mark.parametrize("prompt", PROMPTS)
+def test_smollm2_greedy_32_tokens_identical_to_transformers(prompt, hf, llm):
+    tokenizer, model = hf
+    ids = tokenizer(prompt, return_tensors="pt").input_ids
+    assert llm.encode(prompt) == ids[0].tolist()
+    want = model.generate(ids, max_new_tokens=32, do_sample=False)[0, ids.shape[1]:].tolist()
+    out = llm.generate(prompt, max_tokens=32)
+    got = out.token_ids + ([2] if out.finish_reason == "stop" else [])  # HF keeps the end id
+    assert got == want
+    assert out.text == tokenizer.decode(out.token_ids)
+
+
+def test_smollm2_logits_match_transformers(hf, llm):
+    tokenizer, model = hf
+    ids = tokenizer(PROMPTS[2], return_tensors="pt").input_ids
+    with torch.no_grad():
+        want = model(ids).logits[0]
+    from kiln.runtime.model import KVCache
+
+    cache = KVCache(llm.engine.spec, 32, torch.float32)
+    got = llm.engine.model.forward(ids[0], 0, cache, all_logits=True)
+    assert (got - want).abs().max().item() < 2e-4
+
+
+def test_smollm2_tokenizer_splits_digits_like_the_model(llm):
+    assert llm.tokenizer.encode("in 2024").tokens == ["in", "Ġ", "2", "0", "2", "4"]
+
+
+def test_smollm2_bfloat16_engine_answers(smollm2_engines):
+    out = LLM(smollm2_engines("bfloat16")).generate("The capital of France is", max_tokens=8)
+    assert "Paris" in out.text
