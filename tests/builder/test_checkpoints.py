@@ -1,0 +1,77 @@
+"""Checkpoint readers: damaged or unsupported checkpoints give clear errors; builds are atomic."""
+import json
+import shutil
+
+import pytest
+
+from kiln.builder.checkpoint import load_checkpoint
+from kiln.builder.cli import main
+from kiln.errors import CheckpointError
+from tests.helpers import write_config
+
+
+@pytest.fixture
+def llama_copy(tiny_models, tmp_path):
+    return shutil.copytree(tiny_models["llama"], tmp_path / "llama")
+
+
+def test_truncated_safetensors(llama_copy):
+    path = llama_copy / "model.safetensors"
+    path.write_bytes(path.read_bytes()[:1000])
+    with pytest.raises(CheckpointError, match="truncated or corrupt"):
+        load_checkpoint(llama_copy)
+
+
+def test_missing_tensor(llama_copy):
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(llama_copy / "model.safetensors")
+    del tensors["model.layers.1.mlp.up_proj.weight"]
+    save_file(tensors, llama_copy / "model.safetensors")
+    with pytest.raises(CheckpointError, match=r"layers.1.mlp.up.weight"):
+        load_checkpoint(llama_copy)
+
+
+def test_unsupported_architecture(llama_copy):
+    config = json.loads((llama_copy / "config.json").read_text())
+    config["architectures"] = ["GPT2LMHeadModel"]
+    (llama_copy / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match="GPT2LMHeadModel"):
+        load_checkpoint(llama_copy)
+
+
+def test_no_tokenizer(llama_copy):
+    (llama_copy / "tokenizer.json").unlink()
+    with pytest.raises(CheckpointError, match="no tokenizer.json"):
+        load_checkpoint(llama_copy)
+
+
+def test_pickle_checkpoints_are_not_read(llama_copy):
+    (llama_copy / "model.safetensors").rename(llama_copy / "pytorch_model.bin")
+    with pytest.raises(CheckpointError, match="does not read .bin"):
+        load_checkpoint(llama_copy)
+
+
+def test_sharded_checkpoint(tiny_models, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    folder = tmp_path / "sharded"
+    AutoModelForCausalLM.from_pretrained(tiny_models["llama"]).save_pretrained(folder, max_shard_size="100KB")
+    shutil.copy(tiny_models["llama"] / "tokenizer.json", folder)
+    assert (folder / "model.safetensors.index.json").exists()
+    whole, sharded = load_checkpoint(tiny_models["llama"]), load_checkpoint(folder)
+    assert whole.tensors.keys() == sharded.tensors.keys()
+    assert all((whole.tensors[k] == sharded.tensors[k]).all() for k in whole.tensors)
+
+
+def test_failed_build_keeps_the_previous_output(llama_copy, tmp_path, capsys):
+    """A build that fails midway leaves the earlier engine in place and no staging folders."""
+    out = tmp_path / "out"
+    config = write_config(tmp_path / "ok.yaml", llama_copy)
+    assert main(["--config", str(config), "--output", str(out)]) == 0
+    before = sorted(p.name for p in out.iterdir())
+    path = llama_copy / "model.safetensors"
+    path.write_bytes(path.read_bytes()[:1000])
+    assert main(["--config", str(config), "--output", str(out)]) == 2
+    assert sorted(p.name for p in out.iterdir()) == before == ["engine", "triton_repo"]
+    assert "truncated or corrupt" in " ".join(capsys.readouterr().err.split())

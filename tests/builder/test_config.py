@@ -1,0 +1,87 @@
+"""Bad build configs: exit code 2, an error naming the key, the value and what is allowed,
+and nothing written."""
+import pytest
+import yaml
+
+from kiln.builder.cli import main
+from kiln.builder.config import parse_config
+from kiln.errors import ConfigError
+
+
+def run(tmp_path, config, capsys):
+    path = tmp_path / "bad.yaml"
+    path.write_text(config if isinstance(config, str) else yaml.safe_dump(config))
+    out = tmp_path / "out"
+    code = main(["--config", str(path), "--output", str(out)])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert not out.exists() or not any(out.iterdir()), "a failed build left files behind"
+    return " ".join(err.split())  # rich wraps long lines
+
+
+def base(checkpoint):
+    return {"model": {"checkpoint": str(checkpoint)}}
+
+
+def test_unknown_key(tmp_path, capsys, tiny_models):
+    config = base(tiny_models["llama"]) | {"build": {"max_batch_sise": 8}}
+    err = run(tmp_path, config, capsys)
+    assert "build.max_batch_sise" in err and "unknown key" in err
+
+
+def test_unknown_section(tmp_path, capsys, tiny_models):
+    err = run(tmp_path, base(tiny_models["llama"]) | {"serving": {}}, capsys)
+    assert "serving" in err and "unknown key" in err
+
+
+def test_wrong_type(tmp_path, capsys, tiny_models):
+    err = run(tmp_path, base(tiny_models["llama"]) | {"build": {"max_input_len": "long"}}, capsys)
+    assert "build.max_input_len" in err and "'long'" in err and "integer" in err
+
+
+def test_bad_choice(tmp_path, capsys, tiny_models):
+    config = {"model": {"checkpoint": str(tiny_models["llama"]), "dtype": "float13"}}
+    err = run(tmp_path, config, capsys)
+    assert "model.dtype" in err and "'float13'" in err and "'float32'" in err and "'bfloat16'" in err
+
+
+def test_max_seq_len_below_max_input_len(tmp_path, capsys, tiny_models):
+    config = base(tiny_models["llama"]) | {"build": {"max_input_len": 512, "max_seq_len": 256}}
+    err = run(tmp_path, config, capsys)
+    assert "max_seq_len (256)" in err and "max_input_len (512)" in err
+
+
+def test_out_of_range_value(tmp_path, capsys, tiny_models):
+    err = run(tmp_path, base(tiny_models["llama"]) | {"build": {"max_batch_size": 0}}, capsys)
+    assert "build.max_batch_size" in err and "greater than or equal to 1" in err and "(got 0)" in err
+
+
+def test_missing_checkpoint(tmp_path, capsys):
+    err = run(tmp_path, base(tmp_path / "nowhere"), capsys)
+    assert "model.checkpoint" in err and "does not exist" in err and "nowhere" in err
+
+
+def test_missing_model_section(tmp_path, capsys):
+    err = run(tmp_path, {"build": {}}, capsys)
+    assert "model" in err and "Field required" in err
+
+
+def test_seq_len_over_model_limit(tmp_path, capsys, tiny_models):
+    config = base(tiny_models["llama"]) | {"build": {"max_input_len": 512, "max_seq_len": 4096}}
+    err = run(tmp_path, config, capsys)
+    assert "build.max_seq_len: 4096 exceeds the model's max_position_embeddings 512" in err
+
+
+def test_not_yaml(tmp_path, capsys):
+    err = run(tmp_path, "model: [unclosed", capsys)
+    assert "not valid YAML" in err
+
+
+def test_bad_kv_cache_memory():
+    with pytest.raises(ConfigError, match="runtime.kv_cache_memory"):
+        parse_config({"model": {"checkpoint": "x"}, "runtime": {"kv_cache_memory": "lots"}})
+
+
+def test_defaults_resolve():
+    config = parse_config({"model": {"checkpoint": "x"}, "runtime": {"kv_cache_memory": "512MiB"}})
+    assert config.build.kv_block_size == 32 and config.runtime.kv_cache_bytes() == 512 * 2**20

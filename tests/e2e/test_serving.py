@@ -1,0 +1,76 @@
+"""The generated repository in the real tritonserver, called with the real tritonclient."""
+import json
+import urllib.request
+
+import pytest
+
+from kiln.errors import KilnError
+from kiln.runtime.llm import LLM
+from kiln.triton_repo.client import stream_generate
+from kiln.triton_repo.serve import TritonServer
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = ["The capital of France is", "Write the word 'hello' in Japanese and add an emoji:"]
+
+
+@pytest.fixture(scope="module")
+def engine_dir(smollm2_engines):
+    return smollm2_engines("bfloat16")
+
+
+@pytest.fixture(scope="module")
+def server(engine_dir, tmp_path_factory):
+    log = tmp_path_factory.mktemp("triton") / "tritonserver.log"
+    with TritonServer(engine_dir.parent / "triton_repo", log_file=log) as running:
+        yield running
+    assert running.process.poll() is not None  # the test always stops it
+
+
+@pytest.fixture(scope="module")
+def llm(engine_dir):
+    return LLM(engine_dir)
+
+
+def http_post(server, path, body):
+    request = urllib.request.Request(f"http://{server.http_url}{path}", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=300) as response:
+        return response.read().decode()
+
+
+@pytest.mark.parametrize("prompt", PROMPTS)
+def test_grpc_stream_equals_llm_generate(server, llm, prompt):
+    chunks = list(stream_generate(server.grpc_url, prompt, max_tokens=40))
+    assert len(chunks) > 1  # streamed, not one blob
+    assert "".join(chunks) == llm.generate(prompt, max_tokens=40).text
+
+
+@pytest.mark.parametrize("prompt", PROMPTS)
+def test_http_generate_stream_equals_llm_generate(server, llm, prompt):
+    body = http_post(server, "/v2/models/ensemble/generate_stream",
+                     {"text_input": prompt, "max_tokens": 40, "stream": True})
+    events = [json.loads(line[len("data: "):]) for line in body.splitlines() if line.startswith("data: ")]
+    assert len(events) > 1
+    assert "".join(e["text_output"] for e in events) == llm.generate(prompt, max_tokens=40).text
+
+
+def test_http_generate_non_streaming(server, llm):
+    body = json.loads(http_post(server, "/v2/models/ensemble/generate",
+                                {"text_input": PROMPTS[0], "max_tokens": 20}))
+    assert body["text_output"] == llm.generate(PROMPTS[0], max_tokens=20).text
+
+
+def test_seeded_sampling_over_grpc_is_repeatable(server):
+    sampled = ["".join(stream_generate(server.grpc_url, PROMPTS[0], max_tokens=16, temperature=1.0,
+                                       top_p=0.9, seed=1234)) for _ in range(2)]
+    assert sampled[0] == sampled[1]
+
+
+def test_request_over_the_limits_gets_an_error_and_the_server_stays_up(server, llm):
+    too_long = "word " * 600  # over max_input_len 512
+    with pytest.raises(KilnError, match="max_input_len 512"):
+        list(stream_generate(server.grpc_url, too_long, max_tokens=4))
+    with pytest.raises(KilnError, match="max_seq_len 1024"):
+        list(stream_generate(server.grpc_url, PROMPTS[0], max_tokens=2000))
+    assert "".join(stream_generate(server.grpc_url, PROMPTS[0], max_tokens=8)) == llm.generate(PROMPTS[0], max_tokens=8).text
