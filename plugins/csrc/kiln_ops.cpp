@@ -15,6 +15,7 @@
 #include <cstring>
 #include <limits>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace kiln {
@@ -128,8 +129,10 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
               "kiln::attention: q, k, v must be [tokens, heads, head_dim]");
   TORCH_CHECK(k_cache.dim() == 3 && v_cache.dim() == 3,
               "kiln::attention: caches must be [max_seq, kv_heads, head_dim]");
-  for (const at::Tensor* t : {&k, &v, const_cast<const at::Tensor*>(&k_cache), const_cast<const at::Tensor*>(&v_cache)})
-    TORCH_CHECK(t->scalar_type() == q.scalar_type(), "kiln::attention: dtype mismatch");
+  for (const auto& [t, name] : {std::pair<const at::Tensor&, const char*>{k, "k"}, {v, "v"},
+                                 {k_cache, "k_cache"}, {v_cache, "v_cache"}})
+    TORCH_CHECK(t.scalar_type() == q.scalar_type(), "kiln::attention: ", name, " dtype ",
+                t.scalar_type(), " differs from q dtype ", q.scalar_type());
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(),
               "kiln::attention: caches must be contiguous");
   const int64_t tokens = q.size(0), heads = q.size(1), head_dim = q.size(2);
