@@ -10,6 +10,7 @@ import hashlib
 import os
 import shutil
 import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -46,28 +47,21 @@ def source_hash() -> str:
 
 
 def build_plugins(verbose: bool = False) -> Path:
-    """Return the path of the compiled library, compiling it only when the cache lacks it."""
+    """Return the path of the compiled library, compiling it only when the cache lacks it.
+
+    The compiler runs in a child process: PyTorch's tooling loads what it builds, and the
+    `kiln` op namespace can be registered only once per process, so the caller must be free to
+    load the cached file itself."""
     key = source_hash()
     target = cache_root() / key / LIBRARY_FILE
     if target.exists():
         return target
-    from torch.utils import cpp_extension
-
     target.parent.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent.parent, prefix=f".{key}-") as tmp:
-        built = cpp_extension.load(
-            name=LIBRARY_NAME,
-            sources=[str(CSRC / "kiln_ops.cpp")],
-            extra_cflags=CFLAGS,
-            extra_ldflags=LDFLAGS,
-            extra_include_paths=[str(CSRC)],
-            build_directory=tmp,
-            is_python_module=False,
-            is_standalone=False,
-            verbose=verbose,
-            keep_intermediates=False,
-        )
-        del built
+        command = [sys.executable, "-m", "kiln.plugins.build", tmp] + (["--verbose"] if verbose else [])
+        result = subprocess.run(command, capture_output=not verbose, text=True)
+        if result.returncode != 0:
+            raise RuntimeError(f"compiling the kiln plugins failed:\n{result.stdout}\n{result.stderr}")
         staged = Path(tmp) / "out"
         staged.mkdir()
         shutil.copy2(Path(tmp) / LIBRARY_FILE, staged / LIBRARY_FILE)
@@ -77,3 +71,22 @@ def build_plugins(verbose: bool = False) -> Path:
             if not target.exists():  # another process won the race with the same content
                 raise
     return target
+
+
+def _compile(build_directory: str, verbose: bool) -> None:
+    from torch.utils import cpp_extension
+
+    cpp_extension.load(
+        name=LIBRARY_NAME,
+        sources=[str(CSRC / "kiln_ops.cpp")],
+        extra_cflags=CFLAGS,
+        extra_ldflags=LDFLAGS,
+        extra_include_paths=[str(CSRC)],
+        build_directory=build_directory,
+        is_python_module=False,
+        verbose=verbose,
+    )
+
+
+if __name__ == "__main__":
+    _compile(sys.argv[1], "--verbose" in sys.argv[2:])
