@@ -21,25 +21,27 @@ from rich.table import Table
 
 
 def time_kiln(engine_dir: str, prompt: list[int], decode: int, repeats: int) -> dict:
-    from kiln.runtime.llm import LLM
-    from kiln.runtime.model import KVCache
+    from kiln.runtime.engine import Engine
+    from kiln.runtime.model import KVPool, StepContext
 
-    llm = LLM(engine_dir)
-    model, spec = llm.engine.model, llm.engine.spec
+    engine = Engine(engine_dir)
+    model, block_size = engine.model, engine.limits.kv_block_size
+    blocks = -(-(len(prompt) + decode) // block_size)
+    table = list(range(blocks))
     prefill, decode_rates = [], []
     for r in range(repeats + 1):  # the first run warms up
-        cache = KVCache(spec, len(prompt) + decode + 1, llm.engine.dtype)
+        pool = KVPool(engine.spec, blocks, block_size, engine.dtype)
         start = time.perf_counter()
-        logits = model.forward(torch.tensor(prompt), 0, cache)
+        logits = model.forward(torch.tensor(prompt), StepContext.single(0, len(prompt), table), pool)
         mid = time.perf_counter()
         for i in range(decode):
-            token = int(torch.argmax(logits))
-            logits = model.forward(torch.tensor([token]), len(prompt) + i, cache)
+            token = int(torch.argmax(logits[0]))
+            logits = model.forward(torch.tensor([token]), StepContext.single(len(prompt) + i, 1, table), pool)
         end = time.perf_counter()
         if r:
             prefill.append(mid - start)
             decode_rates.append(decode / (end - mid))
-    return {"name": f"kiln {llm.engine.meta['dtype']}", "prefill_ms": 1000 * statistics.median(prefill),
+    return {"name": f"kiln {engine.meta['dtype']}", "prefill_ms": 1000 * statistics.median(prefill),
             "decode_tok_s": statistics.median(decode_rates)}
 
 

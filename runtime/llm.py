@@ -1,23 +1,21 @@
 """The Python API: `LLM(engine_dir).generate(...)` and streaming with `LLM.stream(...)`.
 
-Requests run one at a time in this version (a lock serializes them)."""
+Both run on the Executor, so concurrent callers (threads, the Triton model) are batched
+together by in-flight batching."""
 from __future__ import annotations
 
-import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-import torch
-
 from kiln.errors import RequestError
 from kiln.runtime.detokenizer import IncrementalDetokenizer
 from kiln.runtime.engine import Engine
-from kiln.runtime.model import KVCache
-from kiln.runtime.sampling import Sampler, SamplingParams
+from kiln.runtime.executor import FINISH_ERROR, Executor, Response
+from kiln.runtime.options import RuntimeOptions
+from kiln.runtime.sampling import SamplingParams
 
-FINISH_STOP = "stop"  # an end id was sampled
-FINISH_LENGTH = "length"  # max_tokens reached
+Prompt = str | list[int]
 
 
 @dataclass
@@ -39,90 +37,91 @@ class GenerationOutput:
     finish_reason: str
 
 
+class ChunkAssembler:
+    """Turns one request's executor responses into text chunks that never split a character."""
+
+    def __init__(self, tokenizer, prompt_ids: list[int]):
+        self.detok = IncrementalDetokenizer(tokenizer, prompt_ids)
+
+    def add(self, response: Response) -> StreamChunk | None:
+        emitted = self.detok.add(response.token_ids, final=response.finished)
+        if response.finished:
+            prefix, tokens, text = emitted or ([], [], "")
+            return StreamChunk(tokens, text, prefix, response.finish_reason)
+        return StreamChunk(emitted[1], emitted[2], emitted[0]) if emitted else None
+
+
 class LLM:
-    def __init__(self, engine_dir: str | Path):
+    def __init__(self, engine_dir: str | Path, **runtime_overrides):
+        """runtime_overrides: kv_cache_memory, scheduler, enable_prefix_reuse, max_queue_size
+        (defaults: the engine's build config)."""
         self.engine = Engine(engine_dir)
         self.tokenizer = self.engine.tokenizer
         self.limits = self.engine.limits
-        self._cache = KVCache(self.engine.spec, self.limits.max_seq_len, self.engine.dtype)
-        self._lock = threading.Lock()
+        options = RuntimeOptions.from_engine(self.engine.meta.get("runtime", {}), **runtime_overrides)
+        self.executor = Executor(self.engine, options)
 
-    def encode(self, prompt: str) -> list[int]:
-        return self.tokenizer.encode(prompt).ids
+    def encode(self, prompt: Prompt) -> list[int]:
+        return self.tokenizer.encode(prompt).ids if isinstance(prompt, str) else list(prompt)
 
-    def check_request(self, prompt_ids: list[int], params: SamplingParams) -> None:
-        limits = self.limits
-        if not prompt_ids:
-            raise RequestError("the prompt is empty (0 tokens)")
-        if len(prompt_ids) > limits.max_input_len:
-            raise RequestError(
-                f"the prompt has {len(prompt_ids)} tokens, over this engine's max_input_len "
-                f"{limits.max_input_len}"
-            )
-        if len(prompt_ids) + params.max_tokens > limits.max_seq_len:
-            raise RequestError(
-                f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) = "
-                f"{len(prompt_ids) + params.max_tokens}, over this engine's max_seq_len "
-                f"{limits.max_seq_len}"
-            )
-        vocab = self.engine.spec.vocab_size
-        bad = [t for t in prompt_ids if not 0 <= t < vocab]
-        if bad:
-            raise RequestError(f"token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
-
-    def _stop_ids(self, params: SamplingParams) -> set[int]:
-        if params.ignore_eos:
-            return set()
-        if params.end_id is not None:
-            return {params.end_id}
-        return set(self.engine.spec.eos_ids)
-
-    def stream(
-        self, prompt: str | list[int], params: SamplingParams | None = None, **overrides
-    ) -> Iterator[StreamChunk]:
-        """Yield chunks as tokens are sampled. Raises RequestError before the first chunk."""
+    def _submit(self, prompt: Prompt, params: SamplingParams | None, overrides: dict) -> tuple[int, list[int]]:
         params = replace(params or SamplingParams(), **overrides)
-        prompt_ids = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        self.check_request(prompt_ids, params)
-        return self._run(prompt_ids, params)
+        prompt_ids = self.encode(prompt)
+        self.executor.check(prompt_ids, params)
+        return self.executor.enqueue(prompt_ids, params), prompt_ids
 
-    def _run(self, prompt_ids: list[int], params: SamplingParams) -> Iterator[StreamChunk]:
-        sample = Sampler(params)
-        stop_ids = self._stop_ids(params)
-        detok = IncrementalDetokenizer(self.tokenizer, prompt_ids)
-        model, cache = self.engine.model, self._cache
-        with self._lock:
-            logits = model.forward(torch.tensor(prompt_ids), 0, cache)
-            position, generated, finish = len(prompt_ids), 0, FINISH_LENGTH
-            while True:
-                token = sample(logits)
-                if token in stop_ids:
-                    finish, last = FINISH_STOP, detok.add([], final=True)
-                    break
-                generated += 1
-                done = generated == params.max_tokens
-                emitted = detok.add([token], final=done)
-                if done:
-                    last = emitted
-                    break
-                if emitted:
-                    yield StreamChunk(emitted[1], emitted[2], emitted[0])
-                logits = model.forward(torch.tensor([token]), position, cache)
-                position += 1
-        # the last chunk: whatever is still pending (possibly nothing) and why the stream ended
-        prefix, tokens, text = last or ([], [], "")
-        yield StreamChunk(tokens, text, prefix, finish)
+    def _chunks(self, request_id: int, prompt_ids: list[int]) -> Iterator[StreamChunk]:
+        assembler = ChunkAssembler(self.tokenizer, prompt_ids)
+        finished = False
+        try:
+            while not finished:
+                for response in self.executor.await_responses(request_id):
+                    if response.finish_reason == FINISH_ERROR:
+                        finished = True
+                        raise RequestError(response.error)
+                    finished = response.finished
+                    chunk = assembler.add(response)
+                    if chunk is not None:
+                        yield chunk
+        finally:
+            if not finished:  # the caller stopped early: free the request's blocks
+                self.executor.cancel(request_id)
 
-    def generate(
-        self, prompt: str | list[int], params: SamplingParams | None = None, **overrides
-    ) -> GenerationOutput:
-        """Generate for one prompt; the text is exactly what a stream of it would carry."""
-        prompt_ids = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        token_ids: list[int] = []
+    def stream(self, prompt: Prompt, params: SamplingParams | None = None, **overrides) -> Iterator[StreamChunk]:
+        """Yield chunks as tokens are sampled. A request the engine can never serve raises
+        RequestError here; one refused later (busy) raises it from the iterator."""
+        request_id, prompt_ids = self._submit(prompt, params, overrides)
+        return self._chunks(request_id, prompt_ids)
+
+    def generate(self, prompts: Prompt | list[Prompt], params: SamplingParams | None = None,
+                 **overrides) -> GenerationOutput | list[GenerationOutput]:
+        """Generate for one prompt or a list of prompts (run together, batched in flight).
+        The text is exactly what a stream of the same request carries."""
+        single = isinstance(prompts, str) or not prompts or isinstance(prompts[0], int)
+        batch = [prompts] if single else list(prompts)
+        submitted = [self._submit(p, params, overrides) for p in batch]
+        outputs = [self._collect(request_id, prompt_ids) for request_id, prompt_ids in submitted]
+        return outputs[0] if single else outputs
+
+    def _collect(self, request_id: int, prompt_ids: list[int]) -> GenerationOutput:
+        tokens: list[int] = []
         text: list[str] = []
-        finish = FINISH_LENGTH
-        for chunk in self.stream(prompt_ids, params, **overrides):
-            token_ids += chunk.token_ids
+        finish = ""
+        for chunk in self._chunks(request_id, prompt_ids):
+            tokens += chunk.token_ids
             text.append(chunk.text)
             finish = chunk.finish_reason or finish
-        return GenerationOutput(prompt_ids, token_ids, "".join(text), finish)
+        return GenerationOutput(prompt_ids, tokens, "".join(text), finish)
+
+    def stats(self) -> dict:
+        return self.executor.stats()
+
+    def close(self) -> None:
+        """Stop the executor thread (the engine's memory is freed once the LLM is dropped)."""
+        self.executor.shutdown()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -26,25 +26,59 @@ class Layer:
     down: torch.Tensor
 
 
-class KVCache:
-    """One sequence's keys and values: per layer [max_seq_len, kv_heads, head_dim]."""
+@dataclass
+class StepContext:
+    """Attention metadata for one step of a packed batch (nano-vllm style): sequence s owns
+    the tokens [query_start[s], query_start[s+1]) at positions context_lens[s] + 0, 1, ...;
+    logits are computed only for the rows in `logits_rows`."""
 
-    def __init__(self, spec: ModelSpec, max_seq_len: int, dtype: torch.dtype):
-        shape = (max_seq_len, spec.num_kv_heads, spec.head_dim)
-        self.keys = [torch.zeros(shape, dtype=dtype) for _ in range(spec.num_layers)]
-        self.values = [torch.zeros(shape, dtype=dtype) for _ in range(spec.num_layers)]
-        self.max_seq_len = max_seq_len
+    positions: torch.Tensor  # [tokens] int64
+    query_start: torch.Tensor  # [seqs + 1] int32
+    context_lens: torch.Tensor  # [seqs] int32
+    block_tables: torch.Tensor  # [seqs, max_blocks] int32
+    logits_rows: torch.Tensor  # [rows] int64
+
+    @classmethod
+    def single(cls, start: int, count: int, block_table: list[int], all_logits: bool = False):
+        """One sequence: `count` new tokens after `start` cached ones."""
+        rows = torch.arange(count) if all_logits else torch.tensor([count - 1])
+        return cls(
+            positions=torch.arange(start, start + count),
+            query_start=torch.tensor([0, count], dtype=torch.int32),
+            context_lens=torch.tensor([start], dtype=torch.int32),
+            block_tables=torch.tensor([block_table], dtype=torch.int32),
+            logits_rows=rows,
+        )
+
+
+class KVPool:
+    """The key/value blocks: per layer [num_blocks, block_size, kv_heads, head_dim]. One
+    allocation, left uninitialized: attention reads only slots written before, and pages the
+    pool never touches cost no memory."""
+
+    def __init__(self, spec: ModelSpec, num_blocks: int, block_size: int, dtype: torch.dtype):
+        self.storage = torch.empty(spec.num_layers, 2, num_blocks, block_size, spec.num_kv_heads,
+                                   spec.head_dim, dtype=dtype)
+        self.keys = [self.storage[i, 0] for i in range(spec.num_layers)]
+        self.values = [self.storage[i, 1] for i in range(spec.num_layers)]
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+
+    @staticmethod
+    def bytes_per_block(spec: ModelSpec, block_size: int, dtype: torch.dtype) -> int:
+        element = torch.empty(0, dtype=dtype).element_size()
+        return spec.num_layers * 2 * block_size * spec.num_kv_heads * spec.head_dim * element
 
 
 class LlamaModel:
-    def __init__(self, spec: ModelSpec, weights: dict[str, torch.Tensor], max_seq_len: int):
+    def __init__(self, spec: ModelSpec, weights: dict[str, torch.Tensor], max_positions: int):
         self.spec = spec
         self.dtype = weights[names.EMBED].dtype
         self.embed = weights[names.EMBED]
         self.final_norm = weights[names.FINAL_NORM]
         self.lm_head = self.embed if spec.tie_embeddings else weights[names.LM_HEAD]
         self.layers = [self._layer(weights, i) for i in range(spec.num_layers)]
-        self.cos, self.sin = cos_sin_tables(spec, max_seq_len, self.dtype)
+        self.cos, self.sin = cos_sin_tables(spec, max_positions, self.dtype)
         self.scale = spec.head_dim**-0.5
 
     @staticmethod
@@ -63,15 +97,11 @@ class LlamaModel:
         )
 
     @torch.inference_mode()
-    def forward(
-        self, tokens: torch.Tensor, start_pos: int, cache: KVCache, all_logits: bool = False
-    ) -> torch.Tensor:
-        """Run `tokens` (1-D) at positions start_pos.. of one sequence; float32 logits of the
-        last token ([vocab]) or of every token ([tokens, vocab])."""
+    def forward(self, tokens: torch.Tensor, ctx: StepContext, pool: KVPool) -> torch.Tensor:
+        """Run a packed batch of tokens (1-D); float32 logits [len(ctx.logits_rows), vocab]."""
         spec = self.spec
         count = tokens.shape[0]
-        positions = slice(start_pos, start_pos + count)
-        cos, sin = self.cos[positions], self.sin[positions]
+        cos, sin = self.cos[ctx.positions], self.sin[ctx.positions]
         eps = spec.norm_eps
         h = F.embedding(tokens, self.embed)
         for index, layer in enumerate(self.layers):
@@ -81,13 +111,11 @@ class LlamaModel:
             q = apply_rope(q.view(count, spec.num_heads, spec.head_dim), cos, sin)
             k = apply_rope(k.view(count, spec.num_kv_heads, spec.head_dim), cos, sin)
             v = v.reshape(count, spec.num_kv_heads, spec.head_dim)
-            attn = ops.attention(
-                q, k, v, cache.keys[index], cache.values[index], start_pos, self.scale
-            )
+            attn = ops.paged_attention(q, k, v, pool.keys[index], pool.values[index], ctx.block_tables,
+                                       ctx.query_start, ctx.context_lens, self.scale)
             h = h + F.linear(attn.view(count, spec.q_size), layer.out)
             x = ops.rms_norm(h, layer.post_attention_norm, eps)
             gate, up = F.linear(x, layer.gate_up).chunk(2, dim=-1)
             h = h + F.linear(F.silu(gate) * up, layer.down)
-        h = ops.rms_norm(h if all_logits else h[-1:], self.final_norm, eps)
-        logits = F.linear(h, self.lm_head).float()
-        return logits if all_logits else logits[0]
+        h = ops.rms_norm(h[ctx.logits_rows], self.final_norm, eps)
+        return F.linear(h, self.lm_head).float()

@@ -65,3 +65,22 @@ def isa(request, plugin_isas):
     ops.select_isa(request.param)
     yield request.param
     ops.select_isa("auto")
+
+
+@pytest.fixture(scope="session")
+def llm_for():
+    """Open an LLM once per (engine, runtime options) for the whole session; all are closed
+    (executor threads stopped) at the end."""
+    from kiln.runtime.llm import LLM
+
+    opened = {}
+
+    def get(engine_dir, **options):
+        key = (str(engine_dir), tuple(sorted(options.items())))
+        if key not in opened:
+            opened[key] = LLM(engine_dir, **options)
+        return opened[key]
+
+    yield get
+    for llm in opened.values():
+        llm.close()

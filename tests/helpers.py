@@ -86,3 +86,22 @@ def build_engine(out: Path, checkpoint: str | Path, dtype: str = "float32", **bu
     config = write_config(out / "build.yaml", checkpoint, dtype, **build)
     engine_dir, _ = run_build(config, out)
     return engine_dir
+
+
+def forward_logits(engine, ids: list[int], chunks: list[int] | None = None):
+    """Float32 logits at every position of one sequence, run in chunks (default: one pass)
+    through a private block pool."""
+    import torch
+
+    from kiln.runtime.model import KVPool, StepContext
+
+    block_size = engine.limits.kv_block_size
+    blocks = -(-len(ids) // block_size)
+    pool = KVPool(engine.spec, blocks + 1, block_size, engine.dtype)
+    table = list(range(blocks, 0, -1))  # deliberately not in order
+    rows, start = [], 0
+    for count in chunks or [len(ids)]:
+        ctx = StepContext.single(start, count, table, all_logits=True)
+        rows.append(engine.model.forward(torch.tensor(ids[start : start + count]), ctx, pool))
+        start += count
+    return torch.cat(rows)

@@ -1,13 +1,30 @@
-"""Triton engine model (Python backend, decoupled): runs the kiln runtime and streams ids.
+"""Triton engine model (Python backend, decoupled): requests go to the kiln Executor, which
+batches them in flight; one dispatcher thread sends each request's responses back.
 
-Translates tensors to a generation request and runtime chunks back to responses; nothing
-else. Requests are served one at a time in this version."""
+It translates tensors to requests and executor responses back to tensors; nothing else."""
 from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from kiln import constants as names
 from kiln.triton_repo.model_utils import error_response, optional_scalar, parameter, repo_path, required
+
+log = logging.getLogger("kiln.triton")
+
+POLL_S = 0.05  # how often the dispatcher looks for cancelled requests while idle
+
+
+@dataclass
+class Active:
+    sender: object
+    streaming: bool
+    assembler: object
+    tokens: list[int] = field(default_factory=list)  # non-streaming: everything, sent at the end
+    prefix: list[int] | None = None
 
 
 class TritonPythonModel:
@@ -15,12 +32,18 @@ class TritonPythonModel:
         from kiln.runtime.llm import LLM
 
         self.llm = LLM(repo_path(args, parameter(args, names.ENGINE_DIR_PARAMETER)))
+        self.executor = self.llm.executor
+        self.active: dict[int, Active] = {}
+        self.lock = threading.Lock()
+        self.stopping = threading.Event()
+        self.dispatcher = threading.Thread(target=self._dispatch, name="kiln-dispatch", daemon=True)
+        self.dispatcher.start()
 
-    def _request(self, request):
+    def _parse(self, request):
         from kiln.runtime.sampling import SamplingParams
 
         ids = required(request, names.INPUT_IDS).reshape(-1)
-        length = optional_scalar(request, names.INPUT_LENGTHS, ids.size)
+        length = int(optional_scalar(request, names.INPUT_LENGTHS, ids.size))
         params = SamplingParams(
             max_tokens=int(required(request, names.REQUEST_OUTPUT_LEN).reshape(-1)[0]),
             temperature=float(optional_scalar(request, names.TEMPERATURE, 0.0)),
@@ -36,10 +59,9 @@ class TritonPythonModel:
     def _response(tokens: list[int], prefix: list[int]):
         import triton_python_backend_utils as pb_utils
 
-        ids = np.array(tokens, dtype=np.int32).reshape(1, 1, -1)
         return pb_utils.InferenceResponse(
             output_tensors=[
-                pb_utils.Tensor(names.OUTPUT_IDS, ids),
+                pb_utils.Tensor(names.OUTPUT_IDS, np.array(tokens, dtype=np.int32).reshape(1, 1, -1)),
                 pb_utils.Tensor(names.SEQUENCE_LENGTH, np.array([[len(tokens)]], dtype=np.int32)),
                 pb_utils.Tensor(names.PREFIX_IDS, np.array(prefix, dtype=np.int32).reshape(1, -1)),
             ]
@@ -49,22 +71,69 @@ class TritonPythonModel:
         import triton_python_backend_utils as pb_utils
 
         from kiln.errors import KilnError
+        from kiln.runtime.llm import ChunkAssembler
 
-        final = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
         for request in requests:
             sender = request.get_response_sender()
             try:
-                prompt_ids, params, streaming = self._request(request)
-                chunks = self.llm.stream(prompt_ids, params)
-                if streaming:
-                    for chunk in chunks:
-                        if chunk.token_ids:
-                            sender.send(self._response(chunk.token_ids, chunk.prefix_ids))
-                else:
-                    collected = list(chunks)
-                    tokens = [t for c in collected for t in c.token_ids]
-                    sender.send(self._response(tokens, collected[0].prefix_ids if tokens else []))
-                sender.send(flags=final)
+                prompt_ids, params, streaming = self._parse(request)
+                self.executor.check(prompt_ids, params)
             except (KilnError, ValueError, TypeError) as exc:
-                sender.send(error_response(f"{type(exc).__name__}: {exc}"), flags=final)
+                sender.send(error_response(f"{type(exc).__name__}: {exc}"),
+                            flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+                continue
+            with self.lock:  # registered before the dispatcher can see its first response
+                request_id = self.executor.enqueue(prompt_ids, params)
+                self.active[request_id] = Active(sender, streaming, ChunkAssembler(self.llm.tokenizer, prompt_ids))
         return None
+
+    def _dispatch(self):
+        import triton_python_backend_utils as pb_utils
+
+        from kiln.runtime.executor import FINISH_ERROR
+
+        final = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+        while not self.stopping.is_set():
+            responses = self.executor.await_responses(timeout=POLL_S)
+            with self.lock:
+                for response in responses:
+                    state = self.active.get(response.request_id)
+                    if state is None:
+                        continue
+                    if response.finish_reason == FINISH_ERROR:
+                        self._send(state, error_response(response.error), final)
+                    else:
+                        self._forward(state, response, final)
+                    if response.finished:
+                        del self.active[response.request_id]
+                for request_id, state in self.active.items():
+                    if state.sender.is_cancelled():
+                        self.executor.cancel(request_id)
+
+    @staticmethod
+    def _send(state: Active, response=None, flags=0) -> None:
+        try:  # a client that went away must not take the dispatcher down with it
+            if response is None:
+                state.sender.send(flags=flags)
+            else:
+                state.sender.send(response, flags=flags)
+        except Exception:
+            log.warning("could not send a response (client gone?)", exc_info=True)
+
+    def _forward(self, state: Active, response, final_flag) -> None:
+        chunk = state.assembler.add(response)
+        if state.streaming:
+            if chunk is not None and chunk.token_ids:
+                self._send(state, self._response(chunk.token_ids, chunk.prefix_ids))
+        elif chunk is not None:
+            state.tokens += chunk.token_ids
+            state.prefix = chunk.prefix_ids if state.prefix is None else state.prefix
+        if response.finished:
+            if not state.streaming:
+                self._send(state, self._response(state.tokens, state.prefix or []))
+            self._send(state, flags=final_flag)
+
+    def finalize(self):
+        self.stopping.set()
+        self.dispatcher.join()
+        self.llm.close()

@@ -1,63 +1,88 @@
-// Causal grouped-query attention over one sequence's contiguous KV cache, with the KV write
-// fused in: the new tokens' k/v are stored at rows [start, start + tokens) of the cache, then
-// each new token attends to cache rows [0, start + its index].
-// One pass over the cache per (token, head) with an online softmax in fp32, keys visited in
-// tiles so the running maximum is rescaled once per tile rather than once per key.
+// Paged attention with the KV write fused in, for a packed batch of sequences.
+//
+// The batch holds, back to back, the new tokens of several sequences (decode steps and
+// prefill chunks together, no padding): sequence s owns tokens [query_start[s],
+// query_start[s+1]) at positions context_lens[s] + 0, 1, ... Keys and values live in a pool
+// of blocks [num_blocks, block_size, kv_heads, head_dim]; block_tables[s][i] is the pool
+// block holding the sequence's positions [i * block_size, (i + 1) * block_size).
+//
+// First every new token's k/v is written to its slot, then each (token, head) attends
+// causally to positions [0, its own] of its sequence: one pass over the blocks with an online
+// softmax in fp32, rescaled once per block. Grouped-query attention: head h reads kv head
+// h / (heads / kv_heads).
 // Included per ISA inside kiln::<isa> after vec.h.
 
-constexpr int64_t kScoreTile = 64;
-
 template <typename T>
-void attention_impl(const T* q, const T* k, const T* v, T* k_cache, T* v_cache, T* out,
-                    int64_t tokens, int64_t heads, int64_t kv_heads, int64_t head_dim,
-                    int64_t start, float scale) {
-  const int64_t row = kv_heads * head_dim;
-  std::memcpy(k_cache + start * row, k, sizeof(T) * tokens * row);
-  std::memcpy(v_cache + start * row, v, sizeof(T) * tokens * row);
-  const int64_t group = heads / kv_heads;
+void paged_attention_impl(const T* q, const T* k, const T* v, T* k_pool, T* v_pool, T* out,
+                          const int32_t* block_tables, const int32_t* query_start,
+                          const int32_t* context_lens, const int32_t* token_seq,
+                          const PagedShape& shape, float scale) {
+  const int64_t row = shape.kv_heads * shape.head_dim;  // one token's keys in a block
+  const int64_t block_stride = shape.block_size * row;
+  const int64_t head_dim = shape.head_dim, bs = shape.block_size;
+  auto position_of = [&](int64_t token) {
+    const int32_t s = token_seq[token];
+    return static_cast<int64_t>(context_lens[s]) + (token - query_start[s]);
+  };
+  auto slot_of = [&](int64_t seq, int64_t position) {
+    return block_tables[seq * shape.max_blocks + position / bs] * block_stride + (position % bs) * row;
+  };
 
-  at::parallel_for(0, tokens * heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(head_dim), acc(head_dim), scores(kScoreTile);
+  at::parallel_for(0, shape.tokens, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t slot = slot_of(token_seq[t], position_of(t));
+      std::memcpy(k_pool + slot, k + t * row, sizeof(T) * row);
+      std::memcpy(v_pool + slot, v + t * row, sizeof(T) * row);
+    }
+  });
+
+  const int64_t group = shape.heads / shape.kv_heads;
+  at::parallel_for(0, shape.tokens * shape.heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(head_dim), acc(head_dim), scores(bs);
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t t = item / heads, h = item % heads, g = h / group;
-      const T* qrow = q + (t * heads + h) * head_dim;
+      const int64_t t = item / shape.heads, h = item % shape.heads, g = h / group;
+      const int64_t s = token_seq[t];
+      const int32_t* table = block_tables + s * shape.max_blocks;
+      const T* qrow = q + (t * shape.heads + h) * head_dim;
       for (int64_t d = 0; d < head_dim; ++d) qf[d] = to_f32(qrow[d]) * scale;
       std::fill(acc.begin(), acc.end(), 0.f);
       float running_max = -std::numeric_limits<float>::infinity(), denom = 0.f;
-      const int64_t context = start + t + 1;
-      for (int64_t tile = 0; tile < context; tile += kScoreTile) {
-        const int64_t n = std::min(kScoreTile, context - tile);
-        float tile_max = -std::numeric_limits<float>::infinity();
-        for (int64_t s = 0; s < n; ++s) {
-          scores[s] = dot(qf.data(), k_cache + (tile + s) * row + g * head_dim, head_dim);
-          tile_max = std::max(tile_max, scores[s]);
+      const int64_t context = position_of(t) + 1;
+      for (int64_t first = 0, b = 0; first < context; first += bs, ++b) {
+        const int64_t n = std::min(bs, context - first);
+        const T* kblock = k_pool + table[b] * block_stride + g * head_dim;
+        const T* vblock = v_pool + table[b] * block_stride + g * head_dim;
+        float block_max = -std::numeric_limits<float>::infinity();
+        for (int64_t i = 0; i < n; ++i) {
+          scores[i] = dot(qf.data(), kblock + i * row, head_dim);
+          block_max = std::max(block_max, scores[i]);
         }
-        if (tile_max > running_max) {
-          const float correction = std::exp(running_max - tile_max);
+        if (block_max > running_max) {
+          const float correction = std::exp(running_max - block_max);
           denom *= correction;
           scale_inplace(acc.data(), correction, head_dim);
-          running_max = tile_max;
+          running_max = block_max;
         }
-        for (int64_t s = 0; s < n; ++s) {
-          const float p = std::exp(scores[s] - running_max);
+        for (int64_t i = 0; i < n; ++i) {
+          const float p = std::exp(scores[i] - running_max);
           denom += p;
-          axpy(acc.data(), p, v_cache + (tile + s) * row + g * head_dim, head_dim);
+          axpy(acc.data(), p, vblock + i * row, head_dim);
         }
       }
-      T* orow = out + (t * heads + h) * head_dim;
+      T* orow = out + (t * shape.heads + h) * head_dim;
       const float inv = 1.f / denom;
       for (int64_t d = 0; d < head_dim; ++d) store_as(orow + d, acc[d] * inv);
     }
   });
 }
 
-void attention_f32(const float* q, const float* k, const float* v, float* kc, float* vc,
-                   float* out, int64_t tokens, int64_t heads, int64_t kv_heads, int64_t head_dim,
-                   int64_t start, float scale) {
-  attention_impl<float>(q, k, v, kc, vc, out, tokens, heads, kv_heads, head_dim, start, scale);
+void paged_attention_f32(const float* q, const float* k, const float* v, float* kp, float* vp,
+                         float* out, const int32_t* bt, const int32_t* qs, const int32_t* cl,
+                         const int32_t* ts, const PagedShape& shape, float scale) {
+  paged_attention_impl<float>(q, k, v, kp, vp, out, bt, qs, cl, ts, shape, scale);
 }
-void attention_bf16(const bf16* q, const bf16* k, const bf16* v, bf16* kc, bf16* vc, bf16* out,
-                    int64_t tokens, int64_t heads, int64_t kv_heads, int64_t head_dim,
-                    int64_t start, float scale) {
-  attention_impl<bf16>(q, k, v, kc, vc, out, tokens, heads, kv_heads, head_dim, start, scale);
+void paged_attention_bf16(const bf16* q, const bf16* k, const bf16* v, bf16* kp, bf16* vp,
+                          bf16* out, const int32_t* bt, const int32_t* qs, const int32_t* cl,
+                          const int32_t* ts, const PagedShape& shape, float scale) {
+  paged_attention_impl<bf16>(q, k, v, kp, vp, out, bt, qs, cl, ts, shape, scale);
 }

@@ -20,6 +20,10 @@
 
 namespace kiln {
 
+struct PagedShape {
+  int64_t tokens, seqs, heads, kv_heads, head_dim, block_size, max_blocks;
+};
+
 namespace scalar {
 #define KILN_ISA_SCALAR
 #include "vec.h"
@@ -56,14 +60,18 @@ struct Kernels {
   std::string isa;
   void (*rms_norm_f32)(const float*, const float*, float*, int64_t, int64_t, float);
   void (*rms_norm_bf16)(const bf16*, const bf16*, bf16*, int64_t, int64_t, float);
-  void (*attention_f32)(const float*, const float*, const float*, float*, float*, float*,
-                        int64_t, int64_t, int64_t, int64_t, int64_t, float);
-  void (*attention_bf16)(const bf16*, const bf16*, const bf16*, bf16*, bf16*, bf16*, int64_t,
-                         int64_t, int64_t, int64_t, int64_t, float);
+  void (*paged_attention_f32)(const float*, const float*, const float*, float*, float*, float*,
+                              const int32_t*, const int32_t*, const int32_t*, const int32_t*,
+                              const PagedShape&, float);
+  void (*paged_attention_bf16)(const bf16*, const bf16*, const bf16*, bf16*, bf16*, bf16*,
+                               const int32_t*, const int32_t*, const int32_t*, const int32_t*,
+                               const PagedShape&, float);
 };
 
-#define KILN_KERNELS(ns) \
-  Kernels { #ns, ns::rms_norm_f32, ns::rms_norm_bf16, ns::attention_f32, ns::attention_bf16 }
+#define KILN_KERNELS(ns)                                                              \
+  Kernels {                                                                           \
+    #ns, ns::rms_norm_f32, ns::rms_norm_bf16, ns::paged_attention_f32, ns::paged_attention_bf16 \
+  }
 
 static bool host_supports(const std::string& isa) {
   if (isa == "avx512")
@@ -122,44 +130,75 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   return out;
 }
 
-at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                     at::Tensor& k_cache, at::Tensor& v_cache, int64_t start_pos, double scale) {
+static void check_int32_vector(const at::Tensor& t, const char* name, int64_t dims) {
+  TORCH_CHECK(t.scalar_type() == at::kInt && t.dim() == dims && t.is_contiguous() && t.device().is_cpu(),
+              "kiln::paged_attention: ", name, " must be a contiguous int32 CPU tensor with ", dims,
+              " dims, got ", t.scalar_type(), " ", t.sizes());
+}
+
+at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                           at::Tensor& k_pool, at::Tensor& v_pool, const at::Tensor& block_tables,
+                           const at::Tensor& query_start, const at::Tensor& context_lens,
+                           double scale) {
   check_float_or_bf16(q, "q");
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3,
-              "kiln::attention: q, k, v must be [tokens, heads, head_dim]");
-  TORCH_CHECK(k_cache.dim() == 3 && v_cache.dim() == 3,
-              "kiln::attention: caches must be [max_seq, kv_heads, head_dim]");
+              "kiln::paged_attention: q, k, v must be [tokens, heads, head_dim]");
+  TORCH_CHECK(k_pool.dim() == 4 && k_pool.is_contiguous() && v_pool.is_contiguous() &&
+                  v_pool.sizes() == k_pool.sizes(),
+              "kiln::paged_attention: pools must be contiguous [blocks, block_size, kv_heads, head_dim]");
   for (const auto& [t, name] : {std::pair<const at::Tensor&, const char*>{k, "k"}, {v, "v"},
-                                 {k_cache, "k_cache"}, {v_cache, "v_cache"}})
-    TORCH_CHECK(t.scalar_type() == q.scalar_type(), "kiln::attention: ", name, " dtype ",
+                                 {k_pool, "k_pool"}, {v_pool, "v_pool"}})
+    TORCH_CHECK(t.scalar_type() == q.scalar_type(), "kiln::paged_attention: ", name, " dtype ",
                 t.scalar_type(), " differs from q dtype ", q.scalar_type());
-  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(),
-              "kiln::attention: caches must be contiguous");
-  const int64_t tokens = q.size(0), heads = q.size(1), head_dim = q.size(2);
-  const int64_t kv_heads = k.size(1);
-  TORCH_CHECK(k.size(0) == tokens && v.size(0) == tokens, "kiln::attention: token counts differ");
-  TORCH_CHECK(kv_heads > 0 && heads % kv_heads == 0, "kiln::attention: heads ", heads,
-              " not a multiple of kv_heads ", kv_heads);
-  TORCH_CHECK(k.size(2) == head_dim && v.sizes() == k.sizes(), "kiln::attention: k/v shape");
-  TORCH_CHECK(k_cache.size(1) == kv_heads && k_cache.size(2) == head_dim &&
-                  v_cache.sizes() == k_cache.sizes(),
-              "kiln::attention: cache shape ", k_cache.sizes(), " does not fit k ", k.sizes());
-  TORCH_CHECK(start_pos >= 0 && start_pos + tokens <= k_cache.size(0), "kiln::attention: positions [",
-              start_pos, ", ", start_pos + tokens, ") exceed the cache length ", k_cache.size(0));
+  check_int32_vector(block_tables, "block_tables", 2);
+  check_int32_vector(query_start, "query_start", 1);
+  check_int32_vector(context_lens, "context_lens", 1);
+  PagedShape shape{q.size(0), context_lens.size(0), q.size(1), k.size(1), q.size(2),
+                   k_pool.size(1), block_tables.size(1)};
+  TORCH_CHECK(k.size(0) == shape.tokens && v.sizes() == k.sizes() && k.size(2) == shape.head_dim,
+              "kiln::paged_attention: k/v shape ", k.sizes(), " does not fit q ", q.sizes());
+  TORCH_CHECK(shape.kv_heads > 0 && shape.heads % shape.kv_heads == 0, "kiln::paged_attention: heads ",
+              shape.heads, " not a multiple of kv_heads ", shape.kv_heads);
+  TORCH_CHECK(k_pool.size(2) == shape.kv_heads && k_pool.size(3) == shape.head_dim,
+              "kiln::paged_attention: pool shape ", k_pool.sizes(), " does not fit k ", k.sizes());
+  TORCH_CHECK(query_start.size(0) == shape.seqs + 1 && block_tables.size(0) == shape.seqs,
+              "kiln::paged_attention: ", shape.seqs, " sequences need query_start of ", shape.seqs + 1,
+              " and block_tables of ", shape.seqs, " rows");
+  // Validate the metadata before any write: a bad table must not scribble over the pool.
+  const int32_t* qs = query_start.data_ptr<int32_t>();
+  const int32_t* cl = context_lens.data_ptr<int32_t>();
+  const int32_t* bt = block_tables.data_ptr<int32_t>();
+  const int64_t num_blocks = k_pool.size(0);
+  TORCH_CHECK(qs[0] == 0 && qs[shape.seqs] == shape.tokens,
+              "kiln::paged_attention: query_start must run from 0 to the token count");
+  std::vector<int32_t> token_seq(shape.tokens);
+  for (int64_t s = 0; s < shape.seqs; ++s) {
+    TORCH_CHECK(qs[s + 1] >= qs[s] && cl[s] >= 0, "kiln::paged_attention: bad query_start/context_lens");
+    const int64_t end = static_cast<int64_t>(cl[s]) + (qs[s + 1] - qs[s]);
+    const int64_t used = (end + shape.block_size - 1) / shape.block_size;
+    TORCH_CHECK(used <= shape.max_blocks, "kiln::paged_attention: sequence ", s, " reaches position ",
+                end, ", beyond its block table of ", shape.max_blocks, " blocks");
+    for (int64_t b = 0; b < used; ++b) {
+      const int32_t block = bt[s * shape.max_blocks + b];
+      TORCH_CHECK(block >= 0 && block < num_blocks, "kiln::paged_attention: block id ", block,
+                  " outside the pool of ", num_blocks);
+    }
+    std::fill(token_seq.begin() + qs[s], token_seq.begin() + qs[s + 1], static_cast<int32_t>(s));
+  }
   auto qc = q.contiguous(), kc = k.contiguous(), vc = v.contiguous();
   auto out = at::empty_like(qc);
-  if (tokens == 0) return out;
+  if (shape.tokens == 0) return out;
   if (q.scalar_type() == at::kFloat)
-    active().attention_f32(qc.data_ptr<float>(), kc.data_ptr<float>(), vc.data_ptr<float>(),
-                           k_cache.data_ptr<float>(), v_cache.data_ptr<float>(),
-                           out.data_ptr<float>(), tokens, heads, kv_heads, head_dim, start_pos,
-                           static_cast<float>(scale));
+    active().paged_attention_f32(qc.data_ptr<float>(), kc.data_ptr<float>(), vc.data_ptr<float>(),
+                                 k_pool.data_ptr<float>(), v_pool.data_ptr<float>(),
+                                 out.data_ptr<float>(), bt, qs, cl, token_seq.data(), shape,
+                                 static_cast<float>(scale));
   else
-    active().attention_bf16(
+    active().paged_attention_bf16(
         reinterpret_cast<const bf16*>(qc.data_ptr()), reinterpret_cast<const bf16*>(kc.data_ptr()),
-        reinterpret_cast<const bf16*>(vc.data_ptr()), reinterpret_cast<bf16*>(k_cache.data_ptr()),
-        reinterpret_cast<bf16*>(v_cache.data_ptr()), reinterpret_cast<bf16*>(out.data_ptr()),
-        tokens, heads, kv_heads, head_dim, start_pos, static_cast<float>(scale));
+        reinterpret_cast<const bf16*>(vc.data_ptr()), reinterpret_cast<bf16*>(k_pool.data_ptr()),
+        reinterpret_cast<bf16*>(v_pool.data_ptr()), reinterpret_cast<bf16*>(out.data_ptr()), bt,
+        qs, cl, token_seq.data(), shape, static_cast<float>(scale));
   return out;
 }
 
@@ -169,11 +208,11 @@ TORCH_LIBRARY(kiln, m) {
   m.def("select_isa(str isa) -> str", &kiln::select_isa);
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def(
-      "attention(Tensor q, Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, "
-      "int start_pos, float scale) -> Tensor");
+      "paged_attention(Tensor q, Tensor k, Tensor v, Tensor(a!) k_pool, Tensor(b!) v_pool, "
+      "Tensor block_tables, Tensor query_start, Tensor context_lens, float scale) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(kiln, CPU, m) {
   m.impl("rms_norm", &kiln::rms_norm);
-  m.impl("attention", &kiln::attention);
+  m.impl("paged_attention", &kiln::paged_attention);
 }

@@ -84,4 +84,7 @@ def test_bad_kv_cache_memory():
 
 def test_defaults_resolve():
     config = parse_config({"model": {"checkpoint": "x"}, "runtime": {"kv_cache_memory": "512MiB"}})
-    assert config.build.kv_block_size == 32 and config.runtime.kv_cache_bytes() == 512 * 2**20
+    from kiln.runtime.options import RuntimeOptions
+
+    options = RuntimeOptions.from_engine(config.runtime.model_dump())
+    assert config.build.kv_block_size == 32 and options.kv_cache_bytes() == 512 * 2**20

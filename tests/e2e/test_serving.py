@@ -5,7 +5,6 @@ import urllib.request
 import pytest
 
 from kiln.errors import KilnError
-from kiln.runtime.llm import LLM
 from kiln.triton_repo.client import stream_generate
 from kiln.triton_repo.serve import TritonServer
 
@@ -28,8 +27,8 @@ def server(engine_dir, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def llm(engine_dir):
-    return LLM(engine_dir)
+def llm(engine_dir, llm_for):
+    return llm_for(engine_dir)
 
 
 def http_post(server, path, body):

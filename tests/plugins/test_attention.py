@@ -1,57 +1,100 @@
+"""kiln::paged_attention against the PyTorch reference on random batches."""
+import random
+
 import pytest
 import torch
 
 from kiln.plugins import ops, reference
 
-CASES = [
-    # tokens, heads, kv_heads, head_dim, start, cache_len
-    (1, 4, 4, 64, 0, 8),       # first token, MHA
-    (7, 9, 3, 64, 0, 32),      # SmolLM2 shape, prefill
-    (1, 9, 3, 64, 37, 64),     # decode after an odd prefix
-    (5, 8, 1, 32, 130, 200),   # GQA 8, spans several score tiles
-    (13, 6, 2, 48, 11, 40),    # head_dim not a multiple of 16
-    (3, 2, 2, 7, 4, 10),       # tiny odd head_dim (scalar tail only)
-]
 
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("case", CASES)
-def test_attention_matches_reference(isa, dtype, case):
-    tokens, heads, kv_heads, head_dim, start, cache_len = case
-    g = torch.Generator().manual_seed(hash((isa, str(dtype), case)) % 2**31)
+def random_batch(rng: random.Random, dtype, heads, kv_heads, head_dim, block_size, seqs, max_new, max_context):
+    """A packed batch: per sequence a random cached context and a random number of new tokens,
+    blocks scattered over the pool in random order."""
+    g = torch.Generator().manual_seed(rng.randrange(2**31))
+    contexts = [rng.randrange(0, max_context + 1) for _ in range(seqs)]
+    news = [rng.randrange(1, max_new + 1) for _ in range(seqs)]
+    needs = [-(-(c + n) // block_size) for c, n in zip(contexts, news)]
+    max_blocks = max(needs)
+    num_blocks = sum(needs) + 3
+    ids = list(range(num_blocks))
+    rng.shuffle(ids)
+    tables = torch.zeros(seqs, max_blocks, dtype=torch.int32)
+    for s, need in enumerate(needs):
+        tables[s, :need] = torch.tensor([ids.pop() for _ in range(need)], dtype=torch.int32)
+    tokens = sum(news)
 
     def rnd(*shape):
         return torch.randn(*shape, generator=g).to(dtype)
 
-    q, k, v = rnd(tokens, heads, head_dim), rnd(tokens, kv_heads, head_dim), rnd(tokens, kv_heads, head_dim)
-    k_cache, v_cache = rnd(cache_len, kv_heads, head_dim), rnd(cache_len, kv_heads, head_dim)
-    k_ref, v_ref = k_cache.clone(), v_cache.clone()
-    scale = head_dim**-0.5
-    got = ops.attention(q, k, v, k_cache, v_cache, start, scale)
-    want = reference.attention(q, k, v, k_ref, v_ref, start, scale)
-    assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref)  # the fused KV write
-    tol = 2e-5 if dtype == torch.float32 else 2e-2
-    torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
+    return dict(
+        q=rnd(tokens, heads, head_dim), k=rnd(tokens, kv_heads, head_dim), v=rnd(tokens, kv_heads, head_dim),
+        k_pool=rnd(num_blocks, block_size, kv_heads, head_dim), v_pool=rnd(num_blocks, block_size, kv_heads, head_dim),
+        block_tables=tables,
+        query_start=torch.tensor([0] + list(torch.tensor(news).cumsum(0)), dtype=torch.int32),
+        context_lens=torch.tensor(contexts, dtype=torch.int32),
+    )
 
 
-def test_attention_chunked_prefill_equals_one_pass(plugin_isas):
-    """Prefill in three chunks then decode gives the same outputs as one pass."""
+SHAPES = [
+    # heads, kv_heads, head_dim, block_size, seqs, max_new, max_context
+    (4, 4, 64, 32, 1, 1, 0),      # the very first token, MHA
+    (9, 3, 64, 32, 5, 40, 100),   # SmolLM2's GQA 3, prefill chunks over cached context
+    (8, 1, 32, 16, 7, 1, 300),    # GQA 8, decode only, many blocks
+    (6, 2, 48, 7, 4, 19, 33),     # odd block size and head_dim, lengths off the block grid
+    (2, 2, 7, 5, 3, 9, 12),       # tiny odd head_dim (the scalar tail only)
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_paged_attention_matches_reference(isa, dtype, shape):
+    rng = random.Random(f"{isa}{dtype}{shape}")
+    for _ in range(3):
+        batch = random_batch(rng, dtype, *shape)
+        ref = {k: v.clone() for k, v in batch.items()}
+        scale = shape[2] ** -0.5
+        got = ops.paged_attention(**batch, scale=scale)
+        want = reference.paged_attention(**ref, scale=scale)
+        assert torch.equal(batch["k_pool"], ref["k_pool"]) and torch.equal(batch["v_pool"], ref["v_pool"])
+        tol = 2e-5 if dtype == torch.float32 else 2e-2
+        torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
+
+
+def test_chunked_prefill_equals_one_pass(plugin_isas):
+    """A prompt prefilled in three chunks, then decoded, matches a single prefill pass."""
     torch.manual_seed(0)
-    total, heads, kv_heads, dim = 23, 6, 3, 32
+    total, heads, kv_heads, dim, bs = 23, 6, 3, 32, 4
     q, k, v = torch.randn(total, heads, dim), torch.randn(total, kv_heads, dim), torch.randn(total, kv_heads, dim)
-    whole = ops.attention(q, k, v, torch.zeros(32, kv_heads, dim), torch.zeros(32, kv_heads, dim), 0, 0.2)
-    kc, vc = torch.zeros(32, kv_heads, dim), torch.zeros(32, kv_heads, dim)
-    parts = [ops.attention(q[a:b], k[a:b], v[a:b], kc, vc, a, 0.2) for a, b in ((0, 9), (9, 10), (10, 23))]
+    table = torch.tensor([[5, 2, 7, 0, 1, 3]], dtype=torch.int32)
+
+    def run(a, b, k_pool, v_pool):
+        qs = torch.tensor([0, b - a], dtype=torch.int32)
+        return ops.paged_attention(q[a:b], k[a:b], v[a:b], k_pool, v_pool, table, qs,
+                                   torch.tensor([a], dtype=torch.int32), 0.2)
+
+    pools = lambda: (torch.zeros(8, bs, kv_heads, dim), torch.zeros(8, bs, kv_heads, dim))  # noqa: E731
+    whole = run(0, total, *pools())
+    kp, vp = pools()
+    parts = [run(a, b, kp, vp) for a, b in ((0, 9), (9, 10), (10, 22), (22, 23))]
     torch.testing.assert_close(torch.cat(parts), whole, rtol=1e-6, atol=1e-6)
 
 
-def test_attention_rejects_overflowing_positions(plugin_isas):
-    q, k = torch.randn(4, 2, 8), torch.randn(4, 2, 8)
-    with pytest.raises(RuntimeError, match="exceed the cache length"):
-        ops.attention(q, k, k, torch.zeros(6, 2, 8), torch.zeros(6, 2, 8), 3, 1.0)
+def test_bad_block_table_is_refused_before_writing(plugin_isas):
+    batch = random_batch(random.Random(1), torch.float32, 2, 2, 8, 4, 2, 3, 5)
+    batch["block_tables"][1, 0] = 10_000
+    before = batch["k_pool"].clone()
+    with pytest.raises(RuntimeError, match="outside the pool"):
+        ops.paged_attention(**batch, scale=1.0)
+    assert torch.equal(batch["k_pool"], before)
 
 
-def test_attention_opcheck(plugin_isas):
-    args = (torch.randn(3, 4, 16), torch.randn(3, 2, 16), torch.randn(3, 2, 16),
-            torch.zeros(8, 2, 16), torch.zeros(8, 2, 16), 2, 0.25)
-    torch.library.opcheck(torch.ops.kiln.attention.default, args)
+def test_positions_beyond_the_table_are_refused(plugin_isas):
+    batch = random_batch(random.Random(2), torch.float32, 2, 2, 8, 4, 1, 3, 5)
+    batch["context_lens"][0] = 100
+    with pytest.raises(RuntimeError, match="beyond its block table"):
+        ops.paged_attention(**batch, scale=1.0)
+
+
+def test_paged_attention_opcheck(plugin_isas):
+    batch = random_batch(random.Random(3), torch.float32, 4, 2, 16, 4, 3, 5, 9)
+    torch.library.opcheck(torch.ops.kiln.paged_attention.default, tuple(batch.values()) + (0.25,))

@@ -2,14 +2,14 @@
 import pytest
 
 from kiln.runtime.detokenizer import IncrementalDetokenizer, decode_delta
-from kiln.runtime.llm import LLM
+from tokenizers import Tokenizer
 
 TEXTS = ["Hello, world! héllo ünïcode", "日本語のテキストと絵文字 🎉🚀 mixed with English", "👩‍👩‍👧 family, 🇫🇷 flag"]
 
 
 @pytest.fixture(scope="module")
 def tokenizer(smollm2_engines):
-    return LLM(smollm2_engines("bfloat16")).tokenizer
+    return Tokenizer.from_file(str(smollm2_engines("bfloat16") / "tokenizer" / "tokenizer.json"))
 
 
 @pytest.mark.parametrize("text", TEXTS)

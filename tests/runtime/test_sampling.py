@@ -8,8 +8,8 @@ from kiln.runtime.sampling import Sampler, SamplingParams
 
 
 @pytest.fixture(scope="module")
-def llm(tiny_engines):
-    return LLM(tiny_engines("llama"))
+def llm(tiny_engines, llm_for):
+    return llm_for(tiny_engines("llama"))
 
 
 PROMPT = [1, 40, 41, 42, 43]

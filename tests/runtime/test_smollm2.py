@@ -28,8 +28,8 @@ def hf():
 
 
 @pytest.fixture(scope="module")
-def llm(smollm2_engines):
-    return LLM(smollm2_engines("float32"))
+def llm(smollm2_engines, llm_for):
+    return llm_for(smollm2_engines("float32"))
 
 
 @pytest.mark.parametrize("prompt", PROMPTS)
@@ -49,10 +49,9 @@ def test_smollm2_logits_match_transformers(hf, llm):
     ids = tokenizer(PROMPTS[2], return_tensors="pt").input_ids
     with torch.no_grad():
         want = model(ids).logits[0]
-    from kiln.runtime.model import KVCache
+    from tests.helpers import forward_logits
 
-    cache = KVCache(llm.engine.spec, 32, torch.float32)
-    got = llm.engine.model.forward(ids[0], 0, cache, all_logits=True)
+    got = forward_logits(llm.engine, ids[0].tolist())
     assert (got - want).abs().max().item() < 2e-4
 
 
@@ -60,6 +59,6 @@ def test_smollm2_tokenizer_splits_digits_like_the_model(llm):
     assert llm.tokenizer.encode("in 2024").tokens == ["in", "Ġ", "2", "0", "2", "4"]
 
 
-def test_smollm2_bfloat16_engine_answers(smollm2_engines):
-    out = LLM(smollm2_engines("bfloat16")).generate("The capital of France is", max_tokens=8)
+def test_smollm2_bfloat16_engine_answers(smollm2_engines, llm_for):
+    out = llm_for(smollm2_engines("bfloat16")).generate("The capital of France is", max_tokens=8)
     assert "Paris" in out.text

@@ -2,8 +2,7 @@
 import pytest
 import torch
 
-from kiln.runtime.llm import LLM
-from kiln.runtime.model import KVCache
+from tests.helpers import forward_logits
 
 ARCHS = ["llama", "mistral", "qwen2"]
 PROMPT = [1, 17, 250, 33, 99, 5, 201, 64, 300, 12, 7, 380, 45]
@@ -15,9 +14,8 @@ def hf_model(folder, dtype):
     return AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).eval()
 
 
-def engine_logits(llm: LLM, ids: list[int]) -> torch.Tensor:
-    cache = KVCache(llm.engine.spec, len(ids) + 1, llm.engine.dtype)
-    return llm.engine.model.forward(torch.tensor(ids), 0, cache, all_logits=True)
+def engine_logits(llm, ids: list[int]) -> torch.Tensor:
+    return forward_logits(llm.engine, ids)
 
 
 def hf_greedy(model, ids: list[int], n: int) -> list[int]:
@@ -27,8 +25,8 @@ def hf_greedy(model, ids: list[int], n: int) -> list[int]:
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_float32_logits_at_every_position(arch, tiny_models, tiny_engines):
-    llm = LLM(tiny_engines(arch))
+def test_float32_logits_at_every_position(arch, tiny_models, tiny_engines, llm_for):
+    llm = llm_for(tiny_engines(arch))
     with torch.no_grad():
         want = hf_model(tiny_models[arch], torch.float32)(torch.tensor([PROMPT])).logits[0]
     got = engine_logits(llm, PROMPT)
@@ -37,21 +35,18 @@ def test_float32_logits_at_every_position(arch, tiny_models, tiny_engines):
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_float32_logits_across_decode_steps(arch, tiny_models, tiny_engines):
+def test_float32_logits_across_decode_steps(arch, tiny_models, tiny_engines, llm_for):
     """Prefill then one token at a time through the cache: same logits as one HF pass."""
-    llm = LLM(tiny_engines(arch))
+    llm = llm_for(tiny_engines(arch))
     with torch.no_grad():
         want = hf_model(tiny_models[arch], torch.float32)(torch.tensor([PROMPT])).logits[0]
-    cache = KVCache(llm.engine.spec, 64, torch.float32)
-    model = llm.engine.model
-    rows = [model.forward(torch.tensor(PROMPT[:5]), 0, cache, all_logits=True)]
-    rows += [model.forward(torch.tensor([t]), i, cache, all_logits=True) for i, t in enumerate(PROMPT[5:], 5)]
-    assert (torch.cat(rows) - want).abs().max().item() < 1e-4
+    got = forward_logits(llm.engine, PROMPT, chunks=[5] + [1] * (len(PROMPT) - 5))
+    assert (got - want).abs().max().item() < 1e-4
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_float32_greedy_32_tokens_identical(arch, tiny_models, tiny_engines):
-    llm = LLM(tiny_engines(arch))
+def test_float32_greedy_32_tokens_identical(arch, tiny_models, tiny_engines, llm_for):
+    llm = llm_for(tiny_engines(arch))
     want = hf_greedy(hf_model(tiny_models[arch], torch.float32), PROMPT, 32)
     got = llm.generate(PROMPT, max_tokens=32, ignore_eos=True).token_ids
     assert got == want
@@ -61,11 +56,11 @@ BF16_LOGIT_BOUND = 0.1  # max |kiln - HF| of bfloat16 logits; HF's own eager vs 
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_bfloat16_logit_bound_and_greedy_tokens(arch, tiny_models, tiny_engines):
+def test_bfloat16_logit_bound_and_greedy_tokens(arch, tiny_models, tiny_engines, llm_for):
     """bf16 rounding makes greedy decoding path-dependent (HF's own cached decode differs from
     its full pass), so: logits within the bound at every position, and greedy tokens identical
     up to the first step where HF's top-2 margin is within twice the bound (a near tie)."""
-    llm = LLM(tiny_engines(arch, "bfloat16"))
+    llm = llm_for(tiny_engines(arch, "bfloat16"))
     model = hf_model(tiny_models[arch], torch.bfloat16)
     want = hf_greedy(model, PROMPT, 32)
     got = llm.generate(PROMPT, max_tokens=32, ignore_eos=True).token_ids

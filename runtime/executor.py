@@ -1,0 +1,223 @@
+"""Executor: the engine loop on a background thread, behind a narrow thread-safe API.
+
+    enqueue(prompt_ids, params) -> request id
+    await_responses(request_id=None, timeout=None) -> [Response]
+    cancel(request_id)
+    stats()
+
+Each step is schedule -> run -> postprocess; a sampled token goes out as a Response at once.
+The model's ops release the GIL, so callers' threads keep running while a step computes.
+Bad requests and a full queue get error responses; the loop keeps serving the others."""
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+
+from kiln.errors import RequestError
+from kiln.runtime.engine import Engine
+from kiln.runtime.kv_cache import KVCacheManager
+from kiln.runtime.model import KVPool
+from kiln.runtime.model_runner import ModelRunner
+from kiln.runtime.options import RuntimeOptions
+from kiln.runtime.sampling import SamplingParams
+from kiln.runtime.scheduler import Scheduler
+from kiln.runtime.sequence import Sequence
+
+log = logging.getLogger("kiln.executor")
+
+FINISH_STOP = "stop"  # an end id was sampled
+FINISH_LENGTH = "length"  # max_tokens reached
+FINISH_CANCELLED = "cancelled"
+FINISH_ERROR = "error"
+
+
+@dataclass
+class Response:
+    request_id: int
+    token_ids: list[int]
+    finished: bool = False
+    finish_reason: str | None = None
+    error: str | None = None
+
+
+class Executor:
+    def __init__(self, engine: Engine, options: RuntimeOptions):
+        self.engine = engine
+        self.limits = engine.limits
+        self.options = options
+        block_size = self.limits.kv_block_size
+        per_block = KVPool.bytes_per_block(engine.spec, block_size, engine.dtype)
+        num_blocks = options.kv_cache_bytes() // per_block
+        needed = -(-self.limits.max_seq_len // block_size)
+        if num_blocks < needed:
+            raise RequestError(
+                f"kv_cache_memory {options.kv_cache_memory!r} holds {num_blocks} blocks of "
+                f"{block_size} tokens, fewer than one max_seq_len ({self.limits.max_seq_len}) "
+                f"sequence needs ({needed}, {needed * per_block} bytes); give it more memory"
+            )
+        self.kv = KVCacheManager(num_blocks, block_size, options.enable_prefix_reuse)
+        self.pool = KVPool(engine.spec, num_blocks, block_size, engine.dtype)
+        self.scheduler = Scheduler(self.kv, self.limits.max_batch_size, self.limits.max_num_tokens,
+                                   options.scheduler)
+        self.runner = ModelRunner(engine.model, self.pool)
+        self._ids = itertools.count(1)
+        self._lock = threading.Condition()
+        self._incoming: deque[Sequence] = deque()
+        self._cancelled: set[int] = set()
+        self._live: dict[int, Sequence] = {}  # enqueued and not finished (executor thread's view)
+        self._responses: dict[int, deque[Response]] = {}
+        self._queued = 0  # requests not yet running
+        self._stopped = False
+        self._counters = {"steps": 0, "tokens_computed": 0, "tokens_generated": 0, "requests_finished": 0}
+        self._thread = threading.Thread(target=self._loop, name="kiln-executor", daemon=True)
+        self._thread.start()
+
+    # --- the API -----------------------------------------------------------------------
+    def check(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        """Raise RequestError if a request can never be served by this engine."""
+        limits = self.limits
+        if not prompt_ids:
+            raise RequestError("the prompt is empty (0 tokens)")
+        if len(prompt_ids) > limits.max_input_len:
+            raise RequestError(f"the prompt has {len(prompt_ids)} tokens, over this engine's "
+                               f"max_input_len {limits.max_input_len}")
+        if len(prompt_ids) + params.max_tokens > limits.max_seq_len:
+            raise RequestError(
+                f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) = "
+                f"{len(prompt_ids) + params.max_tokens}, over this engine's max_seq_len {limits.max_seq_len}")
+        vocab = self.engine.spec.vocab_size
+        bad = [t for t in prompt_ids if not 0 <= t < vocab]
+        if bad:
+            raise RequestError(f"token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+
+    def enqueue(self, prompt_ids: list[int], params: SamplingParams) -> int:
+        request_id = next(self._ids)
+        with self._lock:
+            self._responses[request_id] = deque()
+            try:
+                self.check(prompt_ids, params)
+                if self._queued >= self.options.max_queue_size:
+                    raise RequestError(f"busy: {self._queued} requests are queued (max_queue_size "
+                                       f"{self.options.max_queue_size}); retry later")
+            except RequestError as exc:
+                self._emit(Response(request_id, [], True, FINISH_ERROR, str(exc)))
+                return request_id
+            self._incoming.append(Sequence(request_id, list(prompt_ids), params, self._stop_ids(params)))
+            self._queued += 1
+            self._lock.notify_all()
+        return request_id
+
+    def cancel(self, request_id: int) -> None:
+        with self._lock:
+            self._cancelled.add(request_id)
+            self._lock.notify_all()
+
+    def await_responses(self, request_id: int | None = None, timeout: float | None = None) -> list[Response]:
+        """Responses ready for one request (or for all); waits up to `timeout` for the first.
+        A request's queue is dropped after its final response is taken."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._lock:
+            while True:
+                if request_id is None:
+                    ready = [rid for rid, q in self._responses.items() if q]
+                else:
+                    if request_id not in self._responses:
+                        raise KeyError(f"unknown or already finished request {request_id}")
+                    ready = [request_id] if self._responses[request_id] else []
+                if ready:
+                    out = []
+                    for rid in ready:
+                        queue = self._responses[rid]
+                        out += queue
+                        queue.clear()
+                        if out[-1].finished:
+                            del self._responses[rid]
+                    return out
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    return []
+                self._lock.wait(remaining)
+
+    def stats(self) -> dict:
+        with self._lock:
+            return {**self.kv.stats(), **self._counters, "running": len(self.scheduler.running),
+                    "queued": self._queued, "preemptions": self.scheduler.num_preemptions}
+
+    def shutdown(self) -> None:
+        with self._lock:
+            self._stopped = True
+            self._lock.notify_all()
+        self._thread.join()
+
+    # --- the loop ----------------------------------------------------------------------
+    def _stop_ids(self, params: SamplingParams) -> frozenset[int]:
+        if params.ignore_eos:
+            return frozenset()
+        if params.end_id is not None:
+            return frozenset({params.end_id})
+        return frozenset(self.engine.spec.eos_ids)
+
+    def _emit(self, response: Response) -> None:  # with the lock held
+        self._responses[response.request_id].append(response)
+        self._lock.notify_all()
+
+    def _loop(self) -> None:
+        while True:
+            with self._lock:
+                while not (self._stopped or self._incoming or self._cancelled or self.scheduler.has_work()):
+                    self._lock.wait()
+                if self._stopped:
+                    return
+                for seq in self._incoming:
+                    self.scheduler.add(seq)
+                    self._live[seq.request_id] = seq
+                self._incoming.clear()
+                cancelled, self._cancelled = self._cancelled, set()
+                for request_id in cancelled:
+                    seq = self._live.get(request_id)
+                    if seq is not None:
+                        self._finish(seq, FINISH_CANCELLED)
+            try:
+                self.step()
+            except Exception as exc:  # keep serving: fail what was in flight, not the server
+                log.exception("engine step failed")
+                with self._lock:
+                    for seq in list(self._live.values()):
+                        self._finish(seq, FINISH_ERROR, f"internal error in the engine step: {exc}")
+
+    def step(self) -> None:
+        batch = self.scheduler.schedule()
+        if not batch:
+            return
+        with self._lock:
+            self._queued = len(self._incoming) + len(self.scheduler.waiting)
+        sampled = self.runner.run(batch)
+        with self._lock:
+            self._counters["steps"] += 1
+            for seq, count in batch:
+                seq.num_computed += count
+                self.kv.register_full_blocks(seq)
+                self._counters["tokens_computed"] += count
+            for seq, token in sampled:
+                self._on_token(seq, token)
+
+    def _on_token(self, seq: Sequence, token: int) -> None:  # with the lock held
+        if token in seq.stop_ids:
+            self._finish(seq, FINISH_STOP)
+            return
+        seq.token_ids.append(token)
+        self._counters["tokens_generated"] += 1
+        if seq.num_generated == seq.params.max_tokens:
+            self._finish(seq, FINISH_LENGTH, tokens=[token])
+        else:
+            self._emit(Response(seq.request_id, [token]))
+
+    def _finish(self, seq: Sequence, reason: str, error: str | None = None, tokens: list[int] | None = None) -> None:
+        self.scheduler.finish(seq, reason)
+        del self._live[seq.request_id]
+        self._counters["requests_finished"] += 1
+        self._emit(Response(seq.request_id, tokens or [], True, reason, error))

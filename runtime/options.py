@@ -1,0 +1,52 @@
+"""Run-time options: defaults come from the engine (its build config's `runtime:` section);
+LLM(...) and the Triton model may override them."""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, fields
+
+_BYTES = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(B|KiB|MiB|GiB|TiB|KB|MB|GB|TB)\s*$")
+_UNITS = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40,
+          "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
+
+
+def parse_bytes(text: str) -> int:
+    match = _BYTES.match(text)
+    if not match:
+        raise ValueError(f"expected a size like '2GiB' or '512MiB', got {text!r}")
+    number, unit = match.groups()
+    return int(float(number) * _UNITS[unit])
+
+
+def available_memory() -> int:
+    """MemAvailable from /proc/meminfo (what can be used without swapping)."""
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("cannot read MemAvailable from /proc/meminfo")
+
+
+@dataclass(frozen=True)
+class RuntimeOptions:
+    kv_cache_memory: str | float = "2GiB"  # bytes, or a fraction of available memory
+    scheduler: str = "max_utilization"
+    enable_prefix_reuse: bool = True
+    max_queue_size: int = 256
+
+    def kv_cache_bytes(self) -> int:
+        if isinstance(self.kv_cache_memory, str):
+            return parse_bytes(self.kv_cache_memory)
+        if not 0 < self.kv_cache_memory <= 1:
+            raise ValueError(f"kv_cache_memory fraction must be in (0, 1], got {self.kv_cache_memory}")
+        return int(self.kv_cache_memory * available_memory())
+
+    @classmethod
+    def from_engine(cls, section: dict, **overrides) -> "RuntimeOptions":
+        known = {f.name for f in fields(cls)}
+        unknown = set(overrides) - known
+        if unknown:
+            raise TypeError(f"unknown runtime options {sorted(unknown)}; known: {sorted(known)}")
+        values = {k: v for k, v in section.items() if k in known}
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        return cls(**values)

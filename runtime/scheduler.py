@@ -1,0 +1,94 @@
+"""Scheduler: what runs in the next step.
+
+Every step packs decode tokens of running sequences and prefill chunks of waiting ones into
+one batch, without padding, under max_num_tokens and max_batch_size. Long prompts spread over
+steps (chunked prefill). First come, first served. When the pool runs out of blocks the newest
+running sequence is preempted: its blocks are released and it is recomputed later
+(`max_utilization`); `guaranteed_no_evict` admits a request only when blocks for its whole
+length (prompt + max_tokens) are left over for it, so nothing is ever preempted."""
+from __future__ import annotations
+
+from collections import deque
+
+from kiln.runtime.kv_cache import KVCacheManager
+from kiln.runtime.sequence import Sequence, Status
+
+POLICIES = ("max_utilization", "guaranteed_no_evict")
+
+
+class Scheduler:
+    def __init__(self, kv: KVCacheManager, max_batch_size: int, max_num_tokens: int,
+                 policy: str = "max_utilization"):
+        if policy not in POLICIES:
+            raise ValueError(f"scheduler policy {policy!r} is not one of {POLICIES}")
+        self.kv = kv
+        self.max_batch_size = max_batch_size
+        self.max_num_tokens = max_num_tokens
+        self.policy = policy
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # oldest first
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> list[tuple[Sequence, int]]:
+        """[(sequence, number of its tokens to compute this step)]."""
+        batch: list[tuple[Sequence, int]] = []
+        budget = self.max_num_tokens
+        for seq in list(self.running):
+            if budget == 0:
+                break
+            if seq.status is not Status.RUNNING:  # preempted earlier in this loop
+                continue
+            count = min(seq.remaining, budget)
+            while not self.kv.allocate(seq, seq.num_computed + count):
+                victim = self.running[-1]
+                self.preempt(victim)
+                if victim is seq:
+                    break
+            if seq.status is Status.RUNNING:
+                batch.append((seq, count))
+                budget -= count
+        while self.waiting and budget > 0 and len(self.running) < self.max_batch_size:
+            seq = self.waiting[0]
+            if not seq.block_table:
+                self.kv.match_prefix(seq)
+            count = min(seq.remaining, budget)
+            if not self._admissible(seq) or not self.kv.allocate(seq, seq.num_computed + count):
+                self.kv.release(seq)  # don't sit on matched blocks while waiting
+                break
+            self.waiting.popleft()
+            seq.status = Status.RUNNING
+            self.running.append(seq)
+            batch.append((seq, count))
+            budget -= count
+        return batch
+
+    def _admissible(self, seq: Sequence) -> bool:
+        if self.policy != "guaranteed_no_evict":
+            return True
+        kv = self.kv
+        reserved = sum(max(kv.blocks_for(s.max_total_len) - len(s.block_table), 0) for s in self.running)
+        needed = kv.blocks_for(seq.max_total_len) - len(seq.block_table)
+        return needed <= kv.num_free_blocks - reserved
+
+    def preempt(self, seq: Sequence) -> None:
+        """Release its blocks and queue it first in line, to be recomputed from its tokens."""
+        self.kv.release(seq)
+        self.running.remove(seq)
+        seq.status = Status.WAITING
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        self.kv.release(seq)
+        if seq.status is Status.RUNNING:
+            self.running.remove(seq)
+        else:
+            self.waiting.remove(seq)
+        seq.status = Status.FINISHED
+        seq.finish_reason = reason
