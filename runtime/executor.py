@@ -17,7 +17,7 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
-from kiln.errors import RequestError
+from kiln.errors import ConfigError, RequestError
 from kiln.runtime.engine import Engine
 from kiln.runtime.kv_cache import KVCacheManager
 from kiln.runtime.model import KVPool
@@ -54,8 +54,8 @@ class Executor:
         num_blocks = options.kv_cache_bytes() // per_block
         needed = -(-self.limits.max_seq_len // block_size)
         if num_blocks < needed:
-            raise RequestError(
-                f"kv_cache_memory {options.kv_cache_memory!r} holds {num_blocks} blocks of "
+            raise ConfigError(
+                f"runtime.kv_cache_memory {options.kv_cache_memory!r} holds {num_blocks} blocks of "
                 f"{block_size} tokens, fewer than one max_seq_len ({self.limits.max_seq_len}) "
                 f"sequence needs ({needed}, {needed * per_block} bytes); give it more memory"
             )

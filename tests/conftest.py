@@ -32,7 +32,7 @@ def smollm2_engines(tmp_path_factory):
     def get(dtype: str):
         if dtype not in built:
             built[dtype] = build_engine(root / dtype, SMOLLM2_CHECKPOINT, dtype, max_input_len=512,
-                                        max_seq_len=1024)
+                                        max_seq_len=1024, max_batch_size=16)
         return built[dtype]
 
     return get
@@ -84,3 +84,12 @@ def llm_for():
     yield get
     for llm in opened.values():
         llm.close()
+
+
+@pytest.fixture(scope="session")
+def batch_engine(tiny_models, tmp_path_factory):
+    """Tiny float32 Llama built for batching tests: 64 sequences a step, 256 tokens a step
+    (long prompts are chunked), blocks of 16 tokens."""
+    return build_engine(tmp_path_factory.mktemp("batch_engine"), tiny_models["llama"], "float32",
+                        max_batch_size=64, max_num_tokens=256, max_input_len=256, max_seq_len=512,
+                        kv_block_size=16)

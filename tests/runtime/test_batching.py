@@ -1,0 +1,168 @@
+"""In-flight batching: many requests at once give exactly what each gives alone, under
+preemption, cancellation and prefix reuse, and leave the pool empty."""
+import random
+import threading
+
+import pytest
+
+from kiln.errors import RequestError
+from kiln.runtime.sampling import SamplingParams
+
+MAX_INPUT = 256
+
+
+def random_requests(seed: int, count: int, vocab: int = 384):
+    rng = random.Random(seed)
+    requests = []
+    for _ in range(count):
+        length = rng.choice([1, 2, 15, 16, 17, rng.randint(1, MAX_INPUT)])
+        prompt = [rng.randrange(3, vocab) for _ in range(length)]
+        requests.append((prompt, rng.randint(1, 40)))
+    return requests
+
+
+def run_alone(llm, requests):
+    return [llm.generate(prompt, max_tokens=n).token_ids for prompt, n in requests]
+
+
+def run_together(llm, requests):
+    """Start every stream before reading any, so all are in the executor at once."""
+    streams = [llm.stream(prompt, max_tokens=n) for prompt, n in requests]
+    return [[t for chunk in stream for t in chunk.token_ids] for stream in streams]
+
+
+def assert_pool_empty(llm):
+    stats = llm.stats()
+    assert stats["blocks_free"] == stats["blocks_total"], stats
+    assert stats["running"] == 0 and stats["queued"] == 0
+    assert all(block.ref_count == 0 for block in llm.executor.kv.blocks)
+
+
+@pytest.fixture(scope="module")
+def alone(batch_engine, llm_for):
+    llm = llm_for(batch_engine, enable_prefix_reuse=False)
+    requests = random_requests(0, 64)
+    return requests, run_alone(llm, requests)
+
+
+def test_64_concurrent_requests_equal_each_alone(batch_engine, llm_for, alone):
+    requests, expected = alone
+    llm = llm_for(batch_engine)
+    before = llm.stats()["steps"]
+    assert run_together(llm, requests) == expected
+    stats = llm.stats()
+    # batched: far fewer steps than the requests' tokens would take one at a time
+    assert stats["steps"] - before < sum(n for _, n in requests) / 4
+    assert_pool_empty(llm)
+
+
+@pytest.mark.parametrize("policy", ["max_utilization", "guaranteed_no_evict"])
+def test_small_pool_preempts_and_outputs_are_unchanged(batch_engine, llm_for, alone, policy):
+    requests, expected = alone
+    # 40 blocks of 16 tokens: room for a max_seq_len sequence and little more
+    llm = llm_for(batch_engine, kv_cache_memory="320KiB", scheduler=policy, enable_prefix_reuse=False)
+    assert llm.stats()["blocks_total"] == 40
+    assert run_together(llm, requests[:24]) == expected[:24]
+    stats = llm.stats()
+    if policy == "max_utilization":
+        assert stats["preemptions"] > 0
+    else:
+        assert stats["preemptions"] == 0
+    assert_pool_empty(llm)
+
+
+def test_cancelling_half_mid_stream_frees_their_blocks(batch_engine, llm_for, alone):
+    requests, expected = alone
+    llm = llm_for(batch_engine)
+    long_ones = [(p, 40) for p, _ in requests[:16]]
+    want = run_alone(llm, long_ones)
+    streams = [llm.stream(p, max_tokens=n, ignore_eos=True) for p, n in long_ones]
+    firsts = [next(s) for s in streams]  # every request is running now
+    for stream in streams[::2]:
+        stream.close()  # cancels the request
+    for i in range(1, 16, 2):
+        tokens = firsts[i].token_ids + [t for chunk in streams[i] for t in chunk.token_ids]
+        assert len(tokens) == 40
+        if want[i] and len(want[i]) == 40:  # the same as alone unless alone stopped at an end id
+            assert tokens == want[i]
+    assert llm.stats()["requests_finished"] >= 16
+    assert_pool_empty(llm)
+
+
+def test_shared_prefix_reuses_blocks_with_identical_output(batch_engine, llm_for):
+    rng = random.Random(5)
+    prefix = [rng.randrange(3, 384) for _ in range(200)]
+    requests = [(prefix + [rng.randrange(3, 384) for _ in range(rng.randint(1, 30))], 20) for _ in range(12)]
+    without = llm_for(batch_engine, enable_prefix_reuse=False)
+    expected = run_together(without, requests)
+    with_reuse = llm_for(batch_engine, enable_prefix_reuse=True, max_queue_size=255)
+    with_reuse.generate(requests[0][0], max_tokens=1)  # puts the prefix's blocks in the cache
+    assert run_together(with_reuse, requests) == expected
+    stats = with_reuse.stats()
+    assert stats["prefix_hit_rate"] > 0.5 and stats["blocks_reused"] >= 12 * (200 // 16)
+    assert without.stats()["blocks_reused"] == 0
+    assert_pool_empty(with_reuse)
+
+
+def test_full_queue_answers_busy_and_keeps_serving(batch_engine, llm_for):
+    llm = llm_for(batch_engine, max_queue_size=2)
+    executor = llm.executor
+    ids = [executor.enqueue([5, 6, 7], SamplingParams(max_tokens=30)) for _ in range(40)]
+    errors, finished = [], 0
+    for request_id in ids:
+        done = False
+        while not done:
+            for response in executor.await_responses(request_id, timeout=60):
+                done = response.finished
+                if response.error:
+                    errors.append(response.error)
+                elif done:
+                    finished += 1
+    assert errors and all(e.startswith("busy") for e in errors)
+    assert finished >= 2 and finished + len(errors) == 40
+    assert llm.generate([5, 6, 7], max_tokens=3).token_ids  # still serving
+    assert_pool_empty(llm)
+
+
+def test_requests_over_the_limits_get_error_responses(batch_engine, llm_for):
+    llm = llm_for(batch_engine)
+    executor = llm.executor
+    bad = executor.enqueue([1] * (MAX_INPUT + 1), SamplingParams(max_tokens=1))
+    (response,) = executor.await_responses(bad, timeout=10)
+    assert response.finished and "max_input_len 256" in response.error
+    with pytest.raises(RequestError, match="max_seq_len 512"):
+        llm.generate([1] * 200, max_tokens=400)
+
+
+def test_threads_share_the_executor(batch_engine, llm_for, alone):
+    """Callers on many threads at once (as a server has) get their own answers."""
+    requests, expected = alone
+    llm = llm_for(batch_engine)
+    results = [None] * 16
+
+    def worker(i):
+        prompt, n = requests[i]
+        results[i] = llm.generate(prompt, max_tokens=n).token_ids
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(16)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert results == expected[:16]
+
+
+def test_pool_too_small_for_one_sequence_is_refused(batch_engine):
+    from kiln.errors import ConfigError
+    from kiln.runtime.llm import LLM
+
+    with pytest.raises(ConfigError, match=r"runtime.kv_cache_memory '64KiB' holds 8 blocks .* needs \(32"):
+        LLM(batch_engine, kv_cache_memory="64KiB")
+
+
+def test_pool_sized_from_a_fraction_of_free_memory(batch_engine, llm_for):
+    from kiln.runtime.options import available_memory
+
+    llm = llm_for(batch_engine, kv_cache_memory=0.001)
+    expected = int(0.001 * available_memory()) // 8192
+    assert abs(llm.stats()["blocks_total"] - expected) <= expected * 0.2 + 8
