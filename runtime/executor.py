@@ -144,8 +144,11 @@ class Executor:
 
     def stats(self) -> dict:
         with self._lock:
-            return {**self.kv.stats(), **self._counters, "running": len(self.scheduler.running),
-                    "queued": self._queued, "preemptions": self.scheduler.num_preemptions}
+            running = list(self.scheduler.running)
+            return {**self.kv.stats(), **self._counters, "running": len(running),
+                    "tokens_cached": sum(s.num_computed for s in running), "queued": self._queued,
+                    "preemptions": self.scheduler.num_preemptions,
+                    "kv_bytes_per_token": self.pool.storage.nbytes // (self.kv.num_blocks * self.kv.block_size)}
 
     def shutdown(self) -> None:
         with self._lock:
