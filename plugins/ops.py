@@ -43,9 +43,18 @@ def _register_fakes() -> None:
     def _rms_norm_fake(x, weight, eps):
         return torch.empty_like(x, memory_format=torch.contiguous_format)
 
+    @torch.library.register_fake("kiln::add_rms_norm")
+    def _add_rms_norm_fake(residual, x, weight, eps):
+        return torch.empty_like(residual, memory_format=torch.contiguous_format)
+
+    @torch.library.register_fake("kiln::silu_mul")
+    def _silu_mul_fake(gate_up):
+        return gate_up.new_empty((*gate_up.shape[:-1], gate_up.shape[-1] // 2))
+
     @torch.library.register_fake("kiln::paged_attention")
-    def _paged_attention_fake(q, k, v, k_pool, v_pool, block_tables, query_start, context_lens, scale):
-        return torch.empty_like(q, memory_format=torch.contiguous_format)
+    def _paged_attention_fake(qkv, k_pool, v_pool, block_tables, query_start, context_lens, cos, sin,
+                              heads, scale):
+        return qkv.new_empty((qkv.shape[0], heads * k_pool.shape[3]))
 
 
 def select_isa(isa: str) -> str:
@@ -57,8 +66,20 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return torch.ops.kiln.rms_norm(x, weight, eps)
 
 
-def paged_attention(q, k, v, k_pool, v_pool, block_tables, query_start, context_lens, scale: float):
-    """Write the new tokens' k/v into their pool slots, then causal GQA attention of each new
-    token over its sequence's blocks (see csrc/attention.h for the layout)."""
-    return torch.ops.kiln.paged_attention(q, k, v, k_pool, v_pool, block_tables, query_start,
-                                          context_lens, scale)
+def add_rms_norm(residual: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """residual += x (in place), then rms_norm(residual)."""
+    return torch.ops.kiln.add_rms_norm(residual, x, weight, eps)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up over the fused [.., 2n] gate/up projection."""
+    return torch.ops.kiln.silu_mul(gate_up)
+
+
+def paged_attention(qkv, k_pool, v_pool, block_tables, query_start, context_lens, cos, sin, heads: int,
+                    scale: float) -> torch.Tensor:
+    """Rotary embedding, the KV write into the pool, and causal GQA attention over each
+    sequence's blocks, from the fused QKV projection; [tokens, heads * head_dim]
+    (see csrc/attention.h for the layout)."""
+    return torch.ops.kiln.paged_attention(qkv, k_pool, v_pool, block_tables, query_start, context_lens,
+                                          cos, sin, heads, scale)

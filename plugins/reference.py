@@ -9,24 +9,47 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * normed.to(x.dtype)
 
 
-def paged_attention(q, k, v, k_pool, v_pool, block_tables, query_start, context_lens, scale):
-    """Reference for kiln::paged_attention: gather each sequence's cache into a dense tensor,
-    write the new k/v, then plain causal softmax attention in fp32."""
-    heads, kv_heads = q.shape[1], k.shape[1]
+def add_rms_norm(residual, x, weight, eps):
+    residual.copy_(residual + x)
+    return rms_norm(residual, weight, eps)
+
+
+def silu_mul(gate_up):
+    gate, up = gate_up.chunk(2, dim=-1)
+    return torch.nn.functional.silu(gate) * up
+
+
+def rope(x, cos, sin):
+    """x: [tokens, heads, dim]; cos/sin: [tokens, dim] (rotate-half, as Hugging Face's Llama)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos[:, None, :] + rotated * sin[:, None, :]
+
+
+def paged_attention(qkv, k_pool, v_pool, block_tables, query_start, context_lens, cos, sin, heads, scale):
+    """Reference for kiln::paged_attention: split the fused projection, apply rotary embedding,
+    write the new k/v into the pool, gather each sequence's context densely, then plain causal
+    softmax attention in fp32."""
+    kv_heads, head_dim = k_pool.shape[2], k_pool.shape[3]
     block_size = k_pool.shape[1]
-    out = torch.empty_like(q)
+    tokens = qkv.shape[0]
+    q, k, v = qkv.split((heads * head_dim, kv_heads * head_dim, kv_heads * head_dim), dim=-1)
+    q, k, v = (t.reshape(tokens, -1, head_dim) for t in (q, k, v))
+    out = torch.empty(tokens, heads, head_dim, dtype=qkv.dtype)
     for s in range(context_lens.shape[0]):
         first, last = int(query_start[s]), int(query_start[s + 1])
         start, count = int(context_lens[s]), last - first
         positions = torch.arange(start, start + count)
+        qs = rope(q[first:last], cos[positions], sin[positions])
+        ks = rope(k[first:last], cos[positions], sin[positions])
         blocks = block_tables[s, positions // block_size].long()
-        k_pool[blocks, positions % block_size] = k[first:last]
+        k_pool[blocks, positions % block_size] = ks
         v_pool[blocks, positions % block_size] = v[first:last]
         context = torch.arange(start + count)
         ctx_blocks = block_tables[s, context // block_size].long()
         keys = k_pool[ctx_blocks, context % block_size].float().repeat_interleave(heads // kv_heads, 1)
         values = v_pool[ctx_blocks, context % block_size].float().repeat_interleave(heads // kv_heads, 1)
-        scores = torch.einsum("thd,shd->hts", q[first:last].float(), keys) * scale
+        scores = torch.einsum("thd,shd->hts", qs.float(), keys) * scale
         scores = scores.masked_fill(context[None, None, :] > positions[None, :, None], float("-inf"))
-        out[first:last] = torch.einsum("hts,shd->thd", scores.softmax(-1), values).to(q.dtype)
-    return out
+        out[first:last] = torch.einsum("hts,shd->thd", scores.softmax(-1), values).to(qkv.dtype)
+    return out.reshape(tokens, heads * head_dim)

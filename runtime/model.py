@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from kiln import constants as names
 from kiln.plugins import ops
-from kiln.runtime.rope import apply_rope, cos_sin_tables
+from kiln.runtime.rope import cos_sin_tables
 from kiln.runtime.spec import ModelSpec
 
 
@@ -98,24 +98,22 @@ class LlamaModel:
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, ctx: StepContext, pool: KVPool) -> torch.Tensor:
-        """Run a packed batch of tokens (1-D); float32 logits [len(ctx.logits_rows), vocab]."""
+        """Run a packed batch of tokens (1-D); float32 logits [len(ctx.logits_rows), vocab].
+
+        Per layer: 4 GEMMs (PyTorch) and 3 plugin ops: the residual add fused into RMSNorm,
+        rotary embedding + KV write + attention in one, SwiGLU in one."""
         spec = self.spec
-        count = tokens.shape[0]
-        cos, sin = self.cos[ctx.positions], self.sin[ctx.positions]
         eps = spec.norm_eps
         h = F.embedding(tokens, self.embed)
+        x = ops.rms_norm(h, self.layers[0].input_norm, eps)
         for index, layer in enumerate(self.layers):
-            x = ops.rms_norm(h, layer.input_norm, eps)
             qkv = F.linear(x, layer.qkv, layer.qkv_bias)
-            q, k, v = qkv.split((spec.q_size, spec.kv_size, spec.kv_size), dim=-1)
-            q = apply_rope(q.view(count, spec.num_heads, spec.head_dim), cos, sin)
-            k = apply_rope(k.view(count, spec.num_kv_heads, spec.head_dim), cos, sin)
-            v = v.reshape(count, spec.num_kv_heads, spec.head_dim)
-            attn = ops.paged_attention(q, k, v, pool.keys[index], pool.values[index], ctx.block_tables,
-                                       ctx.query_start, ctx.context_lens, self.scale)
-            h = h + F.linear(attn.view(count, spec.q_size), layer.out)
-            x = ops.rms_norm(h, layer.post_attention_norm, eps)
-            gate, up = F.linear(x, layer.gate_up).chunk(2, dim=-1)
-            h = h + F.linear(F.silu(gate) * up, layer.down)
-        h = ops.rms_norm(h[ctx.logits_rows], self.final_norm, eps)
-        return F.linear(h, self.lm_head).float()
+            attn = ops.paged_attention(qkv, pool.keys[index], pool.values[index], ctx.block_tables,
+                                       ctx.query_start, ctx.context_lens, self.cos, self.sin,
+                                       spec.num_heads, self.scale)
+            x = ops.add_rms_norm(h, F.linear(attn, layer.out), layer.post_attention_norm, eps)
+            down = F.linear(ops.silu_mul(F.linear(x, layer.gate_up)), layer.down)
+            following = self.layers[index + 1].input_norm if index + 1 < len(self.layers) else self.final_norm
+            x = ops.add_rms_norm(h, down, following, eps)
+        # x is the final norm of every row; logits only for the rows that sample
+        return F.linear(x[ctx.logits_rows], self.lm_head).float()

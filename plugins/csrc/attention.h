@@ -6,14 +6,28 @@
 // of blocks [num_blocks, block_size, kv_heads, head_dim]; block_tables[s][i] is the pool
 // block holding the sequence's positions [i * block_size, (i + 1) * block_size).
 //
-// First every new token's k/v is written to its slot, then each (token, head) attends
+// The input is the fused QKV projection [tokens, (heads + 2 kv_heads) * head_dim]. Rotary
+// embedding (rotate-half convention, cos/sin tables [positions, head_dim] in the model dtype)
+// is applied inside, rounded step by step as Hugging Face's apply_rotary_pos_emb rounds it.
+// First every new token's rotated k and its v are written to their slot, then each (token, head) attends
 // causally to positions [0, its own] of its sequence: one pass over the blocks with an online
 // softmax in fp32, rescaled once per block. Grouped-query attention: head h reads kv head
 // h / (heads / kv_heads).
 // Included per ISA inside kiln::<isa> after vec.h.
 
+// x * cos + rotate_half(x) * sin for one head vector, into fp32 (values rounded to T).
 template <typename T>
-void paged_attention_impl(const T* q, const T* k, const T* v, T* k_pool, T* v_pool, T* out,
+inline void rope_into(float* dst, const T* x, const T* cos, const T* sin, int64_t head_dim) {
+  const int64_t half = head_dim / 2;
+  for (int64_t d = 0; d < head_dim; ++d) {
+    const float rotated = d < half ? -to_f32(x[d + half]) : to_f32(x[d - half]);
+    dst[d] = round_as<T>(round_as<T>(to_f32(x[d]) * to_f32(cos[d])) +
+                         round_as<T>(rotated * to_f32(sin[d])));
+  }
+}
+
+template <typename T>
+void paged_attention_impl(const T* qkv, const T* cos, const T* sin, T* k_pool, T* v_pool, T* out,
                           const int32_t* block_tables, const int32_t* query_start,
                           const int32_t* context_lens, const int32_t* token_seq,
                           const PagedShape& shape, float scale) {
@@ -28,11 +42,20 @@ void paged_attention_impl(const T* q, const T* k, const T* v, T* k_pool, T* v_po
     return block_tables[seq * shape.max_blocks + position / bs] * block_stride + (position % bs) * row;
   };
 
-  at::parallel_for(0, shape.tokens, 64, [&](int64_t begin, int64_t end) {
+  const int64_t qkv_row = (shape.heads + 2 * shape.kv_heads) * head_dim;
+  const int64_t q_size = shape.heads * head_dim;
+  at::parallel_for(0, shape.tokens, 16, [&](int64_t begin, int64_t end) {
+    std::vector<float> rotated(head_dim);
     for (int64_t t = begin; t < end; ++t) {
-      const int64_t slot = slot_of(token_seq[t], position_of(t));
-      std::memcpy(k_pool + slot, k + t * row, sizeof(T) * row);
-      std::memcpy(v_pool + slot, v + t * row, sizeof(T) * row);
+      const int64_t position = position_of(t);
+      const int64_t slot = slot_of(token_seq[t], position);
+      const T* k = qkv + t * qkv_row + q_size;
+      for (int64_t g = 0; g < shape.kv_heads; ++g) {
+        rope_into(rotated.data(), k + g * head_dim, cos + position * head_dim, sin + position * head_dim,
+                  head_dim);
+        for (int64_t d = 0; d < head_dim; ++d) store_as(k_pool + slot + g * head_dim + d, rotated[d]);
+      }
+      std::memcpy(v_pool + slot, k + row, sizeof(T) * row);
     }
   });
 
@@ -43,11 +66,13 @@ void paged_attention_impl(const T* q, const T* k, const T* v, T* k_pool, T* v_po
       const int64_t t = item / shape.heads, h = item % shape.heads, g = h / group;
       const int64_t s = token_seq[t];
       const int32_t* table = block_tables + s * shape.max_blocks;
-      const T* qrow = q + (t * shape.heads + h) * head_dim;
-      for (int64_t d = 0; d < head_dim; ++d) qf[d] = to_f32(qrow[d]) * scale;
+      const int64_t position = position_of(t);
+      rope_into(qf.data(), qkv + t * qkv_row + h * head_dim, cos + position * head_dim,
+                sin + position * head_dim, head_dim);
+      for (int64_t d = 0; d < head_dim; ++d) qf[d] *= scale;
       std::fill(acc.begin(), acc.end(), 0.f);
       float running_max = -std::numeric_limits<float>::infinity(), denom = 0.f;
-      const int64_t context = position_of(t) + 1;
+      const int64_t context = position + 1;
       for (int64_t first = 0, b = 0; first < context; first += bs, ++b) {
         const int64_t n = std::min(bs, context - first);
         const T* kblock = k_pool + table[b] * block_stride + g * head_dim;
@@ -76,13 +101,13 @@ void paged_attention_impl(const T* q, const T* k, const T* v, T* k_pool, T* v_po
   });
 }
 
-void paged_attention_f32(const float* q, const float* k, const float* v, float* kp, float* vp,
+void paged_attention_f32(const float* qkv, const float* cos, const float* sin, float* kp, float* vp,
                          float* out, const int32_t* bt, const int32_t* qs, const int32_t* cl,
                          const int32_t* ts, const PagedShape& shape, float scale) {
-  paged_attention_impl<float>(q, k, v, kp, vp, out, bt, qs, cl, ts, shape, scale);
+  paged_attention_impl<float>(qkv, cos, sin, kp, vp, out, bt, qs, cl, ts, shape, scale);
 }
-void paged_attention_bf16(const bf16* q, const bf16* k, const bf16* v, bf16* kp, bf16* vp,
+void paged_attention_bf16(const bf16* qkv, const bf16* cos, const bf16* sin, bf16* kp, bf16* vp,
                           bf16* out, const int32_t* bt, const int32_t* qs, const int32_t* cl,
                           const int32_t* ts, const PagedShape& shape, float scale) {
-  paged_attention_impl<bf16>(q, k, v, kp, vp, out, bt, qs, cl, ts, shape, scale);
+  paged_attention_impl<bf16>(qkv, cos, sin, kp, vp, out, bt, qs, cl, ts, shape, scale);
 }

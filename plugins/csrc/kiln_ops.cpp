@@ -60,6 +60,10 @@ struct Kernels {
   std::string isa;
   void (*rms_norm_f32)(const float*, const float*, float*, int64_t, int64_t, float);
   void (*rms_norm_bf16)(const bf16*, const bf16*, bf16*, int64_t, int64_t, float);
+  void (*add_rms_norm_f32)(float*, const float*, const float*, float*, int64_t, int64_t, float);
+  void (*add_rms_norm_bf16)(bf16*, const bf16*, const bf16*, bf16*, int64_t, int64_t, float);
+  void (*silu_mul_f32)(const float*, float*, int64_t, int64_t);
+  void (*silu_mul_bf16)(const bf16*, bf16*, int64_t, int64_t);
   void (*paged_attention_f32)(const float*, const float*, const float*, float*, float*, float*,
                               const int32_t*, const int32_t*, const int32_t*, const int32_t*,
                               const PagedShape&, float);
@@ -70,7 +74,8 @@ struct Kernels {
 
 #define KILN_KERNELS(ns)                                                              \
   Kernels {                                                                           \
-    #ns, ns::rms_norm_f32, ns::rms_norm_bf16, ns::paged_attention_f32, ns::paged_attention_bf16 \
+    #ns, ns::rms_norm_f32, ns::rms_norm_bf16, ns::add_rms_norm_f32, ns::add_rms_norm_bf16,      \
+        ns::silu_mul_f32, ns::silu_mul_bf16, ns::paged_attention_f32, ns::paged_attention_bf16   \
   }
 
 static bool host_supports(const std::string& isa) {
@@ -130,37 +135,82 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   return out;
 }
 
+at::Tensor add_rms_norm(at::Tensor& residual, const at::Tensor& x, const at::Tensor& weight,
+                        double eps) {
+  check_float_or_bf16(residual, "residual");
+  TORCH_CHECK(residual.is_contiguous() && residual.sizes() == x.sizes() &&
+                  x.scalar_type() == residual.scalar_type() && weight.scalar_type() == x.scalar_type(),
+              "kiln::add_rms_norm: residual must be contiguous and match x (", residual.sizes(), " vs ",
+              x.sizes(), ") and weight in dtype");
+  const int64_t n = x.size(-1);
+  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == n, "kiln::add_rms_norm: weight shape ",
+              weight.sizes(), " does not match last dim ", n);
+  auto xc = x.contiguous();
+  auto wc = weight.contiguous();
+  auto out = at::empty_like(residual);
+  const int64_t rows = n == 0 ? 0 : xc.numel() / n;
+  if (x.scalar_type() == at::kFloat)
+    active().add_rms_norm_f32(residual.data_ptr<float>(), xc.data_ptr<float>(), wc.data_ptr<float>(),
+                              out.data_ptr<float>(), rows, n, static_cast<float>(eps));
+  else
+    active().add_rms_norm_bf16(reinterpret_cast<bf16*>(residual.data_ptr()),
+                               reinterpret_cast<const bf16*>(xc.data_ptr()),
+                               reinterpret_cast<const bf16*>(wc.data_ptr()),
+                               reinterpret_cast<bf16*>(out.data_ptr()), rows, n, static_cast<float>(eps));
+  return out;
+}
+
+at::Tensor silu_mul(const at::Tensor& gate_up) {
+  check_float_or_bf16(gate_up, "gate_up");
+  TORCH_CHECK(gate_up.dim() >= 1 && gate_up.size(-1) % 2 == 0, "kiln::silu_mul: last dim ",
+              gate_up.size(-1), " of gate_up must be even (gate, then up)");
+  auto gu = gate_up.contiguous();
+  const int64_t n = gu.size(-1) / 2;
+  auto sizes = gu.sizes().vec();
+  sizes.back() = n;
+  auto out = at::empty(sizes, gu.options());
+  const int64_t rows = n == 0 ? 0 : gu.numel() / (2 * n);
+  if (gu.scalar_type() == at::kFloat)
+    active().silu_mul_f32(gu.data_ptr<float>(), out.data_ptr<float>(), rows, n);
+  else
+    active().silu_mul_bf16(reinterpret_cast<const bf16*>(gu.data_ptr()), reinterpret_cast<bf16*>(out.data_ptr()),
+                           rows, n);
+  return out;
+}
+
 static void check_int32_vector(const at::Tensor& t, const char* name, int64_t dims) {
   TORCH_CHECK(t.scalar_type() == at::kInt && t.dim() == dims && t.is_contiguous() && t.device().is_cpu(),
               "kiln::paged_attention: ", name, " must be a contiguous int32 CPU tensor with ", dims,
               " dims, got ", t.scalar_type(), " ", t.sizes());
 }
 
-at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                           at::Tensor& k_pool, at::Tensor& v_pool, const at::Tensor& block_tables,
-                           const at::Tensor& query_start, const at::Tensor& context_lens,
-                           double scale) {
-  check_float_or_bf16(q, "q");
-  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3,
-              "kiln::paged_attention: q, k, v must be [tokens, heads, head_dim]");
+at::Tensor paged_attention(const at::Tensor& qkv, at::Tensor& k_pool, at::Tensor& v_pool,
+                           const at::Tensor& block_tables, const at::Tensor& query_start,
+                           const at::Tensor& context_lens, const at::Tensor& cos, const at::Tensor& sin,
+                           int64_t heads, double scale) {
+  check_float_or_bf16(qkv, "qkv");
   TORCH_CHECK(k_pool.dim() == 4 && k_pool.is_contiguous() && v_pool.is_contiguous() &&
                   v_pool.sizes() == k_pool.sizes(),
               "kiln::paged_attention: pools must be contiguous [blocks, block_size, kv_heads, head_dim]");
-  for (const auto& [t, name] : {std::pair<const at::Tensor&, const char*>{k, "k"}, {v, "v"},
-                                 {k_pool, "k_pool"}, {v_pool, "v_pool"}})
-    TORCH_CHECK(t.scalar_type() == q.scalar_type(), "kiln::paged_attention: ", name, " dtype ",
-                t.scalar_type(), " differs from q dtype ", q.scalar_type());
+  for (const auto& [t, name] : {std::pair<const at::Tensor&, const char*>{k_pool, "k_pool"},
+                                 {v_pool, "v_pool"}, {cos, "cos"}, {sin, "sin"}})
+    TORCH_CHECK(t.scalar_type() == qkv.scalar_type(), "kiln::paged_attention: ", name, " dtype ",
+                t.scalar_type(), " differs from qkv dtype ", qkv.scalar_type());
   check_int32_vector(block_tables, "block_tables", 2);
   check_int32_vector(query_start, "query_start", 1);
   check_int32_vector(context_lens, "context_lens", 1);
-  PagedShape shape{q.size(0), context_lens.size(0), q.size(1), k.size(1), q.size(2),
-                   k_pool.size(1), block_tables.size(1)};
-  TORCH_CHECK(k.size(0) == shape.tokens && v.sizes() == k.sizes() && k.size(2) == shape.head_dim,
-              "kiln::paged_attention: k/v shape ", k.sizes(), " does not fit q ", q.sizes());
-  TORCH_CHECK(shape.kv_heads > 0 && shape.heads % shape.kv_heads == 0, "kiln::paged_attention: heads ",
-              shape.heads, " not a multiple of kv_heads ", shape.kv_heads);
-  TORCH_CHECK(k_pool.size(2) == shape.kv_heads && k_pool.size(3) == shape.head_dim,
-              "kiln::paged_attention: pool shape ", k_pool.sizes(), " does not fit k ", k.sizes());
+  const int64_t kv_heads = k_pool.size(2), head_dim = k_pool.size(3);
+  PagedShape shape{qkv.size(0), context_lens.size(0), heads, kv_heads, head_dim, k_pool.size(1),
+                   block_tables.size(1)};
+  TORCH_CHECK(qkv.dim() == 2 && qkv.size(1) == (heads + 2 * kv_heads) * head_dim,
+              "kiln::paged_attention: qkv ", qkv.sizes(), " is not [tokens, (", heads, " + 2 x ",
+              kv_heads, ") x ", head_dim, "]");
+  TORCH_CHECK(heads > 0 && kv_heads > 0 && heads % kv_heads == 0 && head_dim % 2 == 0,
+              "kiln::paged_attention: heads ", heads, " must be a multiple of kv_heads ", kv_heads,
+              " and head_dim ", head_dim, " even");
+  TORCH_CHECK(cos.dim() == 2 && cos.size(1) == head_dim && sin.sizes() == cos.sizes() &&
+                  cos.is_contiguous() && sin.is_contiguous(),
+              "kiln::paged_attention: cos/sin must be contiguous [positions, ", head_dim, "]");
   TORCH_CHECK(query_start.size(0) == shape.seqs + 1 && block_tables.size(0) == shape.seqs,
               "kiln::paged_attention: ", shape.seqs, " sequences need query_start of ", shape.seqs + 1,
               " and block_tables of ", shape.seqs, " rows");
@@ -178,6 +228,8 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::T
     const int64_t used = (end + shape.block_size - 1) / shape.block_size;
     TORCH_CHECK(used <= shape.max_blocks, "kiln::paged_attention: sequence ", s, " reaches position ",
                 end, ", beyond its block table of ", shape.max_blocks, " blocks");
+    TORCH_CHECK(end <= cos.size(0), "kiln::paged_attention: sequence ", s, " reaches position ", end,
+                ", beyond the rotary tables of ", cos.size(0), " positions");
     for (int64_t b = 0; b < used; ++b) {
       const int32_t block = bt[s * shape.max_blocks + b];
       TORCH_CHECK(block >= 0 && block < num_blocks, "kiln::paged_attention: block id ", block,
@@ -185,20 +237,20 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::T
     }
     std::fill(token_seq.begin() + qs[s], token_seq.begin() + qs[s + 1], static_cast<int32_t>(s));
   }
-  auto qc = q.contiguous(), kc = k.contiguous(), vc = v.contiguous();
-  auto out = at::empty_like(qc);
+  auto qkvc = qkv.contiguous();
+  auto out = at::empty({shape.tokens, heads * head_dim}, qkvc.options());
   if (shape.tokens == 0) return out;
-  if (q.scalar_type() == at::kFloat)
-    active().paged_attention_f32(qc.data_ptr<float>(), kc.data_ptr<float>(), vc.data_ptr<float>(),
+  if (qkv.scalar_type() == at::kFloat)
+    active().paged_attention_f32(qkvc.data_ptr<float>(), cos.data_ptr<float>(), sin.data_ptr<float>(),
                                  k_pool.data_ptr<float>(), v_pool.data_ptr<float>(),
                                  out.data_ptr<float>(), bt, qs, cl, token_seq.data(), shape,
                                  static_cast<float>(scale));
   else
     active().paged_attention_bf16(
-        reinterpret_cast<const bf16*>(qc.data_ptr()), reinterpret_cast<const bf16*>(kc.data_ptr()),
-        reinterpret_cast<const bf16*>(vc.data_ptr()), reinterpret_cast<bf16*>(k_pool.data_ptr()),
-        reinterpret_cast<bf16*>(v_pool.data_ptr()), reinterpret_cast<bf16*>(out.data_ptr()), bt,
-        qs, cl, token_seq.data(), shape, static_cast<float>(scale));
+        reinterpret_cast<const bf16*>(qkvc.data_ptr()), reinterpret_cast<const bf16*>(cos.data_ptr()),
+        reinterpret_cast<const bf16*>(sin.data_ptr()), reinterpret_cast<bf16*>(k_pool.data_ptr()),
+        reinterpret_cast<bf16*>(v_pool.data_ptr()), reinterpret_cast<bf16*>(out.data_ptr()), bt, qs, cl,
+        token_seq.data(), shape, static_cast<float>(scale));
   return out;
 }
 
@@ -207,12 +259,16 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::T
 TORCH_LIBRARY(kiln, m) {
   m.def("select_isa(str isa) -> str", &kiln::select_isa);
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("add_rms_norm(Tensor(a!) residual, Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("silu_mul(Tensor gate_up) -> Tensor");
   m.def(
-      "paged_attention(Tensor q, Tensor k, Tensor v, Tensor(a!) k_pool, Tensor(b!) v_pool, "
-      "Tensor block_tables, Tensor query_start, Tensor context_lens, float scale) -> Tensor");
+      "paged_attention(Tensor qkv, Tensor(a!) k_pool, Tensor(b!) v_pool, Tensor block_tables, "
+      "Tensor query_start, Tensor context_lens, Tensor cos, Tensor sin, int heads, float scale) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(kiln, CPU, m) {
   m.impl("rms_norm", &kiln::rms_norm);
+  m.impl("add_rms_norm", &kiln::add_rms_norm);
+  m.impl("silu_mul", &kiln::silu_mul);
   m.impl("paged_attention", &kiln::paged_attention);
 }

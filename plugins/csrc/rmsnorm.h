@@ -1,20 +1,49 @@
-// RMSNorm over the last dimension: out = weight * (x / sqrt(mean(x^2) + eps)).
+// RMSNorm over the last dimension: out = weight * (x / sqrt(mean(x^2) + eps)), and the fused
+// residual form used between sublayers: residual += x; out = rmsnorm(residual).
 // Rounding follows Hugging Face's LlamaRMSNorm so bf16 engines match it bit for bit where
 // possible: statistics in fp32, the normalized value rounded to the input dtype, then the
-// product with the weight rounded again.
+// product with the weight rounded again; the residual sum is rounded as a bf16 add would be.
 // Included per ISA inside kiln::<isa> after vec.h.
+
+template <typename T>
+inline void rms_norm_row(const T* xr, const T* weight, T* outr, int64_t n, float eps) {
+  const float inv = 1.0f / std::sqrt(dot(xr, xr, n) / static_cast<float>(n) + eps);
+  for (int64_t i = 0; i < n; ++i)
+    store_as(outr + i, to_f32(weight[i]) * round_as<T>(to_f32(xr[i]) * inv));
+}
 
 template <typename T>
 void rms_norm_impl(const T* x, const T* weight, T* out, int64_t rows, int64_t n, float eps) {
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) rms_norm_row(x + r * n, weight, out + r * n, n, eps);
+  });
+}
+
+template <typename T>
+void add_rms_norm_impl(T* residual, const T* x, const T* weight, T* out, int64_t rows, int64_t n,
+                       float eps) {
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
+      T* res = residual + r * n;
       const T* xr = x + r * n;
-      T* outr = out + r * n;
-      float inv = 1.0f / std::sqrt(dot(xr, xr, n) / static_cast<float>(n) + eps);
+      for (int64_t i = 0; i < n; ++i) store_as(res + i, to_f32(res[i]) + to_f32(xr[i]));
+      rms_norm_row(res, weight, out + r * n, n, eps);
+    }
+  });
+}
+
+// SwiGLU on the fused gate/up projection [rows, 2n]: out = silu(gate) * up, each rounded to T
+// as PyTorch's separate silu and mul would.
+template <typename T>
+void silu_mul_impl(const T* gate_up, T* out, int64_t rows, int64_t n) {
+  at::parallel_for(0, rows, 4, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const T* gate = gate_up + r * 2 * n;
+      const T* up = gate + n;
+      T* o = out + r * n;
       for (int64_t i = 0; i < n; ++i) {
-        T normed;
-        store_as(&normed, to_f32(xr[i]) * inv);
-        store_as(outr + i, to_f32(weight[i]) * to_f32(normed));
+        const float g = to_f32(gate[i]);
+        store_as(o + i, round_as<T>(g / (1.0f + std::exp(-g))) * to_f32(up[i]));
       }
     }
   });
@@ -26,3 +55,13 @@ void rms_norm_f32(const float* x, const float* w, float* out, int64_t rows, int6
 void rms_norm_bf16(const bf16* x, const bf16* w, bf16* out, int64_t rows, int64_t n, float eps) {
   rms_norm_impl<bf16>(x, w, out, rows, n, eps);
 }
+void add_rms_norm_f32(float* res, const float* x, const float* w, float* out, int64_t rows, int64_t n,
+                      float eps) {
+  add_rms_norm_impl<float>(res, x, w, out, rows, n, eps);
+}
+void add_rms_norm_bf16(bf16* res, const bf16* x, const bf16* w, bf16* out, int64_t rows, int64_t n,
+                       float eps) {
+  add_rms_norm_impl<bf16>(res, x, w, out, rows, n, eps);
+}
+void silu_mul_f32(const float* gu, float* out, int64_t rows, int64_t n) { silu_mul_impl<float>(gu, out, rows, n); }
+void silu_mul_bf16(const bf16* gu, bf16* out, int64_t rows, int64_t n) { silu_mul_impl<bf16>(gu, out, rows, n); }

@@ -86,3 +86,13 @@ inline void scale_inplace(float* acc, float alpha, int64_t n) {
 #endif
   for (; i < n; ++i) acc[i] *= alpha;
 }
+
+// x rounded to T and back: the rounding a PyTorch op on T tensors applies to its result.
+template <typename T>
+inline float round_as(float x) {
+  return to_f32(static_cast<T>(x));
+}
+template <>
+inline float round_as<float>(float x) {
+  return x;
+}

@@ -33,3 +33,40 @@ def test_rms_norm_rejects_mismatched_weight(plugin_isas):
 def test_rms_norm_opcheck(plugin_isas):
     x, w = torch.randn(3, 40), torch.randn(40)
     torch.library.opcheck(torch.ops.kiln.rms_norm.default, (x, w, 1e-5))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(1, 576), (5, 64), (3, 2, 129)])
+def test_add_rms_norm_matches_reference(isa, dtype, shape):
+    g = torch.Generator().manual_seed(hash((isa, str(dtype), shape)) % 2**31)
+    residual = torch.randn(shape, generator=g).to(dtype)
+    x = torch.randn(shape, generator=g).to(dtype)
+    w = torch.randn(shape[-1], generator=g).to(dtype)
+    expected_residual = residual.clone()
+    want = reference.add_rms_norm(expected_residual, x, w, 1e-6)
+    got = ops.add_rms_norm(residual, x, w, 1e-6)
+    assert torch.equal(residual, expected_residual)  # the in-place residual add, bit for bit
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(1, 3072), (7, 10), (2, 3, 34)])
+def test_silu_mul_matches_reference(isa, dtype, shape):
+    g = torch.Generator().manual_seed(hash((isa, str(dtype), shape)) % 2**31)
+    gate_up = (torch.randn(shape, generator=g) * 4).to(dtype)
+    got = ops.silu_mul(gate_up)
+    want = reference.silu_mul(gate_up)
+    assert got.shape == want.shape
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
+
+
+def test_fused_ops_opcheck(plugin_isas):
+    torch.library.opcheck(torch.ops.kiln.add_rms_norm.default, (torch.randn(3, 40), torch.randn(3, 40), torch.randn(40), 1e-5))
+    torch.library.opcheck(torch.ops.kiln.silu_mul.default, (torch.randn(3, 40),))
+
+
+def test_silu_mul_rejects_odd_width(plugin_isas):
+    with pytest.raises(RuntimeError, match="must be even"):
+        ops.silu_mul(torch.randn(2, 7))
