@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch
 
+OPS = ("rms_norm", "add_rms_norm", "silu_mul", "linear", "paged_attention", "select_isa")
 _loaded: dict[str, str] = {}  # sha256 of the library file -> path it was loaded from
 
 
@@ -34,8 +35,12 @@ def load_library(path: str | Path) -> None:
             f"({next(iter(_loaded.values()))}); serve engines built by one kiln version per process"
         )
     torch.ops.load_library(str(path))
-    _register_fakes()
     _loaded[digest] = str(path)
+    missing = [op for op in OPS if not hasattr(torch.ops.kiln, op)]
+    if missing:
+        raise RuntimeError(f"the plugin library {path} lacks the ops {missing}: it was built by another "
+                           f"version of kiln")
+    _register_fakes()
 
 
 def _register_fakes() -> None:
@@ -50,6 +55,10 @@ def _register_fakes() -> None:
     @torch.library.register_fake("kiln::silu_mul")
     def _silu_mul_fake(gate_up):
         return gate_up.new_empty((*gate_up.shape[:-1], gate_up.shape[-1] // 2))
+
+    @torch.library.register_fake("kiln::linear")
+    def _linear_fake(x, weight, bias):
+        return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
     @torch.library.register_fake("kiln::paged_attention")
     def _paged_attention_fake(qkv, k_pool, v_pool, block_tables, query_start, context_lens, cos, sin,
@@ -74,6 +83,11 @@ def add_rms_norm(residual: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up over the fused [.., 2n] gate/up projection."""
     return torch.ops.kiln.silu_mul(gate_up)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ weight.T (+ bias) for a few rows (decode steps): streams each weight row once."""
+    return torch.ops.kiln.linear(x, weight, bias)
 
 
 def paged_attention(qkv, k_pool, v_pool, block_tables, query_start, context_lens, cos, sin, heads: int,

@@ -9,6 +9,11 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * normed.to(x.dtype)
 
 
+def linear(x, weight, bias=None):
+    out = x.float() @ weight.float().T
+    return (out if bias is None else out + bias.float()).to(x.dtype)
+
+
 def add_rms_norm(residual, x, weight, eps):
     residual.copy_(residual + x)
     return rms_norm(residual, weight, eps)

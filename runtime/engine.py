@@ -78,7 +78,10 @@ class Engine:
         self.dir = Path(engine_dir).resolve()
         self.meta = read_engine_json(self.dir)
         verify_manifest(self.dir)
-        ops.load_library(self.dir / self.meta["plugins"]["file"])
+        try:
+            ops.load_library(self.dir / self.meta["plugins"]["file"])
+        except RuntimeError as exc:
+            raise EngineError(f"{self.dir}: {exc}; rebuild the engine") from None
         self.spec = ModelSpec.from_json(self.meta["model"])
         self.limits = Limits(**self.meta["limits"])
         self.dtype = DTYPES[self.meta["dtype"]]

@@ -96,24 +96,32 @@ class LlamaModel:
             down=get(names.MLP_DOWN),
         )
 
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """A single bf16 row (batch-1 decode) goes to kiln's GEMV, which streams the weights at
+        memory bandwidth (2-3x PyTorch's here); everything else to PyTorch's GEMM. float32
+        always uses PyTorch's, whose results do not depend on the batch size."""
+        if x.shape[0] == 1 and x.dtype == torch.bfloat16:
+            return ops.linear(x, weight, bias)
+        return F.linear(x, weight, bias)
+
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, ctx: StepContext, pool: KVPool) -> torch.Tensor:
         """Run a packed batch of tokens (1-D); float32 logits [len(ctx.logits_rows), vocab].
 
-        Per layer: 4 GEMMs (PyTorch) and 3 plugin ops: the residual add fused into RMSNorm,
+        Per layer: 4 GEMMs and 3 plugin ops: the residual add fused into RMSNorm,
         rotary embedding + KV write + attention in one, SwiGLU in one."""
         spec = self.spec
         eps = spec.norm_eps
         h = F.embedding(tokens, self.embed)
         x = ops.rms_norm(h, self.layers[0].input_norm, eps)
         for index, layer in enumerate(self.layers):
-            qkv = F.linear(x, layer.qkv, layer.qkv_bias)
+            qkv = self.linear(x, layer.qkv, layer.qkv_bias)
             attn = ops.paged_attention(qkv, pool.keys[index], pool.values[index], ctx.block_tables,
                                        ctx.query_start, ctx.context_lens, self.cos, self.sin,
                                        spec.num_heads, self.scale)
-            x = ops.add_rms_norm(h, F.linear(attn, layer.out), layer.post_attention_norm, eps)
-            down = F.linear(ops.silu_mul(F.linear(x, layer.gate_up)), layer.down)
+            x = ops.add_rms_norm(h, self.linear(attn, layer.out), layer.post_attention_norm, eps)
+            down = self.linear(ops.silu_mul(self.linear(x, layer.gate_up)), layer.down)
             following = self.layers[index + 1].input_norm if index + 1 < len(self.layers) else self.final_norm
             x = ops.add_rms_norm(h, down, following, eps)
         # x is the final norm of every row; logits only for the rows that sample
-        return F.linear(x[ctx.logits_rows], self.lm_head).float()
+        return self.linear(x[ctx.logits_rows], self.lm_head).float()

@@ -29,6 +29,7 @@ namespace scalar {
 #include "vec.h"
 #include "rmsnorm.h"
 #include "attention.h"
+#include "linear.h"
 #undef KILN_ISA_SCALAR
 }  // namespace scalar
 
@@ -39,6 +40,7 @@ namespace avx2 {
 #include "vec.h"
 #include "rmsnorm.h"
 #include "attention.h"
+#include "linear.h"
 #undef KILN_ISA_AVX2
 }  // namespace avx2
 #pragma GCC pop_options
@@ -50,6 +52,7 @@ namespace avx512 {
 #include "vec.h"
 #include "rmsnorm.h"
 #include "attention.h"
+#include "linear.h"
 #undef KILN_ISA_AVX512
 }  // namespace avx512
 #pragma GCC pop_options
@@ -64,6 +67,8 @@ struct Kernels {
   void (*add_rms_norm_bf16)(bf16*, const bf16*, const bf16*, bf16*, int64_t, int64_t, float);
   void (*silu_mul_f32)(const float*, float*, int64_t, int64_t);
   void (*silu_mul_bf16)(const bf16*, bf16*, int64_t, int64_t);
+  void (*linear_f32)(const float*, const float*, const float*, float*, int64_t, int64_t, int64_t);
+  void (*linear_bf16)(const bf16*, const bf16*, const bf16*, bf16*, int64_t, int64_t, int64_t);
   void (*paged_attention_f32)(const float*, const float*, const float*, float*, float*, float*,
                               const int32_t*, const int32_t*, const int32_t*, const int32_t*,
                               const PagedShape&, float);
@@ -75,7 +80,8 @@ struct Kernels {
 #define KILN_KERNELS(ns)                                                              \
   Kernels {                                                                           \
     #ns, ns::rms_norm_f32, ns::rms_norm_bf16, ns::add_rms_norm_f32, ns::add_rms_norm_bf16,      \
-        ns::silu_mul_f32, ns::silu_mul_bf16, ns::paged_attention_f32, ns::paged_attention_bf16   \
+        ns::silu_mul_f32, ns::silu_mul_bf16, ns::linear_f32, ns::linear_bf16,                   \
+        ns::paged_attention_f32, ns::paged_attention_bf16                                      \
   }
 
 static bool host_supports(const std::string& isa) {
@@ -178,6 +184,31 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
   return out;
 }
 
+at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
+  check_float_or_bf16(x, "x");
+  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == x.scalar_type() && weight.is_contiguous(),
+              "kiln::linear: weight must be a contiguous [out, in] tensor of x's dtype");
+  const int64_t k = weight.size(1), n = weight.size(0);
+  TORCH_CHECK(x.size(-1) == k, "kiln::linear: x's last dim ", x.size(-1), " differs from in_features ", k);
+  if (bias.has_value())
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == n && bias->scalar_type() == x.scalar_type() &&
+                    bias->is_contiguous(),
+                "kiln::linear: bias must be a contiguous [", n, "] tensor of x's dtype");
+  auto xc = x.contiguous();
+  auto sizes = xc.sizes().vec();
+  sizes.back() = n;
+  auto out = at::empty(sizes, xc.options());
+  const int64_t rows = k == 0 ? 0 : xc.numel() / k;
+  if (x.scalar_type() == at::kFloat)
+    active().linear_f32(xc.data_ptr<float>(), weight.data_ptr<float>(),
+                        bias.has_value() ? bias->data_ptr<float>() : nullptr, out.data_ptr<float>(), rows, k, n);
+  else
+    active().linear_bf16(reinterpret_cast<const bf16*>(xc.data_ptr()), reinterpret_cast<const bf16*>(weight.data_ptr()),
+                         bias.has_value() ? reinterpret_cast<const bf16*>(bias->data_ptr()) : nullptr,
+                         reinterpret_cast<bf16*>(out.data_ptr()), rows, k, n);
+  return out;
+}
+
 static void check_int32_vector(const at::Tensor& t, const char* name, int64_t dims) {
   TORCH_CHECK(t.scalar_type() == at::kInt && t.dim() == dims && t.is_contiguous() && t.device().is_cpu(),
               "kiln::paged_attention: ", name, " must be a contiguous int32 CPU tensor with ", dims,
@@ -261,6 +292,7 @@ TORCH_LIBRARY(kiln, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("add_rms_norm(Tensor(a!) residual, Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("silu_mul(Tensor gate_up) -> Tensor");
+  m.def("linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
   m.def(
       "paged_attention(Tensor qkv, Tensor(a!) k_pool, Tensor(b!) v_pool, Tensor block_tables, "
       "Tensor query_start, Tensor context_lens, Tensor cos, Tensor sin, int heads, float scale) -> Tensor");
@@ -270,5 +302,6 @@ TORCH_LIBRARY_IMPL(kiln, CPU, m) {
   m.impl("rms_norm", &kiln::rms_norm);
   m.impl("add_rms_norm", &kiln::add_rms_norm);
   m.impl("silu_mul", &kiln::silu_mul);
+  m.impl("linear", &kiln::linear);
   m.impl("paged_attention", &kiln::paged_attention);
 }

@@ -96,3 +96,27 @@ template <>
 inline float round_as<float>(float x) {
   return x;
 }
+
+// out[r] = sum_i x[r][i] * w[i] for four rows at once: w is loaded (and widened) once.
+template <typename B>
+inline void dot4(const float* x0, const float* x1, const float* x2, const float* x3, const B* w,
+                 int64_t n, float* out) {
+  int64_t i = 0;
+  float t0 = 0.f, t1 = 0.f, t2 = 0.f, t3 = 0.f;
+#if !defined(KILN_ISA_SCALAR)
+  vfloat a0 = vzero(), a1 = vzero(), a2 = vzero(), a3 = vzero();
+  for (; i + kLanes <= n; i += kLanes) {
+    const vfloat wv = vload(w + i);
+    a0 = vfma(vload(x0 + i), wv, a0);
+    a1 = vfma(vload(x1 + i), wv, a1);
+    a2 = vfma(vload(x2 + i), wv, a2);
+    a3 = vfma(vload(x3 + i), wv, a3);
+  }
+  t0 = vsum(a0), t1 = vsum(a1), t2 = vsum(a2), t3 = vsum(a3);
+#endif
+  for (; i < n; ++i) {
+    const float wi = to_f32(w[i]);
+    t0 += x0[i] * wi, t1 += x1[i] * wi, t2 += x2[i] * wi, t3 += x3[i] * wi;
+  }
+  out[0] = t0, out[1] = t1, out[2] = t2, out[3] = t3;
+}

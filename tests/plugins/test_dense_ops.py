@@ -70,3 +70,20 @@ def test_fused_ops_opcheck(plugin_isas):
 def test_silu_mul_rejects_odd_width(plugin_isas):
     with pytest.raises(RuntimeError, match="must be even"):
         ops.silu_mul(torch.randn(2, 7))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows, k, n, bias", [(1, 576, 960, False), (3, 64, 100, True), (1, 7, 5, True), (8, 1536, 576, False)])
+def test_linear_matches_reference(isa, dtype, rows, k, n, bias):
+    g = torch.Generator().manual_seed(hash((isa, str(dtype), rows, k, n)) % 2**31)
+    x = torch.randn(rows, k, generator=g).to(dtype)
+    w = (torch.randn(n, k, generator=g) / k**0.5).to(dtype)
+    b = torch.randn(n, generator=g).to(dtype) if bias else None
+    got, want = ops.linear(x, w, b), reference.linear(x, w, b)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2  # bf16: one rounding of an fp32 sum
+    torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
+
+
+def test_linear_opcheck(plugin_isas):
+    torch.library.opcheck(torch.ops.kiln.linear.default, (torch.randn(2, 16), torch.randn(8, 16), torch.randn(8)))
+    torch.library.opcheck(torch.ops.kiln.linear.default, (torch.randn(2, 16), torch.randn(8, 16), None))
