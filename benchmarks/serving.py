@@ -1,4 +1,4 @@
-"""Serving benchmark: output tokens/s, TTFT and inter-token latency (P50/P99) at several
+"""Serving benchmark for the runtime issue's table (kiln bench is the general tool): output tokens/s, TTFT and inter-token latency (P50/P99) at several
 concurrency levels, in process (the Executor through LLM.stream) and through a real
 tritonserver over tritonclient gRPC streaming; plus KV memory per token and paging waste.
 
@@ -13,7 +13,6 @@ import argparse
 import json
 import os
 import platform
-import random
 import statistics
 import threading
 import time
@@ -22,33 +21,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-NEVER = -1  # an end id no model produces: every request runs to max_tokens
-
-
-def percentile(values: list[float], q: float) -> float:
-    """Linear interpolation between closest ranks (numpy's default)."""
-    if not values:
-        return float("nan")
-    ordered = sorted(values)
-    pos = (len(ordered) - 1) * q / 100
-    low = int(pos)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (pos - low)
-
-
-def prompts_of(tokenizer, count: int, length: int, seed: int) -> list[str]:
-    """Real prose (Python's own docs) cut to `length` tokens, a different passage each."""
-    from pydoc_data.topics import topics
-
-    text = " ".join(topics.values())
-    ids = tokenizer.encode(text).ids
-    rng = random.Random(seed)
-    out = []
-    for _ in range(count):
-        start = rng.randrange(0, len(ids) - length)
-        out.append(tokenizer.decode(ids[start : start + length]))
-    return out
-
+from kiln.bench import NEVER, percentile, synthetic_prompts
 
 class Recorder:
     """TTFT is kept apart for the first wave (every worker's first request, all sent at once)
@@ -174,7 +147,7 @@ def main() -> None:
     rows = []
     console = Console(stderr=True)
     for level in args.concurrency:
-        prompts = prompts_of(tokenizer, max(4, args.requests_per_level * level), args.prompt_tokens, level)
+        prompts = synthetic_prompts(tokenizer, max(4, args.requests_per_level * level), args.prompt_tokens, level)
         console.print(f"in-process, concurrency {level} ...")
         rows.append({"path": "in-process", **run_level(lambda p, n: in_process(llm, p, n), prompts, level,
                                                          args.output_tokens, sampler)})
@@ -190,7 +163,7 @@ def main() -> None:
     try:
         if url:
             for level in args.concurrency:
-                prompts = prompts_of(tokenizer, max(4, args.requests_per_level * level), args.prompt_tokens, level)
+                prompts = synthetic_prompts(tokenizer, max(4, args.requests_per_level * level), args.prompt_tokens, level)
                 console.print(f"tritonserver gRPC, concurrency {level} ...")
                 rows.append({"path": "gRPC", **run_level(lambda p, n: over_grpc(url, tokenizer, p, n), prompts,
                                                            level, args.output_tokens)})

@@ -38,6 +38,15 @@ def _generate(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["bench"]:  # its own parser: kiln bench --help
+        from kiln.bench import main as bench
+
+        try:
+            return bench(argv[1:])
+        except KilnError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
     parser = argparse.ArgumentParser(prog="kiln", description="Serve kiln engines and talk to them.")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -60,6 +69,8 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--top-p", type=float, default=None)
     gen.add_argument("--seed", type=int, default=None)
     gen.set_defaults(run=_generate)
+
+    sub.add_parser("bench", help="benchmark an engine or a server (kiln bench --help)")
 
     args = parser.parse_args(argv)
     try:

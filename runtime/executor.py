@@ -150,6 +150,11 @@ class Executor:
                     "preemptions": self.scheduler.num_preemptions,
                     "kv_bytes_per_token": self.pool.storage.nbytes // (self.kv.num_blocks * self.kv.block_size)}
 
+    def reset_peak_stats(self) -> None:
+        """Start a new high-water mark for blocks_used_peak (e.g. per benchmark level)."""
+        with self._lock:
+            self.kv.reset_peak()
+
     def shutdown(self) -> None:
         with self._lock:
             self._stopped = True

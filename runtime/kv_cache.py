@@ -36,6 +36,7 @@ class KVCacheManager:
         self.queried_tokens = 0
         self.hit_tokens = 0
         self.reused_blocks = 0
+        self.peak_used = 0  # most blocks in use at once since the last reset_peak()
 
     @property
     def num_blocks(self) -> int:
@@ -98,7 +99,11 @@ class KVCacheManager:
             return False
         for _ in range(needed):
             seq.block_table.append(self._take())
+        self.peak_used = max(self.peak_used, self.num_blocks - self.num_free_blocks)
         return True
+
+    def reset_peak(self) -> None:
+        self.peak_used = self.num_blocks - self.num_free_blocks
 
     def register_full_blocks(self, seq: Sequence) -> None:
         """Hash the blocks that the last step filled, so later sequences can reuse them."""
@@ -133,6 +138,7 @@ class KVCacheManager:
             "blocks_total": self.num_blocks,
             "blocks_free": self.num_free_blocks,
             "blocks_used": self.num_blocks - self.num_free_blocks,
+            "blocks_used_peak": self.peak_used,
             "blocks_cached": len(self.evictable),
             "blocks_reused": self.reused_blocks,
             "prefix_hit_rate": self.hit_tokens / self.queried_tokens if self.queried_tokens else 0.0,

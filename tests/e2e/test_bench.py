@@ -1,0 +1,67 @@
+"""kiln bench end to end at tiny scale: in process and against a real tritonserver."""
+import json
+
+import pytest
+
+from kiln.bench import main, percentile
+from kiln.triton_repo.serve import TritonServer
+
+FIELDS = {"mode", "requests", "failed", "errors", "output_tokens", "duration_s", "output_tokens_per_s",
+          "requests_per_s", "ttft_ms", "itl_ms", "e2e_ms", "kv_cache"}
+DISTRIBUTION = {"p50", "p90", "p99", "mean"}
+
+
+def test_percentiles_on_known_inputs():
+    assert percentile([1, 2, 3, 4], 50) == 2.5
+    assert percentile(list(range(1, 11)), 90) == pytest.approx(9.1)  # numpy.percentile gives 9.1
+    assert percentile([5, 1, 3], 0) == 1 and percentile([5, 1, 3], 100) == 5
+    assert percentile([7.0], 99) == 7.0
+    assert percentile(list(range(101)), 99) == pytest.approx(99.0)
+
+
+def check_report(path, levels, key, requests, output_tokens, in_process):
+    report = json.loads(path.read_text())
+    assert report["output_tokens"] == output_tokens and report["machine"]["cpus"] >= 1
+    assert [r[key] for r in report["results"]] == levels
+    for result in report["results"]:
+        assert FIELDS <= set(result) and result["failed"] == 0 and result["requests"] == requests
+        assert result["output_tokens"] == requests * output_tokens  # no early stop
+        for metric in ("ttft_ms", "itl_ms", "e2e_ms"):
+            assert set(result[metric]) == DISTRIBUTION
+            assert 0 < result[metric]["p50"] <= result[metric]["p99"]
+        assert result["ttft_ms"]["p50"] <= result["e2e_ms"]["p50"]
+        assert (result["kv_cache"] is not None) == in_process
+        if in_process:
+            assert 0 < result["kv_cache"]["utilization_max"] <= 1
+    return report
+
+
+def test_bench_in_process_sweeps_concurrency_and_plots(tiny_engines, tmp_path):
+    out = tmp_path / "bench.json"
+    code = main(["--engine", str(tiny_engines("llama")), "--concurrency", "1", "3", "--requests", "4",
+                 "--input-tokens", "12", "--output-tokens", "6", "--json", str(out), "--plot-dir", str(tmp_path)])
+    assert code == 0
+    check_report(out, [1, 3], "concurrency", 4, 6, in_process=True)
+    for name in ("throughput.png", "latency.png"):
+        assert (tmp_path / name).read_bytes()[:4] == b"\x89PNG"
+
+
+def test_bench_request_rate_with_a_prompt_file(tiny_engines, tmp_path):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("\n".join(json.dumps({"text": t}) for t in ["Hello there", "The import statement", "x"]))
+    out = tmp_path / "rate.json"
+    code = main(["--engine", str(tiny_engines("llama")), "--request-rate", "20", "--requests", "5",
+                 "--prompts", str(prompts), "--output-tokens", "4", "--json", str(out)])
+    assert code == 0
+    check_report(out, [20.0], "request_rate", 5, 4, in_process=True)
+
+
+@pytest.mark.slow
+def test_bench_against_tritonserver(tiny_engines, tmp_path):
+    engine = tiny_engines("llama")
+    out = tmp_path / "grpc.json"
+    with TritonServer(engine.parent / "triton_repo", log_file=tmp_path / "triton.log") as server:
+        code = main(["--url", server.grpc_url, "--tokenizer", str(engine), "--concurrency", "1", "2",
+                     "--requests", "3", "--input-tokens", "10", "--output-tokens", "5", "--json", str(out)])
+    assert code == 0
+    check_report(out, [1, 2], "concurrency", 3, 5, in_process=False)
