@@ -18,6 +18,16 @@ def repo_path(args: dict, relative: str) -> str:
     return os.path.normpath(os.path.join(repo_root, relative))
 
 
+def engine_tokenizer(args: dict):
+    """The engine's tokenizer, found through the model's tokenizer_dir parameter."""
+    from tokenizers import Tokenizer
+
+    from kiln import constants as names
+
+    folder = repo_path(args, parameter(args, names.TOKENIZER_DIR_PARAMETER))
+    return Tokenizer.from_file(os.path.join(folder, names.TOKENIZER_JSON))
+
+
 def optional_scalar(request, name: str, default=None):
     import triton_python_backend_utils as pb_utils
 

@@ -8,15 +8,12 @@ from __future__ import annotations
 import numpy as np
 
 from kiln import constants as names
-from kiln.triton_repo.model_utils import error_response, parameter, repo_path, required
+from kiln.triton_repo.model_utils import engine_tokenizer, error_response, required
 
 
 class TritonPythonModel:
     def initialize(self, args):
-        from tokenizers import Tokenizer
-
-        tokenizer_dir = repo_path(args, parameter(args, names.TOKENIZER_DIR_PARAMETER))
-        self.tokenizer = Tokenizer.from_file(f"{tokenizer_dir}/{names.TOKENIZER_JSON}")
+        self.tokenizer = engine_tokenizer(args)
 
     def execute(self, requests):
         import triton_python_backend_utils as pb_utils
