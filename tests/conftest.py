@@ -46,7 +46,7 @@ def plugin_isas():
 
     ops.load_library(build_plugins())
     isas = []
-    for isa in ("scalar", "avx2", "avx512"):
+    for isa in ("scalar", "avx2", "avx512", "avx512bf16"):
         try:
             ops.select_isa(isa)
             isas.append(isa)
@@ -56,7 +56,7 @@ def plugin_isas():
     return isas
 
 
-@pytest.fixture(params=["scalar", "avx2", "avx512"])
+@pytest.fixture(params=["scalar", "avx2", "avx512", "avx512bf16"])
 def isa(request, plugin_isas):
     from kiln.plugins import ops
 

@@ -60,6 +60,11 @@ def time_llama_cpp(path: Path, prompt: list[int], decode: int, repeats: int, thr
 
     llm = Llama(model_path=str(path), n_ctx=len(prompt) + decode + 8, n_batch=len(prompt), n_threads=threads,
                 n_threads_batch=threads, verbose=False)
+    vocab = llm.n_vocab()
+
+    def last_logits():  # the context's logits of the last evaluated token (not kept by eval)
+        return np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(vocab,))
+
     prefill, rates = [], []
     for r in range(repeats + 1):  # the first run warms up
         llm.reset()
@@ -67,7 +72,7 @@ def time_llama_cpp(path: Path, prompt: list[int], decode: int, repeats: int, thr
         llm.eval(prompt)
         mid = time.perf_counter()
         for _ in range(decode):
-            token = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+            token = int(np.argmax(last_logits()))
             llm.eval([token])
         end = time.perf_counter()
         if r:

@@ -57,6 +57,20 @@ namespace avx512 {
 }  // namespace avx512
 #pragma GCC pop_options
 
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx2,fma,f16c")
+namespace avx512bf16 {
+#define KILN_ISA_AVX512
+#define KILN_ISA_AVX512BF16
+#include "vec.h"
+#include "rmsnorm.h"
+#include "attention.h"
+#include "linear.h"
+#undef KILN_ISA_AVX512BF16
+#undef KILN_ISA_AVX512
+}  // namespace avx512bf16
+#pragma GCC pop_options
+
 using bf16 = c10::BFloat16;
 
 struct Kernels {
@@ -85,6 +99,7 @@ struct Kernels {
   }
 
 static bool host_supports(const std::string& isa) {
+  if (isa == "avx512bf16") return host_supports("avx512") && __builtin_cpu_supports("avx512bf16");
   if (isa == "avx512")
     return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
            __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
@@ -94,10 +109,15 @@ static bool host_supports(const std::string& isa) {
 
 static Kernels kernels_for(const std::string& requested) {
   std::string isa = requested;
-  if (isa == "auto") isa = host_supports("avx512") ? "avx512" : host_supports("avx2") ? "avx2" : "scalar";
-  TORCH_CHECK(isa == "avx512" || isa == "avx2" || isa == "scalar",
-              "kiln: unknown ISA '", requested, "'; expected auto, avx512, avx2 or scalar");
+  if (isa == "auto")
+    isa = host_supports("avx512bf16") ? "avx512bf16"
+          : host_supports("avx512")   ? "avx512"
+          : host_supports("avx2")     ? "avx2"
+                                      : "scalar";
+  TORCH_CHECK(isa == "avx512bf16" || isa == "avx512" || isa == "avx2" || isa == "scalar",
+              "kiln: unknown ISA '", requested, "'; expected auto, avx512bf16, avx512, avx2 or scalar");
   TORCH_CHECK(host_supports(isa), "kiln: this CPU does not support ISA '", isa, "'");
+  if (isa == "avx512bf16") return KILN_KERNELS(avx512bf16);
   if (isa == "avx512") return KILN_KERNELS(avx512);
   if (isa == "avx2") return KILN_KERNELS(avx2);
   return KILN_KERNELS(scalar);

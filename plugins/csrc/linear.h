@@ -27,11 +27,69 @@ void linear_impl(const T* x, const T* w, const T* bias, T* out, int64_t rows, in
   });
 }
 
+#if defined(KILN_ISA_AVX512BF16)
+// bf16 x bf16 with AVX512-BF16: vdpbf16ps multiplies 32 bf16 pairs and accumulates in fp32, so
+// neither side is widened first (half the instructions of the widen-and-FMA path).
+inline __m512bh load_bf16x32(const bf16* p) { return (__m512bh)_mm512_loadu_si512(p); }
+
+inline float dot_dp(const bf16* a, const bf16* b, int64_t n) {
+  __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
+  int64_t i = 0;
+  for (; i + 64 <= n; i += 64) {
+    acc0 = _mm512_dpbf16_ps(acc0, load_bf16x32(a + i), load_bf16x32(b + i));
+    acc1 = _mm512_dpbf16_ps(acc1, load_bf16x32(a + i + 32), load_bf16x32(b + i + 32));
+  }
+  for (; i + 32 <= n; i += 32) acc0 = _mm512_dpbf16_ps(acc0, load_bf16x32(a + i), load_bf16x32(b + i));
+  float total = _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1));
+  for (; i < n; ++i) total += to_f32(a[i]) * to_f32(b[i]);
+  return total;
+}
+
+inline void dot4_dp(const bf16* x, int64_t stride, const bf16* w, int64_t n, float* out) {
+  __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps(), a2 = _mm512_setzero_ps(), a3 = _mm512_setzero_ps();
+  int64_t i = 0;
+  for (; i + 32 <= n; i += 32) {
+    const __m512bh wv = load_bf16x32(w + i);
+    a0 = _mm512_dpbf16_ps(a0, load_bf16x32(x + i), wv);
+    a1 = _mm512_dpbf16_ps(a1, load_bf16x32(x + stride + i), wv);
+    a2 = _mm512_dpbf16_ps(a2, load_bf16x32(x + 2 * stride + i), wv);
+    a3 = _mm512_dpbf16_ps(a3, load_bf16x32(x + 3 * stride + i), wv);
+  }
+  out[0] = _mm512_reduce_add_ps(a0), out[1] = _mm512_reduce_add_ps(a1);
+  out[2] = _mm512_reduce_add_ps(a2), out[3] = _mm512_reduce_add_ps(a3);
+  for (; i < n; ++i) {
+    const float wi = to_f32(w[i]);
+    for (int r = 0; r < 4; ++r) out[r] += to_f32(x[r * stride + i]) * wi;
+  }
+}
+
+void linear_bf16_dp(const bf16* x, const bf16* w, const bf16* bias, bf16* out, int64_t rows, int64_t k,
+                    int64_t n) {
+  const int64_t grouped = rows / 4 * 4;
+  at::parallel_for(0, n, 32, [&](int64_t begin, int64_t end) {
+    float sums[4];
+    for (int64_t o = begin; o < end; ++o) {
+      const bf16* wrow = w + o * k;
+      const float b = bias ? to_f32(bias[o]) : 0.f;
+      for (int64_t m = 0; m < grouped; m += 4) {
+        dot4_dp(x + m * k, k, wrow, k, sums);
+        for (int64_t r = 0; r < 4; ++r) store_as(out + (m + r) * n + o, sums[r] + b);
+      }
+      for (int64_t m = grouped; m < rows; ++m) store_as(out + m * n + o, dot_dp(x + m * k, wrow, k) + b);
+    }
+  });
+}
+#endif
+
 void linear_f32(const float* x, const float* w, const float* bias, float* out, int64_t rows, int64_t k,
                 int64_t n) {
   linear_impl<float>(x, w, bias, out, rows, k, n);
 }
 void linear_bf16(const bf16* x, const bf16* w, const bf16* bias, bf16* out, int64_t rows, int64_t k,
                  int64_t n) {
+#if defined(KILN_ISA_AVX512BF16)
+  linear_bf16_dp(x, w, bias, out, rows, k, n);
+#else
   linear_impl<bf16>(x, w, bias, out, rows, k, n);
+#endif
 }
