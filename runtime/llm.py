@@ -10,7 +10,7 @@ from pathlib import Path
 
 from kiln.errors import RequestError
 from kiln.runtime.detokenizer import IncrementalDetokenizer
-from kiln.runtime.engine import Engine
+from kiln.runtime.engine import read_engine_json
 from kiln.runtime.executor import FINISH_ERROR, Executor, Response
 from kiln.runtime.options import RuntimeOptions
 from kiln.runtime.sampling import SamplingParams
@@ -55,11 +55,12 @@ class LLM:
     def __init__(self, engine_dir: str | Path, **runtime_overrides):
         """runtime_overrides: kv_cache_memory, scheduler, enable_prefix_reuse, max_queue_size
         (defaults: the engine's build config)."""
-        self.engine = Engine(engine_dir)
+        meta = read_engine_json(Path(engine_dir))
+        options = RuntimeOptions.from_engine(meta.get("runtime", {}), **runtime_overrides)
+        self.executor = Executor(engine_dir, options)  # loads the engine on its own thread
+        self.engine = self.executor.engine
         self.tokenizer = self.engine.tokenizer
         self.limits = self.engine.limits
-        options = RuntimeOptions.from_engine(self.engine.meta.get("runtime", {}), **runtime_overrides)
-        self.executor = Executor(self.engine, options)
 
     def encode(self, prompt: Prompt) -> list[int]:
         return self.tokenizer.encode(prompt).ids if isinstance(prompt, str) else list(prompt)
