@@ -88,3 +88,12 @@ def test_defaults_resolve():
 
     options = RuntimeOptions.from_engine(config.runtime.model_dump())
     assert config.build.kv_block_size == 32 and options.kv_cache_bytes() == 512 * 2**20
+
+
+@pytest.mark.parametrize("path", sorted((__import__("pathlib").Path(__file__).parents[2] / "configs").glob("*.yaml")),
+                         ids=lambda p: p.name)
+def test_shipped_configs_are_valid(path):
+    from kiln.builder.config import load_config, resolve_checkpoint
+
+    config = load_config(path)
+    assert resolve_checkpoint(config.model.checkpoint, path.parent).exists()
