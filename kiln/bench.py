@@ -102,8 +102,8 @@ class GrpcTarget:
     A chunk's token count is not on the wire: chunks are counted, and the request's total is
     its max_tokens (no early stop)."""
 
-    def __init__(self, url: str, model: str = "ensemble"):
-        self.url, self.model = url, model
+    def __init__(self, url: str, model: str = "ensemble", metrics_url: str | None = None):
+        self.url, self.model, self.metrics_url = url, model, metrics_url
         self.name = f"gRPC {url}/{model}"
 
     def stream(self, prompt: str, max_tokens: int) -> Iterator[int | None]:
@@ -113,7 +113,27 @@ class GrpcTarget:
             yield None
 
     def kv_stats(self) -> dict | None:
-        return None
+        """The engine model's KV gauges from Triton's metrics endpoint (when given)."""
+        if not self.metrics_url:
+            return None
+        import urllib.request
+
+        from kiln import constants as names
+
+        with urllib.request.urlopen(f"http://{self.metrics_url}/metrics", timeout=10) as response:
+            text = response.read().decode()
+        stats = {}
+        for line in text.splitlines():
+            for metric, key in ((names.METRIC_KV_BLOCKS, "blocks"), (names.METRIC_PREEMPTIONS, "preemptions"),
+                                (names.METRIC_PREFIX_HIT_RATE, "prefix_hit_rate")):
+                if line.startswith(metric + "{"):
+                    labels, value = line[len(metric) + 1 :].rsplit("} ", 1)
+                    state = dict(part.split("=", 1) for part in labels.split(",")).get("state", "").strip('"')
+                    stats[f"blocks_{state}" if key == "blocks" else key] = float(value)
+        if "blocks_total" not in stats:
+            return None
+        stats["blocks_used_peak"] = stats.pop("blocks_peak")
+        return stats
 
     def close(self) -> None:
         pass
@@ -144,19 +164,36 @@ def measure(target, prompt: str, max_tokens: int) -> Record:
 
 
 class KVWatch:
-    """The engine's KV block high-water mark over one level (in process only)."""
+    """KV block use over one level. In process: the engine's high-water mark, reset per level.
+    Over gRPC (with --metrics-url): the served engine's gauges, polled while the level runs;
+    its peak there counts since the server started."""
 
     def __init__(self, target):
         self.target = target
-        if target.kv_stats() is not None:
+        self.sampled_max = 0.0
+        self.stopping = threading.Event()
+        self.poller = None
+        if isinstance(target, EngineTarget):
             target.llm.executor.reset_peak_stats()
+        elif target.kv_stats() is not None:
+            self.poller = threading.Thread(target=self._poll, daemon=True)
+            self.poller.start()
+
+    def _poll(self):
+        while not self.stopping.wait(0.1):
+            self.sampled_max = max(self.sampled_max, self.target.kv_stats()["blocks_used"])
 
     def summary(self) -> dict | None:
+        self.stopping.set()
+        if self.poller:
+            self.poller.join()
         stats = self.target.kv_stats()
         if stats is None:
             return None
-        return {"blocks_total": stats["blocks_total"], "blocks_used_max": stats["blocks_used_peak"],
-                "utilization_max": stats["blocks_used_peak"] / stats["blocks_total"],
+        used = max(stats["blocks_used_peak"] if self.poller is None else self.sampled_max, stats["blocks_used"])
+        return {"blocks_total": stats["blocks_total"], "blocks_used_max": used,
+                "blocks_used_peak_since_start": stats["blocks_used_peak"],
+                "utilization_max": used / stats["blocks_total"],
                 "preemptions": stats["preemptions"], "prefix_hit_rate": stats["prefix_hit_rate"]}
 
 
@@ -311,6 +348,8 @@ def main(argv: list[str] | None = None) -> int:
     where.add_argument("--url", help="tritonserver gRPC HOST:PORT")
     where.add_argument("--engine", help="an engine dir, run in this process")
     parser.add_argument("--model", default="ensemble", help="model to call over gRPC")
+    parser.add_argument("--metrics-url", default=None,
+                        help="Triton's metrics HOST:PORT, to report the served engine's KV cache use")
     parser.add_argument("--tokenizer", default=None,
                         help="engine dir or tokenizer.json for synthetic prompts (default: --engine)")
     parser.add_argument("--prompts", default=None, help="a .txt (one per line) or .jsonl (text) prompt file")
@@ -332,7 +371,7 @@ def main(argv: list[str] | None = None) -> int:
         import torch
 
         torch.set_num_threads(args.threads)
-    target = EngineTarget(args.engine) if args.engine else GrpcTarget(args.url, args.model)
+    target = EngineTarget(args.engine) if args.engine else GrpcTarget(args.url, args.model, args.metrics_url)
     try:
         if args.prompts:
             base_prompts = file_prompts(args.prompts)

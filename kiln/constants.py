@@ -80,3 +80,9 @@ CKPT_LAYER_TENSORS = (
     "mlp.down.weight",
 )
 CKPT_QKV_BIASES = ("attention.q.bias", "attention.k.bias", "attention.v.bias")
+
+# engine model custom metrics (Triton metrics endpoint, Prometheus text format)
+METRIC_KV_BLOCKS = "kiln_kv_cache_blocks"
+METRIC_REQUESTS = "kiln_requests"
+METRIC_PREEMPTIONS = "kiln_preemptions"
+METRIC_PREFIX_HIT_RATE = "kiln_prefix_hit_rate"

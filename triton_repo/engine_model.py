@@ -18,6 +18,39 @@ log = logging.getLogger("kiln.triton")
 POLL_S = 0.05  # how often the dispatcher looks for cancelled requests while idle
 
 
+class EngineMetrics:
+    """The executor's state as Triton custom metrics (gauges on the metrics port's /metrics):
+    kiln_kv_cache_blocks{state=total|used|peak|free}, kiln_requests{state=running|queued},
+    kiln_preemptions, kiln_prefix_hit_rate."""
+
+    def __init__(self, model_name: str):
+        import triton_python_backend_utils as pb_utils
+
+        def family(name: str, description: str):
+            return pb_utils.MetricFamily(name=name, description=description, kind=pb_utils.MetricFamily.GAUGE)
+
+        blocks = family(names.METRIC_KV_BLOCKS, "KV cache blocks by state (peak: most in use since start)")
+        requests = family(names.METRIC_REQUESTS, "requests running in the engine or queued for it")
+        preemptions = family(names.METRIC_PREEMPTIONS, "sequences preempted (recomputed later) since start")
+        hit_rate = family(names.METRIC_PREFIX_HIT_RATE, "share of prompt tokens served from cached KV blocks")
+        label = {"model": model_name}
+        self.gauges = {
+            "blocks_total": blocks.Metric(labels={**label, "state": "total"}),
+            "blocks_used": blocks.Metric(labels={**label, "state": "used"}),
+            "blocks_used_peak": blocks.Metric(labels={**label, "state": "peak"}),
+            "blocks_free": blocks.Metric(labels={**label, "state": "free"}),
+            "running": requests.Metric(labels={**label, "state": "running"}),
+            "queued": requests.Metric(labels={**label, "state": "queued"}),
+            "preemptions": preemptions.Metric(labels=label),
+            "prefix_hit_rate": hit_rate.Metric(labels=label),
+        }
+        self._families = (blocks, requests, preemptions, hit_rate)  # keep them registered
+
+    def update(self, stats: dict) -> None:
+        for key, gauge in self.gauges.items():
+            gauge.set(float(stats[key]))
+
+
 @dataclass
 class Active:
     sender: object
@@ -36,6 +69,7 @@ class TritonPythonModel:
         self.active: dict[int, Active] = {}
         self.lock = threading.Lock()
         self.stopping = threading.Event()
+        self.metrics = EngineMetrics(args["model_name"])
         self.dispatcher = threading.Thread(target=self._dispatch, name="kiln-dispatch", daemon=True)
         self.dispatcher.start()
 
@@ -109,6 +143,7 @@ class TritonPythonModel:
                 for request_id, state in self.active.items():
                     if state.sender.is_cancelled():
                         self.executor.cancel(request_id)
+            self.metrics.update(self.executor.stats())
 
     @staticmethod
     def _send(state: Active, response=None, flags=0) -> None:

@@ -19,7 +19,7 @@ def test_percentiles_on_known_inputs():
     assert percentile(list(range(101)), 99) == pytest.approx(99.0)
 
 
-def check_report(path, levels, key, requests, output_tokens, in_process):
+def check_report(path, levels, key, requests, output_tokens, in_process, kv_reported=None):
     report = json.loads(path.read_text())
     assert report["output_tokens"] == output_tokens and report["machine"]["cpus"] >= 1
     assert [r[key] for r in report["results"]] == levels
@@ -30,7 +30,7 @@ def check_report(path, levels, key, requests, output_tokens, in_process):
             assert set(result[metric]) == DISTRIBUTION
             assert 0 < result[metric]["p50"] <= result[metric]["p99"]
         assert result["ttft_ms"]["p50"] <= result["e2e_ms"]["p50"]
-        assert (result["kv_cache"] is not None) == in_process
+        assert (result["kv_cache"] is not None) == (in_process if kv_reported is None else kv_reported)
         if in_process:
             assert 0 < result["kv_cache"]["utilization_max"] <= 1
     return report
@@ -63,5 +63,13 @@ def test_bench_against_tritonserver(tiny_engines, tmp_path):
     with TritonServer(engine.parent / "triton_repo", log_file=tmp_path / "triton.log") as server:
         code = main(["--url", server.grpc_url, "--tokenizer", str(engine), "--concurrency", "1", "2",
                      "--requests", "3", "--input-tokens", "10", "--output-tokens", "5", "--json", str(out)])
+        assert code == 0
+        check_report(out, [1, 2], "concurrency", 3, 5, in_process=False)
+        # with Triton's metrics endpoint, the served engine's KV cache use is reported too
+        code = main(["--url", server.grpc_url, "--tokenizer", str(engine), "--concurrency", "2", "--requests", "3",
+                     "--input-tokens", "40", "--output-tokens", "5", "--json", str(out),
+                     "--metrics-url", f"127.0.0.1:{server.metrics_port}"])
     assert code == 0
-    check_report(out, [1, 2], "concurrency", 3, 5, in_process=False)
+    report = check_report(out, [2], "concurrency", 3, 5, in_process=False, kv_reported=True)
+    kv = report["results"][0]["kv_cache"]  # a 45-token sequence holds 2 blocks of 32
+    assert kv["blocks_used_peak_since_start"] >= 2 and kv["blocks_total"] > kv["blocks_used_peak_since_start"]
