@@ -74,6 +74,10 @@ def test_request_over_the_limits_gets_an_error_and_the_server_stays_up(server, l
         list(stream_generate(server.grpc_url, too_long, max_tokens=4))
     with pytest.raises(KilnError, match="max_seq_len 1024"):
         list(stream_generate(server.grpc_url, PROMPTS[0], max_tokens=2000))
+    with pytest.raises(KilnError, match="max_tokens must be >= 1"):
+        list(stream_generate(server.grpc_url, PROMPTS[0], max_tokens=0))
+    with pytest.raises(KilnError, match="top_p must be in"):
+        list(stream_generate(server.grpc_url, PROMPTS[0], max_tokens=4, top_p=1.5))
     assert "".join(stream_generate(server.grpc_url, PROMPTS[0], max_tokens=8)) == llm.generate(PROMPTS[0], max_tokens=8).text
 
 
