@@ -39,11 +39,13 @@ def _generate(args) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["bench"]:  # its own parser: kiln bench --help
-        from kiln.bench import main as bench
-
+    if argv[:1] in (["bench"], ["eval"]):  # their own parsers: kiln bench --help, kiln eval --help
+        if argv[0] == "bench":
+            from kiln.bench import main as command
+        else:
+            from kiln.eval import main as command
         try:
-            return bench(argv[1:])
+            return command(argv[1:])
         except KilnError as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 2
@@ -71,6 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     gen.set_defaults(run=_generate)
 
     sub.add_parser("bench", help="benchmark an engine or a server (kiln bench --help)")
+    sub.add_parser("eval", help="perplexity of an engine on a text file (kiln eval --help)")
 
     args = parser.parse_args(argv)
     try:
