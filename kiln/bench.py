@@ -219,23 +219,34 @@ def summarize(records: list[Record], duration: float, **label) -> dict:
     }
 
 
+class Collector:
+    """Measures requests from many threads into one list."""
+
+    def __init__(self, target, max_tokens: int, on_done: Callable[[], None]):
+        self.target, self.max_tokens, self.on_done = target, max_tokens, on_done
+        self.records: list[Record] = []
+        self.lock = threading.Lock()
+
+    def run(self, prompt: str) -> None:
+        record = measure(self.target, prompt, self.max_tokens)
+        with self.lock:
+            self.records.append(record)
+        self.on_done()
+
+
 def run_concurrency(target, prompts: list[str], concurrency: int, max_tokens: int,
                     on_done: Callable[[], None] = lambda: None) -> dict:
     """Closed loop: `concurrency` clients, each sends its next request when the last ends."""
     pending = list(reversed(prompts))
-    lock = threading.Lock()
-    records: list[Record] = []
+    collector = Collector(target, max_tokens, on_done)
 
     def client():
         while True:
-            with lock:
+            with collector.lock:
                 if not pending:
                     return
                 prompt = pending.pop()
-            record = measure(target, prompt, max_tokens)
-            with lock:
-                records.append(record)
-            on_done()
+            collector.run(prompt)
 
     kv = KVWatch(target)
     start = time.perf_counter()
@@ -245,7 +256,7 @@ def run_concurrency(target, prompts: list[str], concurrency: int, max_tokens: in
     for t in threads:
         t.join()
     duration = time.perf_counter() - start
-    return {**summarize(records, duration, mode="concurrency", concurrency=concurrency),
+    return {**summarize(collector.records, duration, mode="concurrency", concurrency=concurrency),
             "kv_cache": kv.summary()}
 
 
@@ -253,27 +264,20 @@ def run_rate(target, prompts: list[str], rate: float, max_tokens: int, seed: int
              on_done: Callable[[], None] = lambda: None) -> dict:
     """Open loop: requests arrive as a Poisson process of `rate` requests per second."""
     rng = random.Random(seed)
-    records: list[Record] = []
-    lock = threading.Lock()
-
-    def one(prompt):
-        record = measure(target, prompt, max_tokens)
-        with lock:
-            records.append(record)
-        on_done()
+    collector = Collector(target, max_tokens, on_done)
 
     kv = KVWatch(target)
     start = time.perf_counter()
     threads = []
     for prompt in prompts:
-        thread = threading.Thread(target=one, args=(prompt,))
+        thread = threading.Thread(target=collector.run, args=(prompt,))
         thread.start()
         threads.append(thread)
         time.sleep(rng.expovariate(rate))
     for t in threads:
         t.join()
     duration = time.perf_counter() - start
-    return {**summarize(records, duration, mode="rate", request_rate=rate), "kv_cache": kv.summary()}
+    return {**summarize(collector.records, duration, mode="rate", request_rate=rate), "kv_cache": kv.summary()}
 
 
 # --- reporting -------------------------------------------------------------------------------

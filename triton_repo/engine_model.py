@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -16,6 +17,8 @@ from kiln.triton_repo.model_utils import error_response, optional_scalar, parame
 log = logging.getLogger("kiln.triton")
 
 POLL_S = 0.05  # how often the dispatcher looks for cancelled requests while idle
+METRICS_INTERVAL_S = 0.5  # gauges refresh this often, and when a request ends (not per token:
+# stats() takes the executor's lock)
 
 
 class EngineMetrics:
@@ -127,6 +130,7 @@ class TritonPythonModel:
         from kiln.runtime.executor import FINISH_ERROR
 
         final = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+        next_metrics = 0.0
         while not self.stopping.is_set():
             responses = self.executor.await_responses(timeout=POLL_S)
             with self.lock:
@@ -143,7 +147,10 @@ class TritonPythonModel:
                 for request_id, state in self.active.items():
                     if state.sender.is_cancelled():
                         self.executor.cancel(request_id)
-            self.metrics.update(self.executor.stats())
+            # refresh when due, and whenever a request ends (per request, not per token)
+            if time.monotonic() >= next_metrics or any(r.finished for r in responses):
+                self.metrics.update(self.executor.stats())
+                next_metrics = time.monotonic() + METRICS_INTERVAL_S
 
     @staticmethod
     def _send(state: Active, response=None, flags=0) -> None:
