@@ -15,21 +15,23 @@ import logging
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+import torch
 
 from kiln.errors import ConfigError, RequestError
 from kiln.runtime.engine import Engine
 from kiln.runtime.kv_cache import KVCacheManager
 from kiln.runtime.model import KVPool
-from kiln.runtime.model_runner import ModelRunner
+from kiln.runtime.model_runner import ModelRunner, Sample
 from kiln.runtime.options import RuntimeOptions
-from kiln.runtime.sampling import SamplingParams
+from kiln.runtime.sampling import SamplingParams, ends_with_stop_word
 from kiln.runtime.scheduler import Scheduler
 from kiln.runtime.sequence import Sequence
 
 log = logging.getLogger("kiln.executor")
 
-FINISH_STOP = "stop"  # an end id was sampled
+FINISH_STOP = "stop"  # an end id or a stop word was sampled
 FINISH_LENGTH = "length"  # max_tokens reached
 FINISH_CANCELLED = "cancelled"
 FINISH_ERROR = "error"
@@ -42,6 +44,10 @@ class Response:
     finished: bool = False
     finish_reason: str | None = None
     error: str | None = None
+    # what the request asked to get back, for the tokens of this response
+    log_probs: list[float] = field(default_factory=list)
+    generation_logits: list[torch.Tensor] = field(default_factory=list)
+    context_logits: torch.Tensor | None = None  # [prompt, vocab], on the first response
 
 
 class Executor:
@@ -117,6 +123,14 @@ class Executor:
         bad = [t for t in prompt_ids if not 0 <= t < vocab]
         if bad:
             raise RequestError(f"token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+        for what, words in (("stop_words", params.stop_words), ("bad_words", params.bad_words)):
+            outside = [t for word in words for t in word if not 0 <= t < vocab]
+            if outside:
+                raise RequestError(f"{what} token ids {outside[:5]} are outside the vocabulary [0, {vocab})")
+        if params.end_id is not None and not 0 <= params.end_id < vocab:
+            raise RequestError(f"end_id {params.end_id} is outside the vocabulary [0, {vocab})")
+        if params.embedding_bias is not None and len(params.embedding_bias) != vocab:
+            raise RequestError(f"embedding_bias has {len(params.embedding_bias)} values; the vocabulary has {vocab}")
 
     def enqueue(self, prompt_ids: list[int], params: SamplingParams) -> int:
         request_id = next(self._ids)
@@ -234,22 +248,35 @@ class Executor:
                 seq.num_computed += count
                 self.kv.register_full_blocks(seq)
                 self._counters["tokens_computed"] += count
-            for seq, token in sampled:
-                self._on_token(seq, token)
+            for sample in sampled:
+                self._on_token(sample)
 
-    def _on_token(self, seq: Sequence, token: int) -> None:  # with the lock held
-        if token in seq.stop_ids:
-            self._finish(seq, FINISH_STOP)
+    def _on_token(self, sample: Sample) -> None:  # with the lock held
+        seq, token = sample.seq, sample.token
+        response = Response(seq.request_id, [])
+        if seq.num_generated == 0 and seq.context_logits is not None:
+            response.context_logits, seq.context_logits = seq.context_logits, None
+        if token in seq.stop_ids:  # the end id itself is not part of the output
+            self._finish(seq, FINISH_STOP, response=response)
             return
         seq.token_ids.append(token)
+        response.token_ids.append(token)
+        if sample.log_prob is not None:
+            response.log_probs.append(sample.log_prob)
+        if sample.logits is not None:
+            response.generation_logits.append(sample.logits)
         self._counters["tokens_generated"] += 1
-        if seq.num_generated == seq.params.max_tokens:
-            self._finish(seq, FINISH_LENGTH, tokens=[token])
+        if ends_with_stop_word(seq.token_ids, seq.params):  # the stop word is kept
+            self._finish(seq, FINISH_STOP, response=response)
+        elif seq.num_generated == seq.params.max_tokens:
+            self._finish(seq, FINISH_LENGTH, response=response)
         else:
-            self._emit(Response(seq.request_id, [token]))
+            self._emit(response)
 
-    def _finish(self, seq: Sequence, reason: str, error: str | None = None, tokens: list[int] | None = None) -> None:
+    def _finish(self, seq: Sequence, reason: str, error: str | None = None, response: Response | None = None) -> None:
         self.scheduler.finish(seq, reason)
         del self._live[seq.request_id]
         self._counters["requests_finished"] += 1
-        self._emit(Response(seq.request_id, tokens or [], True, reason, error))
+        response = response or Response(seq.request_id, [])
+        response.finished, response.finish_reason, response.error = True, reason, error
+        self._emit(response)

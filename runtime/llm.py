@@ -8,6 +8,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+import torch
+
 from kiln.errors import RequestError
 from kiln.runtime.detokenizer import IncrementalDetokenizer
 from kiln.runtime.engine import read_engine_json
@@ -27,6 +29,10 @@ class StreamChunk:
     text: str
     prefix_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None
+    # when the request asked for them (SamplingParams.return_*): one per token of this chunk
+    log_probs: list[float] = field(default_factory=list)
+    generation_logits: list[torch.Tensor] = field(default_factory=list)
+    context_logits: torch.Tensor | None = None  # [prompt, vocab]: on the first chunk
 
 
 @dataclass
@@ -35,20 +41,40 @@ class GenerationOutput:
     token_ids: list[int]
     text: str
     finish_reason: str
+    log_probs: list[float] = field(default_factory=list)
+    generation_logits: torch.Tensor | None = None  # [tokens, vocab]
+    context_logits: torch.Tensor | None = None
+
+    @property
+    def cum_log_prob(self) -> float:
+        return sum(self.log_probs)
 
 
 class ChunkAssembler:
-    """Turns one request's executor responses into text chunks that never split a character."""
+    """Turns one request's executor responses into text chunks that never split a character;
+    per-token extras (log probs, logits) travel with their tokens."""
 
     def __init__(self, tokenizer, prompt_ids: list[int]):
         self.detok = IncrementalDetokenizer(tokenizer, prompt_ids)
+        self.log_probs: list[float] = []
+        self.generation_logits: list[torch.Tensor] = []
+        self.context_logits: torch.Tensor | None = None
 
     def add(self, response: Response) -> StreamChunk | None:
+        self.log_probs += response.log_probs
+        self.generation_logits += response.generation_logits
+        if response.context_logits is not None:
+            self.context_logits = response.context_logits
         emitted = self.detok.add(response.token_ids, final=response.finished)
         if response.finished:
-            prefix, tokens, text = emitted or ([], [], "")
-            return StreamChunk(tokens, text, prefix, response.finish_reason)
-        return StreamChunk(emitted[1], emitted[2], emitted[0]) if emitted else None
+            emitted = emitted or ([], [], "")
+        if emitted is None:
+            return None
+        prefix, tokens, text = emitted
+        chunk = StreamChunk(tokens, text, prefix, response.finish_reason, self.log_probs, self.generation_logits,
+                            self.context_logits)
+        self.log_probs, self.generation_logits, self.context_logits = [], [], None
+        return chunk
 
 
 class LLM:
@@ -105,14 +131,21 @@ class LLM:
         return outputs[0] if single else outputs
 
     def _collect(self, request_id: int, prompt_ids: list[int]) -> GenerationOutput:
-        tokens: list[int] = []
+        out = GenerationOutput(prompt_ids, [], "", "")
         text: list[str] = []
-        finish = ""
+        logits: list[torch.Tensor] = []
         for chunk in self._chunks(request_id, prompt_ids):
-            tokens += chunk.token_ids
+            out.token_ids += chunk.token_ids
             text.append(chunk.text)
-            finish = chunk.finish_reason or finish
-        return GenerationOutput(prompt_ids, tokens, "".join(text), finish)
+            out.finish_reason = chunk.finish_reason or out.finish_reason
+            out.log_probs += chunk.log_probs
+            logits += chunk.generation_logits
+            if chunk.context_logits is not None:
+                out.context_logits = chunk.context_logits
+        out.text = "".join(text)
+        if logits:
+            out.generation_logits = torch.stack(logits)
+        return out
 
     def stats(self) -> dict:
         return self.executor.stats()

@@ -55,7 +55,7 @@ class Scheduler:
                 budget -= count
         while self.waiting and budget > 0 and len(self.running) < self.max_batch_size:
             seq = self.waiting[0]
-            if not seq.block_table:
+            if not seq.block_table and not seq.params.return_context_logits:  # those need every row
                 self.kv.match_prefix(seq)
             count = min(seq.remaining, budget)
             if not self._admissible(seq) or not self.kv.allocate(seq, seq.num_computed + count):

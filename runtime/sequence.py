@@ -5,6 +5,8 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+import torch
+
 from kiln.runtime.sampling import Sampler, SamplingParams
 
 
@@ -27,6 +29,7 @@ class Sequence:
     block_hashes: list[int] = field(default_factory=list)  # of the full blocks, in order
     finish_reason: str | None = None
     arrival: float = field(default_factory=time.monotonic)
+    context_logits: torch.Tensor | None = None  # [prompt, vocab], when the request asks for them
 
     def __post_init__(self):
         self.token_ids = list(self.prompt_ids)
