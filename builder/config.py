@@ -77,7 +77,9 @@ class RuntimeSection(_Section):
 
 class TritonSection(_Section):
     output: str | None = Field(None, description="where to write the model repository")
-    model_names: Literal["kiln"] = "kiln"
+    model_names: Literal["kiln", "tensorrt_llm"] = Field(
+        "kiln", description="kiln: preprocessing, kiln, postprocessing, ensemble, kiln_bls; tensorrt_llm: "
+                            "TensorRT-LLM's names (tensorrt_llm, tensorrt_llm_bls, ...)")
     instances: int = Field(1, ge=1, le=64)
 
 

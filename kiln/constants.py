@@ -32,37 +32,123 @@ def layer_tensor(index: int, name: str) -> str:
 
 
 # --- Triton model repository ------------------------------------------------------------
-MODEL_PREPROCESSING = "preprocessing"
-MODEL_ENGINE = "kiln"
-MODEL_POSTPROCESSING = "postprocessing"
-MODEL_ENSEMBLE = "ensemble"
-ENGINE_DIR_PARAMETER = "engine_dir"  # config.pbtxt parameter; relative to the repository
+# Model roles and their names under `triton.model_names` (kiln's own, or TensorRT-LLM's
+# inflight_batcher_llm names so its clients need no change). Tensor names are TensorRT-LLM's
+# in both.
+ROLE_PREPROCESSING = "preprocessing"
+ROLE_ENGINE = "engine"
+ROLE_POSTPROCESSING = "postprocessing"
+ROLE_ENSEMBLE = "ensemble"
+ROLE_BLS = "bls"
+MODEL_NAME_SETS = {
+    "kiln": {ROLE_PREPROCESSING: "preprocessing", ROLE_ENGINE: "kiln", ROLE_POSTPROCESSING: "postprocessing",
+             ROLE_ENSEMBLE: "ensemble", ROLE_BLS: "kiln_bls"},
+    "tensorrt_llm": {ROLE_PREPROCESSING: "preprocessing", ROLE_ENGINE: "tensorrt_llm",
+                     ROLE_POSTPROCESSING: "postprocessing", ROLE_ENSEMBLE: "ensemble",
+                     ROLE_BLS: "tensorrt_llm_bls"},
+}
+MODEL_PREPROCESSING = MODEL_NAME_SETS["kiln"][ROLE_PREPROCESSING]
+MODEL_ENGINE = MODEL_NAME_SETS["kiln"][ROLE_ENGINE]
+MODEL_POSTPROCESSING = MODEL_NAME_SETS["kiln"][ROLE_POSTPROCESSING]
+MODEL_ENSEMBLE = MODEL_NAME_SETS["kiln"][ROLE_ENSEMBLE]
+MODEL_BLS = MODEL_NAME_SETS["kiln"][ROLE_BLS]
+# config.pbtxt parameters (paths relative to the repository)
+ENGINE_DIR_PARAMETER = "engine_dir"
 TOKENIZER_DIR_PARAMETER = "tokenizer_dir"
+PREPROCESSING_MODEL_PARAMETER = "preprocessing_model_name"  # the BLS model's partners
+ENGINE_MODEL_PARAMETER = "tensorrt_llm_model_name"
+POSTPROCESSING_MODEL_PARAMETER = "postprocessing_model_name"
 
-# ensemble inputs / outputs (TensorRT-LLM's inflight_batcher_llm names)
+# ensemble and BLS inputs (TensorRT-LLM's names, types and dims)
 TEXT_INPUT = "text_input"
 MAX_TOKENS = "max_tokens"
-STREAM = "stream"
-TEMPERATURE = "temperature"
+BAD_WORDS = "bad_words"
+STOP_WORDS = "stop_words"
+EXCLUDE_INPUT_IN_OUTPUT = "exclude_input_in_output"
+END_ID = "end_id"
+PAD_ID = "pad_id"
 TOP_K = "top_k"
 TOP_P = "top_p"
+TEMPERATURE = "temperature"
+LENGTH_PENALTY = "length_penalty"
+REPETITION_PENALTY = "repetition_penalty"
+MIN_TOKENS = "min_tokens"
+PRESENCE_PENALTY = "presence_penalty"
+FREQUENCY_PENALTY = "frequency_penalty"
 SEED = "seed"
-END_ID = "end_id"
-TEXT_OUTPUT = "text_output"
+RETURN_LOG_PROBS = "return_log_probs"
+RETURN_CONTEXT_LOGITS = "return_context_logits"
+RETURN_GENERATION_LOGITS = "return_generation_logits"
+RETURN_NUM_INPUT_TOKENS = "return_num_input_tokens"
+RETURN_NUM_OUTPUT_TOKENS = "return_num_output_tokens"
+BEAM_WIDTH = "beam_width"
+NUM_RETURN_SEQUENCES = "num_return_sequences"
+STREAM = "stream"
+EMBEDDING_BIAS_WORDS = "embedding_bias_words"
+EMBEDDING_BIAS_WEIGHTS = "embedding_bias_weights"
+LORA_TASK_ID = "lora_task_id"
+LORA_WEIGHTS = "lora_weights"
+LORA_CONFIG = "lora_config"
+PROMPT_EMBEDDING_TABLE = "prompt_embedding_table"
+PROMPT_VOCAB_SIZE = "prompt_vocab_size"
+GUIDED_DECODING_GUIDE_TYPE = "guided_decoding_guide_type"
+GUIDED_DECODING_GUIDE = "guided_decoding_guide"
+# older names, accepted as aliases
+RANDOM_SEED = "random_seed"  # = seed
+MIN_LENGTH = "min_length"  # = min_tokens
+ALIASES = {RANDOM_SEED: SEED, MIN_LENGTH: MIN_TOKENS}
 
-# between the composing models
+# ensemble and BLS outputs
+TEXT_OUTPUT = "text_output"
+CUM_LOG_PROBS = "cum_log_probs"
+OUTPUT_LOG_PROBS = "output_log_probs"
+CONTEXT_LOGITS = "context_logits"
+GENERATION_LOGITS = "generation_logits"
+BATCH_INDEX = "batch_index"
+SEQUENCE_INDEX = "sequence_index"
+NUM_INPUT_TOKENS = "num_input_tokens"
+NUM_OUTPUT_TOKENS = "num_output_tokens"
+
+# engine model (tensorrt_llm) inputs beyond the shared ones above
 INPUT_IDS = "input_ids"
 INPUT_LENGTHS = "input_lengths"
 REQUEST_OUTPUT_LEN = "request_output_len"
-STREAMING = "streaming"
+STOP_WORDS_LIST = "stop_words_list"
+BAD_WORDS_LIST = "bad_words_list"
+EMBEDDING_BIAS = "embedding_bias"
 RUNTIME_TOP_K = "runtime_top_k"
 RUNTIME_TOP_P = "runtime_top_p"
-RANDOM_SEED = "random_seed"
+LEN_PENALTY = "len_penalty"
+EARLY_STOPPING = "early_stopping"
+STOP = "stop"  # with the id of a running request: end it
+STREAMING = "streaming"
+DRAFT_INPUT_IDS = "draft_input_ids"
+# engine model outputs
 OUTPUT_IDS = "output_ids"
 SEQUENCE_LENGTH = "sequence_length"
-PREFIX_IDS = "prefix_ids"  # tokens before output_ids that decoding needs for context
+PREFIX_IDS = "prefix_ids"  # kiln: the tokens before output_ids that decoding needs for context
+
+# preprocessing
+QUERY = "QUERY"
+REQUEST_OUTPUT_LEN_UPPER = "REQUEST_OUTPUT_LEN"
+BAD_WORDS_DICT = "BAD_WORDS_DICT"
+STOP_WORDS_DICT = "STOP_WORDS_DICT"
+EMBEDDING_BIAS_WORDS_UPPER = "EMBEDDING_BIAS_WORDS"
+EMBEDDING_BIAS_WEIGHTS_UPPER = "EMBEDDING_BIAS_WEIGHTS"
+END_ID_UPPER = "END_ID"
+PAD_ID_UPPER = "PAD_ID"
+INPUT_ID = "INPUT_ID"
+REQUEST_INPUT_LEN = "REQUEST_INPUT_LEN"
+BAD_WORDS_IDS = "BAD_WORDS_IDS"
+STOP_WORDS_IDS = "STOP_WORDS_IDS"
+EMBEDDING_BIAS_UPPER = "EMBEDDING_BIAS"
+OUT_END_ID = "OUT_END_ID"
+OUT_PAD_ID = "OUT_PAD_ID"
+# postprocessing
 TOKENS_BATCH = "TOKENS_BATCH"
-PREFIX_BATCH = "PREFIX_BATCH"
+SEQUENCE_LENGTH_UPPER = "SEQUENCE_LENGTH"
+PREFIX_IDS_UPPER = "PREFIX_IDS"  # kiln: optional, the engine's prefix_ids (streamed text stays whole)
+OUTPUT = "OUTPUT"
 
 # --- canonical (unfused) checkpoint tensors: what every checkpoint reader produces ---------
 CKPT_EMBED = "embed.weight"

@@ -1,4 +1,4 @@
-"""The client side: stream a generation from a kiln ensemble over tritonclient gRPC."""
+"""The client side: requests to a kiln (or TensorRT-LLM) ensemble / BLS model with tritonclient."""
 from __future__ import annotations
 
 import queue
@@ -9,35 +9,40 @@ import numpy as np
 
 from kiln import constants as names
 from kiln.errors import KilnError
+from kiln.triton_repo.model_configs import TEXT_INPUTS
+
+NUMPY_TYPES = {"STRING": np.object_, "BOOL": np.bool_, "INT32": np.int32, "UINT64": np.uint64,
+               "FP32": np.float32, "FP16": np.float16}
 
 
-def ensemble_inputs(prompt: str, max_tokens: int, stream: bool, temperature: float | None = None,
-                    top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
-                    end_id: int | None = None, module=None):
-    """The ensemble's input tensors for one request (tritonclient.grpc or .http InferInput)."""
+def ensemble_inputs(prompt: str, max_tokens: int, stream: bool, module=None, **options):
+    """The input tensors of one request (tritonclient.grpc or .http InferInput). `options` are
+    any of the ensemble's inputs by name (top_k=..., stop_words=[...], return_log_probs=True);
+    None leaves one out."""
     if module is None:
         import tritonclient.grpc as module
-
-    def tensor(name: str, value, dtype: str, np_dtype):
-        t = module.InferInput(name, [1, 1], dtype)
-        t.set_data_from_numpy(np.array([[value]], dtype=np_dtype))
-        return t
-
-    inputs = [
-        tensor(names.TEXT_INPUT, prompt.encode("utf-8"), "BYTES", np.object_),
-        tensor(names.MAX_TOKENS, max_tokens, "INT32", np.int32),
-        tensor(names.STREAM, stream, "BOOL", np.bool_),
-    ]
-    optional = [(names.TEMPERATURE, temperature, "FP32", np.float32), (names.TOP_K, top_k, "INT32", np.int32),
-                (names.TOP_P, top_p, "FP32", np.float32), (names.SEED, seed, "UINT64", np.uint64),
-                (names.END_ID, end_id, "INT32", np.int32)]
-    inputs += [tensor(n, v, d, npd) for n, v, d, npd in optional if v is not None]
+    specs = {spec.name: spec for spec in TEXT_INPUTS}
+    values = {names.TEXT_INPUT: prompt, names.MAX_TOKENS: max_tokens, names.STREAM: stream, **options}
+    inputs = []
+    for name, value in values.items():
+        if value is None:
+            continue
+        if name not in specs:
+            raise KilnError(f"{name!r} is not an input of the ensemble (see docs/triton.md)")
+        spec = specs[name]
+        items = list(value) if isinstance(value, (list, tuple)) else [value]
+        if spec.dtype == "STRING":
+            items = [v.encode("utf-8") if isinstance(v, str) else v for v in items]
+        array = np.array([items], dtype=NUMPY_TYPES[spec.dtype])
+        tensor = module.InferInput(name, list(array.shape), "BYTES" if spec.dtype == "STRING" else spec.dtype)
+        tensor.set_data_from_numpy(array)
+        inputs.append(tensor)
     return inputs
 
 
-def stream_generate(url: str, prompt: str, max_tokens: int = 64, model: str = names.MODEL_ENSEMBLE,
-                    timeout: float = 600.0, **sampling) -> Iterator[str]:
-    """Yield text chunks as the server streams them (gRPC bidirectional stream)."""
+def stream_responses(url: str, prompt: str, max_tokens: int = 64, model: str = names.MODEL_ENSEMBLE,
+                     timeout: float = 600.0, request_id: str | None = None, **options) -> Iterator:
+    """Yield each streamed response (tritonclient.grpc InferResult) of one request."""
     import tritonclient.grpc as grpcclient
     from tritonclient.utils import InferenceServerException
 
@@ -45,10 +50,8 @@ def stream_generate(url: str, prompt: str, max_tokens: int = 64, model: str = na
     client = grpcclient.InferenceServerClient(url)
     try:
         client.start_stream(callback=lambda result, error: responses.put((result, error)))
-        client.async_stream_infer(
-            model, ensemble_inputs(prompt, max_tokens, True, **sampling),
-            request_id=uuid.uuid4().hex, enable_empty_final_response=True,
-        )
+        client.async_stream_infer(model, ensemble_inputs(prompt, max_tokens, True, **options),
+                                  request_id=request_id or uuid.uuid4().hex, enable_empty_final_response=True)
         while True:
             try:
                 result, error = responses.get(timeout=timeout)
@@ -56,11 +59,20 @@ def stream_generate(url: str, prompt: str, max_tokens: int = 64, model: str = na
                 raise KilnError(f"no response from {url} within {timeout:.0f}s") from None
             if error is not None:
                 raise KilnError(f"server error: {error.message() if isinstance(error, InferenceServerException) else error}")
-            text = result.as_numpy(names.TEXT_OUTPUT)
-            if text is not None and text.size:
-                yield text.reshape(-1)[0].decode("utf-8")
             if result.get_response().parameters["triton_final_response"].bool_param:
+                if result.as_numpy(names.TEXT_OUTPUT) is not None:
+                    yield result
                 return
+            yield result
     finally:
         client.stop_stream()
         client.close()
+
+
+def stream_generate(url: str, prompt: str, max_tokens: int = 64, model: str = names.MODEL_ENSEMBLE,
+                    timeout: float = 600.0, **options) -> Iterator[str]:
+    """Yield text chunks as the server streams them (gRPC bidirectional stream)."""
+    for result in stream_responses(url, prompt, max_tokens, model, timeout, **options):
+        text = result.as_numpy(names.TEXT_OUTPUT)
+        if text is not None and text.size:
+            yield text.reshape(-1)[0].decode("utf-8")

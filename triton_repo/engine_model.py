@@ -12,7 +12,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from kiln import constants as names
-from kiln.triton_repo.model_utils import error_response, optional_scalar, parameter, repo_path, required
+from kiln.triton_repo.engine_request import OutputOptions
+from kiln.triton_repo.model_utils import error_response, optional_scalar, parameter, repo_path
 
 log = logging.getLogger("kiln.triton")
 
@@ -57,10 +58,51 @@ class EngineMetrics:
 @dataclass
 class Active:
     sender: object
-    streaming: bool
+    triton_id: str
+    prompt_ids: list[int]
+    options: OutputOptions
     assembler: object
-    tokens: list[int] = field(default_factory=list)  # non-streaming: everything, sent at the end
+    # non-streaming: everything, sent at the end
+    tokens: list[int] = field(default_factory=list)
+    log_probs: list[float] = field(default_factory=list)
+    generation_logits: list = field(default_factory=list)
+    context_logits: object = None
     prefix: list[int] | None = None
+
+
+def _batched(array: np.ndarray) -> np.ndarray:
+    return array[np.newaxis]
+
+
+def output_arrays(active: Active, tokens: list[int], prefix: list[int], log_probs: list[float],
+                  context_logits, generation_logits: list, streaming: bool) -> dict[str, np.ndarray]:
+    """One response's tensors (batch of 1, one beam). Outputs a request did not ask for are
+    still sent, as zeros (an ensemble forwards every output it declares)."""
+    options = active.options
+    output_ids = tokens if streaming or options.exclude_input_in_output else active.prompt_ids + tokens
+    n = len(tokens)
+    vocab = None
+    if context_logits is not None:
+        vocab = context_logits.shape[-1]
+    elif generation_logits:
+        vocab = generation_logits[0].shape[-1]
+    arrays = {
+        names.OUTPUT_IDS: np.array(output_ids, dtype=np.int32).reshape(1, -1),
+        names.SEQUENCE_LENGTH: np.array([len(output_ids)], dtype=np.int32),
+        names.PREFIX_IDS: np.array(prefix, dtype=np.int32),
+        names.CUM_LOG_PROBS: np.array([sum(log_probs) if options.return_log_probs else 0.0], dtype=np.float32),
+        names.OUTPUT_LOG_PROBS: np.array(log_probs if options.return_log_probs else [0.0] * n,
+                                         dtype=np.float32).reshape(1, n),
+        names.CONTEXT_LOGITS: (context_logits.numpy().astype(np.float32) if context_logits is not None
+                               else np.zeros((1, 1), dtype=np.float32)),
+        names.GENERATION_LOGITS: (np.stack([g.numpy() for g in generation_logits]).astype(np.float32)[np.newaxis]
+                                  if generation_logits else np.zeros((1, 1, vocab or 1), dtype=np.float32)),
+        names.BATCH_INDEX: np.array([0], dtype=np.int32),
+        names.SEQUENCE_INDEX: np.array([0], dtype=np.int32),
+        names.NUM_INPUT_TOKENS: np.array([len(active.prompt_ids)], dtype=np.int32),
+        names.NUM_OUTPUT_TOKENS: np.array([n], dtype=np.int32),
+    }
+    return {name: _batched(array) for name, array in arrays.items()}
 
 
 class TritonPythonModel:
@@ -76,53 +118,53 @@ class TritonPythonModel:
         self.dispatcher = threading.Thread(target=self._dispatch, name="kiln-dispatch", daemon=True)
         self.dispatcher.start()
 
-    def _parse(self, request):
-        from kiln.runtime.sampling import SamplingParams
-
-        ids = required(request, names.INPUT_IDS).reshape(-1)
-        length = int(optional_scalar(request, names.INPUT_LENGTHS, ids.size))
-        params = SamplingParams(
-            max_tokens=int(required(request, names.REQUEST_OUTPUT_LEN).reshape(-1)[0]),
-            temperature=float(optional_scalar(request, names.TEMPERATURE, 0.0)),
-            top_k=int(optional_scalar(request, names.RUNTIME_TOP_K, 0)),
-            top_p=float(optional_scalar(request, names.RUNTIME_TOP_P, 1.0)),
-            seed=optional_scalar(request, names.RANDOM_SEED),
-            end_id=optional_scalar(request, names.END_ID),
-        )
-        streaming = bool(optional_scalar(request, names.STREAMING, False))
-        return [int(t) for t in ids[:length]], params, streaming
-
     @staticmethod
-    def _response(tokens: list[int], prefix: list[int]):
+    def _response(arrays: dict[str, np.ndarray]):
         import triton_python_backend_utils as pb_utils
 
-        return pb_utils.InferenceResponse(
-            output_tensors=[
-                pb_utils.Tensor(names.OUTPUT_IDS, np.array(tokens, dtype=np.int32).reshape(1, 1, -1)),
-                pb_utils.Tensor(names.SEQUENCE_LENGTH, np.array([[len(tokens)]], dtype=np.int32)),
-                pb_utils.Tensor(names.PREFIX_IDS, np.array(prefix, dtype=np.int32).reshape(1, -1)),
-            ]
-        )
+        return pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor(k, v) for k, v in arrays.items()])
 
     def execute(self, requests):
         import triton_python_backend_utils as pb_utils
 
         from kiln.errors import KilnError
         from kiln.runtime.llm import ChunkAssembler
+        from kiln.triton_repo.engine_request import parse_engine_request
 
+        final = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
         for request in requests:
             sender = request.get_response_sender()
+
+            def get(name, request=request):
+                tensor = pb_utils.get_input_tensor_by_name(request, name)
+                return None if tensor is None else tensor.as_numpy()
+
             try:
-                prompt_ids, params, streaming = self._parse(request)
+                if optional_scalar(request, names.STOP, False):
+                    self._stop(request.request_id())
+                    sender.send(flags=final)
+                    continue
+                prompt_ids, params, options = parse_engine_request(get)
                 self.executor.check(prompt_ids, params)
             except (KilnError, ValueError, TypeError) as exc:
-                sender.send(error_response(f"{type(exc).__name__}: {exc}"),
-                            flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+                sender.send(error_response(f"{type(exc).__name__}: {exc}"), flags=final)
                 continue
             with self.lock:  # registered before the dispatcher can see its first response
                 request_id = self.executor.enqueue(prompt_ids, params)
-                self.active[request_id] = Active(sender, streaming, ChunkAssembler(self.llm.tokenizer, prompt_ids))
+                self.active[request_id] = Active(sender, request.request_id(), prompt_ids, options,
+                                                 ChunkAssembler(self.llm.tokenizer, prompt_ids))
         return None
+
+    def _stop(self, triton_id: str) -> None:
+        """TensorRT-LLM's `stop`: end the running request that has this request id."""
+        from kiln.errors import RequestError
+
+        with self.lock:
+            running = [rid for rid, state in self.active.items() if triton_id and state.triton_id == triton_id]
+        if not running:
+            raise RequestError(f"stop: no running request has the id {triton_id!r}")
+        for request_id in running:
+            self.executor.cancel(request_id)
 
     def _dispatch(self):
         import triton_python_backend_utils as pb_utils
@@ -164,15 +206,22 @@ class TritonPythonModel:
 
     def _forward(self, state: Active, response, final_flag) -> None:
         chunk = state.assembler.add(response)
-        if state.streaming:
-            if chunk is not None and chunk.token_ids:
-                self._send(state, self._response(chunk.token_ids, chunk.prefix_ids))
+        if state.options.streaming:
+            if chunk is not None and (chunk.token_ids or chunk.context_logits is not None):
+                arrays = output_arrays(state, chunk.token_ids, chunk.prefix_ids, chunk.log_probs,
+                                       chunk.context_logits, chunk.generation_logits, streaming=True)
+                self._send(state, self._response(arrays))
         elif chunk is not None:
             state.tokens += chunk.token_ids
-            state.prefix = chunk.prefix_ids if state.prefix is None else state.prefix
+            state.log_probs += chunk.log_probs
+            state.generation_logits += chunk.generation_logits
+            if chunk.context_logits is not None:
+                state.context_logits = chunk.context_logits
         if response.finished:
-            if not state.streaming:
-                self._send(state, self._response(state.tokens, state.prefix or []))
+            if not state.options.streaming:
+                arrays = output_arrays(state, state.tokens, [], state.log_probs, state.context_logits,
+                                       state.generation_logits, streaming=False)
+                self._send(state, self._response(arrays))
             self._send(state, flags=final_flag)
 
     def finalize(self):

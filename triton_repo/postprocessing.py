@@ -1,14 +1,31 @@
 """Triton `postprocessing` model: token ids -> text, stateless per response.
 
-Each response of the engine carries the new tokens and the few tokens before them; the text is
-decode(prefix + new) minus decode(prefix), the same delta `LLM.stream` yields, so streamed text
-never breaks a multi-byte character and keeps SentencePiece spacing."""
+TOKENS_BATCH [batch, beams, len] and SEQUENCE_LENGTH [batch, beams] as TensorRT-LLM sends
+them. With kiln's optional PREFIX_IDS (the engine's prefix_ids output), the text is
+decode(prefix + new) minus decode(prefix): the same delta `LLM.stream` yields, so streamed
+text never breaks a multi-byte character and keeps SentencePiece spacing."""
 from __future__ import annotations
 
 import numpy as np
 
 from kiln import constants as names
-from kiln.triton_repo.model_utils import engine_tokenizer, error_response, required
+from kiln.triton_repo.model_utils import engine_tokenizer, error_response
+
+
+def decode_batch(tokenizer, tokens: np.ndarray, lengths: np.ndarray | None, prefixes: np.ndarray | None) -> np.ndarray:
+    """[batch, beams] UTF-8 texts (one beam is what kiln produces)."""
+    from kiln.runtime.detokenizer import decode_delta
+
+    tokens = tokens.reshape(tokens.shape[0], -1, tokens.shape[-1])
+    texts = []
+    for b, beams in enumerate(tokens):
+        prefix = [] if prefixes is None else [int(t) for t in prefixes[b].reshape(-1) if t >= 0]
+        row = []
+        for k, beam in enumerate(beams):
+            n = beam.size if lengths is None else int(lengths.reshape(tokens.shape[0], -1)[b, k])
+            row.append(decode_delta(tokenizer, prefix, [int(t) for t in beam[:n] if t >= 0]).encode("utf-8"))
+        texts.append(row)
+    return np.array(texts, dtype=np.object_)
 
 
 class TritonPythonModel:
@@ -18,20 +35,17 @@ class TritonPythonModel:
     def execute(self, requests):
         import triton_python_backend_utils as pb_utils
 
-        from kiln.runtime.detokenizer import decode_delta
+        def get(request, name):
+            tensor = pb_utils.get_input_tensor_by_name(request, name)
+            return None if tensor is None else tensor.as_numpy()
 
         responses = []
         for request in requests:
-            try:
-                tokens = required(request, names.TOKENS_BATCH)  # [batch, beams, len]
-                prefixes = required(request, names.PREFIX_BATCH)  # [batch, len]
-            except ValueError as exc:
-                responses.append(error_response(f"postprocessing: {exc}"))
+            tokens = get(request, names.TOKENS_BATCH)
+            if tokens is None:
+                responses.append(error_response(f"postprocessing: input {names.TOKENS_BATCH!r} is required"))
                 continue
-            texts = []
-            for row, prefix in zip(tokens.reshape(tokens.shape[0], -1, tokens.shape[-1]), prefixes):
-                new = [int(t) for t in row[0] if t >= 0]  # -1 pads
-                texts.append(decode_delta(self.tokenizer, [int(t) for t in prefix if t >= 0], new).encode())
-            out = np.array(texts, dtype=np.object_).reshape(-1, 1)
-            responses.append(pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor(names.TEXT_OUTPUT, out)]))
+            texts = decode_batch(self.tokenizer, tokens, get(request, names.SEQUENCE_LENGTH_UPPER),
+                                 get(request, names.PREFIX_IDS_UPPER))
+            responses.append(pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor(names.OUTPUT, texts)]))
         return responses

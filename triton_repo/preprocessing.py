@@ -1,36 +1,111 @@
-"""Triton `preprocessing` model: text_input -> input_ids (the engine's tokenizer)."""
+"""Triton `preprocessing` model: text -> token ids, and TensorRT-LLM's word lists.
+
+QUERY -> INPUT_ID / REQUEST_INPUT_LEN; BAD_WORDS_DICT / STOP_WORDS_DICT (strings) -> the
+[2, N] word-list tensors (flat ids; cumulative end offsets padded with -1);
+EMBEDDING_BIAS_WORDS / _WEIGHTS -> a bias over the vocabulary; END_ID / PAD_ID passed on
+(defaults: the tokenizer's end-of-sequence token)."""
 from __future__ import annotations
+
+import json
+import os
 
 import numpy as np
 
 from kiln import constants as names
-from kiln.triton_repo.model_utils import engine_tokenizer, error_response, required
+from kiln.triton_repo.model_utils import engine_tokenizer, error_response, parameter, repo_path
+
+
+def word_list(tokenizer, words) -> list[list[int]]:
+    """The token sequences of a request's words (empty strings are skipped, as TensorRT-LLM does)."""
+    out = []
+    for word in [] if words is None else np.asarray(words).reshape(-1):
+        text = word.decode("utf-8") if isinstance(word, bytes) else str(word)
+        ids = tokenizer.encode(text, add_special_tokens=False).ids
+        if ids:
+            out.append(ids)
+    return out
+
+
+def word_list_tensor(words: list[list[int]]) -> np.ndarray:
+    """[1, 2, N]: flat ids, then cumulative end offsets padded with -1 (TensorRT-LLM's format)."""
+    flat = [t for word in words for t in word]
+    offsets = np.cumsum([len(word) for word in words]).tolist()
+    width = max(len(flat), len(offsets))
+    ids = flat + [0] * (width - len(flat))
+    ends = offsets + [-1] * (width - len(offsets))
+    return np.array([[ids, ends]], dtype=np.int32).reshape(1, 2, width)
+
+
+def embedding_bias(tokenizer, words, weights, vocab_size: int) -> np.ndarray:
+    if words is None or weights is None:
+        return np.zeros((1, 0), dtype=np.float32)
+    words, weights = np.asarray(words).reshape(-1), np.asarray(weights).reshape(-1)
+    if words.size != weights.size:
+        raise ValueError(f"embedding_bias_words has {words.size} words but embedding_bias_weights "
+                         f"{weights.size} weights")
+    bias = np.zeros(vocab_size, dtype=np.float32)
+    for ids, weight in zip([word_list(tokenizer, [w]) for w in words], weights):
+        for word in ids:
+            bias[word] += weight
+    return bias.reshape(1, -1)
+
+
+def default_end_id(tokenizer, tokenizer_dir: str) -> int:
+    path = os.path.join(tokenizer_dir, names.TOKENIZER_CONFIG_JSON)
+    token = None
+    if os.path.exists(path):
+        with open(path) as f:
+            token = json.load(f).get("eos_token")
+        token = token.get("content") if isinstance(token, dict) else token
+    end = tokenizer.token_to_id(token) if token else None
+    return -1 if end is None else end
 
 
 class TritonPythonModel:
     def initialize(self, args):
         self.tokenizer = engine_tokenizer(args)
+        self.vocab_size = self.tokenizer.get_vocab_size(with_added_tokens=True)
+        self.end_id = default_end_id(self.tokenizer, repo_path(args, parameter(args, names.TOKENIZER_DIR_PARAMETER)))
 
     def execute(self, requests):
         import triton_python_backend_utils as pb_utils
 
+        def get(request, name):
+            tensor = pb_utils.get_input_tensor_by_name(request, name)
+            return None if tensor is None else tensor.as_numpy()
+
         responses = []
         for request in requests:
             try:
-                raw = required(request, names.TEXT_INPUT).reshape(-1)[0]
-                text = raw.decode("utf-8") if isinstance(raw, bytes) else str(raw)
-                max_tokens = required(request, names.MAX_TOKENS).reshape(-1)[0]
+                outputs = self._one(lambda name, request=request: get(request, name))
             except (ValueError, UnicodeDecodeError) as exc:
                 responses.append(error_response(f"preprocessing: {exc}"))
                 continue
-            ids = np.array(self.tokenizer.encode(text).ids, dtype=np.int32)
-            responses.append(
-                pb_utils.InferenceResponse(
-                    output_tensors=[
-                        pb_utils.Tensor(names.INPUT_IDS, ids.reshape(1, -1)),
-                        pb_utils.Tensor(names.INPUT_LENGTHS, np.array([[ids.size]], dtype=np.int32)),
-                        pb_utils.Tensor(names.REQUEST_OUTPUT_LEN, np.array([[max_tokens]], dtype=np.int32)),
-                    ]
-                )
-            )
+            responses.append(pb_utils.InferenceResponse(
+                output_tensors=[pb_utils.Tensor(name, array) for name, array in outputs.items()]))
         return responses
+
+    def _one(self, get) -> dict[str, np.ndarray]:
+        query = get(names.QUERY)
+        output_len = get(names.REQUEST_OUTPUT_LEN_UPPER)
+        if query is None or output_len is None:
+            raise ValueError(f"inputs {names.QUERY!r} and {names.REQUEST_OUTPUT_LEN_UPPER!r} are required")
+        if query.size != 1:
+            raise ValueError(f"{names.QUERY!r} must hold one text per request, got shape {list(query.shape)}")
+        raw = query.reshape(-1)[0]
+        text = raw.decode("utf-8") if isinstance(raw, bytes) else str(raw)
+        ids = np.array(self.tokenizer.encode(text).ids, dtype=np.int32)
+        end_id, pad_id = get(names.END_ID_UPPER), get(names.PAD_ID_UPPER)
+        end = int(end_id.reshape(-1)[0]) if end_id is not None else self.end_id
+        pad = int(pad_id.reshape(-1)[0]) if pad_id is not None else end
+        return {
+            names.INPUT_ID: ids.reshape(1, -1),
+            names.REQUEST_INPUT_LEN: np.array([[ids.size]], dtype=np.int32),
+            names.REQUEST_OUTPUT_LEN_UPPER: output_len.astype(np.int32).reshape(1, -1),
+            names.BAD_WORDS_IDS: word_list_tensor(word_list(self.tokenizer, get(names.BAD_WORDS_DICT))),
+            names.STOP_WORDS_IDS: word_list_tensor(word_list(self.tokenizer, get(names.STOP_WORDS_DICT))),
+            names.EMBEDDING_BIAS_UPPER: embedding_bias(self.tokenizer, get(names.EMBEDDING_BIAS_WORDS_UPPER),
+                                                       get(names.EMBEDDING_BIAS_WEIGHTS_UPPER), self.vocab_size),
+            names.OUT_END_ID: np.array([[end]], dtype=np.int32),
+            names.OUT_PAD_ID: np.array([[pad]], dtype=np.int32),
+        }
