@@ -41,8 +41,10 @@ def ensemble_inputs(prompt: str, max_tokens: int, stream: bool, module=None, **o
 
 
 def stream_responses(url: str, prompt: str, max_tokens: int = 64, model: str = names.MODEL_ENSEMBLE,
-                     timeout: float = 600.0, request_id: str | None = None, **options) -> Iterator:
-    """Yield each streamed response (tritonclient.grpc InferResult) of one request."""
+                     timeout: float = 600.0, request_id: str | None = None, stream: bool = True,
+                     **options) -> Iterator:
+    """Yield each response (tritonclient.grpc InferResult) of one request, over a gRPC stream
+    (stream=False: the ensemble answers once, with everything)."""
     import tritonclient.grpc as grpcclient
     from tritonclient.utils import InferenceServerException
 
@@ -50,7 +52,7 @@ def stream_responses(url: str, prompt: str, max_tokens: int = 64, model: str = n
     client = grpcclient.InferenceServerClient(url)
     try:
         client.start_stream(callback=lambda result, error: responses.put((result, error)))
-        client.async_stream_infer(model, ensemble_inputs(prompt, max_tokens, True, **options),
+        client.async_stream_infer(model, ensemble_inputs(prompt, max_tokens, stream, **options),
                                   request_id=request_id or uuid.uuid4().hex, enable_empty_final_response=True)
         while True:
             try:

@@ -57,9 +57,11 @@ def test_http_generate_stream_equals_llm_generate(server, llm, prompt):
 
 
 def test_http_generate_non_streaming(server, llm):
+    """As in TensorRT-LLM, a non-streamed answer starts with the prompt unless
+    exclude_input_in_output is set."""
     body = json.loads(http_post(server, "/v2/models/ensemble/generate",
                                 {"text_input": PROMPTS[0], "max_tokens": 20}))
-    assert body["text_output"] == llm.generate(PROMPTS[0], max_tokens=20).text
+    assert body["text_output"] == PROMPTS[0] + llm.generate(PROMPTS[0], max_tokens=20).text
 
 
 def test_seeded_sampling_over_grpc_is_repeatable(server):

@@ -1,0 +1,382 @@
+"""A repository built with `triton.model_names: tensorrt_llm`, in the real tritonserver, called
+the way TensorRT-LLM's inflight_batcher_llm clients call it (tritonclient gRPC streaming, HTTP
+generate / generate_stream with its JSON bodies). Every TensorRT-LLM input is exercised."""
+import json
+import queue
+import threading
+import urllib.error
+import urllib.request
+
+import numpy as np
+import pytest
+import yaml
+
+from kiln import constants as names
+from kiln.builder.config import parse_config
+from kiln.builder.triton_writer import write_triton_repo
+from kiln.errors import KilnError
+from kiln.triton_repo.client import ensemble_inputs, stream_generate, stream_responses
+from kiln.triton_repo.serve import TritonServer
+
+pytestmark = pytest.mark.slow
+
+PROMPT = "The capital of France is"
+CJK_PROMPT = "猫🐱 犬🐶 猫🐱 犬🐶 猫🐱 犬🐶 猫🐱 犬🐶 猫🐱"
+TRT = names.MODEL_NAME_SETS["tensorrt_llm"]
+
+
+@pytest.fixture(scope="module")
+def engine_dir(smollm2_engines):
+    return smollm2_engines("float32")  # greedy tokens independent of the batch
+
+
+@pytest.fixture(scope="module")
+def server(engine_dir, tmp_path_factory):
+    root = tmp_path_factory.mktemp("trt_names")
+    config = parse_config(yaml.safe_load((engine_dir / names.RESOLVED_CONFIG_FILE).read_text()))
+    config = config.model_copy(update={"triton": config.triton.model_copy(update={"model_names": "tensorrt_llm"})})
+    write_triton_repo(config, root / "triton_repo", engine_dir)
+    with TritonServer(root / "triton_repo", log_file=root / "tritonserver.log") as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def llm(engine_dir, llm_for):
+    return llm_for(engine_dir)
+
+
+def generate(server, body, model="ensemble", stream=False):
+    path = f"/v2/models/{model}/generate" + ("_stream" if stream else "")
+    request = urllib.request.Request(f"http://{server.http_url}{path}", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=300) as response:
+            text = response.read().decode()
+    except urllib.error.HTTPError as exc:
+        raise KilnError(exc.read().decode()) from None
+    if stream:
+        events = [json.loads(line[len("data: "):]) for line in text.splitlines() if line.startswith("data: ")]
+        errors = [e["error"] for e in events if "error" in e]
+        if errors:
+            raise KilnError(errors[0])
+        return events
+    return json.loads(text)
+
+
+def text_of(server, model="ensemble", **body):
+    body = {"text_input": PROMPT, "max_tokens": 16, "exclude_input_in_output": True, **body}
+    return generate(server, body, model)["text_output"]
+
+
+def token_id(llm, text):
+    ids = llm.tokenizer.encode(text, add_special_tokens=False).ids
+    assert len(ids) == 1, ids
+    return ids[0]
+
+
+def test_model_names_are_tensorrt_llms(server):
+    with urllib.request.urlopen(f"http://{server.http_url}/v2/repository/index", data=b"{}") as response:
+        models = {m["name"]: m["state"] for m in json.loads(response.read())}
+    assert models == {name: "READY" for name in
+                      ("ensemble", "preprocessing", "tensorrt_llm", "postprocessing", "tensorrt_llm_bls")}
+
+
+# TensorRT-LLM's declarations (triton_backend/all_models/inflight_batcher_llm/*/config.pbtxt)
+TRT_ENSEMBLE_INPUTS = {
+    "text_input": ("TYPE_STRING", [1]), "max_tokens": ("TYPE_INT32", [1]), "bad_words": ("TYPE_STRING", [-1]),
+    "stop_words": ("TYPE_STRING", [-1]), "exclude_input_in_output": ("TYPE_BOOL", [1]),
+    "end_id": ("TYPE_INT32", [1]), "pad_id": ("TYPE_INT32", [1]), "top_k": ("TYPE_INT32", [1]),
+    "top_p": ("TYPE_FP32", [1]), "temperature": ("TYPE_FP32", [1]), "length_penalty": ("TYPE_FP32", [1]),
+    "repetition_penalty": ("TYPE_FP32", [1]), "min_tokens": ("TYPE_INT32", [1]),
+    "presence_penalty": ("TYPE_FP32", [1]), "frequency_penalty": ("TYPE_FP32", [1]), "seed": ("TYPE_UINT64", [1]),
+    "return_log_probs": ("TYPE_BOOL", [1]), "return_context_logits": ("TYPE_BOOL", [1]),
+    "return_generation_logits": ("TYPE_BOOL", [1]), "beam_width": ("TYPE_INT32", [1]), "stream": ("TYPE_BOOL", [1]),
+    "num_return_sequences": ("TYPE_INT32", [1]), "embedding_bias_words": ("TYPE_STRING", [-1]),
+    "embedding_bias_weights": ("TYPE_FP32", [-1]), "lora_task_id": ("TYPE_UINT64", [1]),
+}
+TRT_OUTPUTS = {"text_output": ("TYPE_STRING", [-1]), "cum_log_probs": ("TYPE_FP32", [-1]),
+               "output_log_probs": ("TYPE_FP32", [-1, -1]), "context_logits": ("TYPE_FP32", [-1, -1]),
+               "generation_logits": ("TYPE_FP32", [-1, -1, -1])}
+TRT_ENGINE_INPUTS = {
+    "input_ids": ("TYPE_INT32", [-1]), "input_lengths": ("TYPE_INT32", [1]), "request_output_len": ("TYPE_INT32", [1]),
+    "end_id": ("TYPE_INT32", [1]), "pad_id": ("TYPE_INT32", [1]), "stop_words_list": ("TYPE_INT32", [2, -1]),
+    "bad_words_list": ("TYPE_INT32", [2, -1]), "embedding_bias": ("TYPE_FP32", [-1]),
+    "runtime_top_k": ("TYPE_INT32", [1]), "runtime_top_p": ("TYPE_FP32", [1]), "len_penalty": ("TYPE_FP32", [1]),
+    "min_tokens": ("TYPE_INT32", [1]), "seed": ("TYPE_UINT64", [1]), "stop": ("TYPE_BOOL", [1]),
+    "streaming": ("TYPE_BOOL", [1]), "exclude_input_in_output": ("TYPE_BOOL", [1]), "beam_width": ("TYPE_INT32", [1]),
+}
+TRT_ENGINE_OUTPUTS = {"output_ids": ("TYPE_INT32", [-1, -1]), "sequence_length": ("TYPE_INT32", [-1])}
+
+
+@pytest.mark.parametrize("model, inputs, outputs", [
+    ("ensemble", TRT_ENSEMBLE_INPUTS, TRT_OUTPUTS),
+    ("tensorrt_llm_bls", TRT_ENSEMBLE_INPUTS, TRT_OUTPUTS),
+    ("tensorrt_llm", TRT_ENGINE_INPUTS, {**TRT_ENGINE_OUTPUTS, **{k: v for k, v in TRT_OUTPUTS.items() if k != "text_output"}}),
+])
+def test_tensors_have_tensorrt_llms_types_and_dims(server, model, inputs, outputs):
+    with urllib.request.urlopen(f"http://{server.http_url}/v2/models/{model}/config") as response:
+        config = json.loads(response.read())
+    got_in = {t["name"]: (t["data_type"], [int(d) for d in t["dims"]]) for t in config["input"]}
+    got_out = {t["name"]: (t["data_type"], [int(d) for d in t["dims"]]) for t in config["output"]}
+    assert {k: got_in.get(k) for k in inputs} == inputs
+    assert {k: got_out.get(k) for k in outputs} == outputs
+    if model != "tensorrt_llm":  # the older names are accepted too
+        assert got_in["random_seed"] == ("TYPE_UINT64", [1]) and got_in["min_length"] == ("TYPE_INT32", [1])
+
+
+# --- each input changes the result as documented (docs/triton.md) ----------------------
+def test_max_tokens_and_token_counts(server):
+    out = generate(server, {"text_input": PROMPT, "max_tokens": 7, "return_num_output_tokens": True,
+                            "return_num_input_tokens": True})
+    assert out["num_output_tokens"] == 7 and out["num_input_tokens"] == 5
+
+
+def test_exclude_input_in_output(server, llm):
+    generated = llm.generate(PROMPT, max_tokens=16).text
+    assert text_of(server, exclude_input_in_output=False) == PROMPT + generated
+    assert text_of(server) == generated
+
+
+def test_bad_words(server, llm):
+    assert "Paris" in text_of(server)
+    without = text_of(server, bad_words=["Paris", " Paris"])
+    assert "Paris" not in without
+    assert without == llm.generate(PROMPT, max_tokens=16, bad_words=((token_id(llm, " Paris"),),
+                                                                     (token_id(llm, "Paris"),))).text
+
+
+def test_stop_words_end_the_text_after_the_word(server):
+    full = text_of(server)  # " Paris.\n\nThe answer is: ..."
+    assert text_of(server, stop_words=["."]) == full[: full.index(".") + 1]
+    assert text_of(server, stop_words=["\n", "zzz"]) == full[: full.index("\n") + 1]
+
+
+def test_end_id_and_pad_id(server, llm):
+    full = text_of(server)
+    dot = token_id(llm, ".")
+    assert text_of(server, end_id=dot) == full[: full.index(".")]  # the end token is not output
+    assert text_of(server, end_id=-1, max_tokens=30) == llm.generate(PROMPT, max_tokens=30, ignore_eos=True).text
+    assert text_of(server, pad_id=0) == full  # one beam: nothing to pad
+
+
+def test_min_tokens_and_its_alias(server, llm):
+    dot = token_id(llm, ".")
+    for key in ("min_tokens", "min_length"):
+        out = generate(server, {"text_input": PROMPT, "max_tokens": 16, "end_id": dot, key: 6,
+                                "exclude_input_in_output": True})
+        assert out["num_output_tokens"] >= 6
+        assert out["text_output"] == llm.generate(PROMPT, max_tokens=16, end_id=dot, min_tokens=6).text
+
+
+def test_sampling_inputs(server, llm):
+    greedy = text_of(server)
+    sampled = [text_of(server, temperature=1.0, top_p=0.95, seed=s) for s in (1, 1, 2)]
+    assert sampled[0] == sampled[1] != sampled[2]
+    assert text_of(server, temperature=1.0, top_p=0.95, random_seed=1) == sampled[0]  # the alias
+    assert text_of(server, temperature=1.5, top_k=1, seed=5) == greedy  # top_k 1 is greedy
+    assert text_of(server, temperature=1.0, top_k=5, seed=3) == llm.generate(
+        PROMPT, max_tokens=16, temperature=1.0, top_k=5, seed=3).text
+
+
+@pytest.mark.parametrize("option, value", [("repetition_penalty", 1.6), ("presence_penalty", 1.5),
+                                           ("frequency_penalty", 1.0)])
+def test_penalties(server, llm, option, value):
+    changed = text_of(server, max_tokens=32, **{option: value})
+    assert changed != text_of(server, max_tokens=32)
+    assert changed == llm.generate(PROMPT, max_tokens=32, **{option: value}).text
+
+
+def test_length_penalty_is_accepted_and_does_not_change_one_beam(server):
+    assert text_of(server, length_penalty=2.0) == text_of(server)
+
+
+def test_embedding_bias_words(server):
+    biased = text_of(server, embedding_bias_words=[" banana"], embedding_bias_weights=[30.0])
+    assert biased.count("banana") >= 3
+
+
+def test_log_probs(server, llm):
+    out = generate(server, {"text_input": PROMPT, "max_tokens": 12, "return_log_probs": True})
+    want = llm.generate(PROMPT, max_tokens=12, return_log_probs=True).log_probs
+    assert out["output_log_probs"] == pytest.approx(want, abs=1e-4)
+    assert out["cum_log_probs"] == pytest.approx(sum(want), abs=1e-3)
+    assert generate(server, {"text_input": PROMPT, "max_tokens": 4})["cum_log_probs"] == 0.0  # not asked
+
+
+def test_context_and_generation_logits_over_grpc(server, llm):
+    results = list(stream_responses(server.grpc_url, PROMPT, 6, stream=False, return_context_logits=True,
+                                    return_generation_logits=True))
+    assert len(results) == 1
+    want = llm.generate(PROMPT, max_tokens=6, return_context_logits=True, return_generation_logits=True)
+    context = results[0].as_numpy("context_logits")
+    generation = results[0].as_numpy("generation_logits")
+    assert context.shape == (1, 5, llm.engine.spec.vocab_size)
+    assert np.abs(context[0] - want.context_logits.numpy()).max() < 1e-4
+    assert generation.shape == (1, 1, 6, llm.engine.spec.vocab_size)
+    assert np.abs(generation[0, 0] - want.generation_logits.numpy()).max() < 1e-4
+
+
+@pytest.mark.parametrize("body, message", [
+    ({"beam_width": 2}, "beam_width 2"),
+    ({"num_return_sequences": 3}, "num_return_sequences 3"),
+    ({"lora_task_id": 7}, "LoRA adapters are not supported"),
+    ({"max_tokens": 5000}, "max_seq_len 1024"),
+    ({"min_tokens": -1}, "min_tokens must be >= 0"),
+])
+@pytest.mark.parametrize("model", ["ensemble", "tensorrt_llm_bls"])
+def test_inputs_kiln_cannot_honour_get_a_clear_error(server, model, body, message):
+    with pytest.raises(KilnError, match=message):
+        generate(server, {"text_input": PROMPT, "max_tokens": 4, **body}, model)
+    assert text_of(server, model, beam_width=1)  # and it keeps serving
+
+
+# --- the pipeline, BLS, streaming -------------------------------------------------------
+def infer_stream(server, model, inputs, request_id="r"):
+    """All responses of one request on a gRPC stream (decoupled models answer only there)."""
+    import tritonclient.grpc as grpcclient
+
+    results: queue.Queue = queue.Queue()
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    client.start_stream(callback=lambda result, error: results.put((result, error)))
+    try:
+        client.async_stream_infer(model, inputs, request_id=request_id, enable_empty_final_response=True)
+        out = []
+        while True:
+            result, error = results.get(timeout=300)
+            if error is not None:
+                raise KilnError(str(error))
+            final = result.get_response().parameters["triton_final_response"].bool_param
+            if not final or result.get_response().outputs:
+                out.append(result)
+            if final:
+                return out
+    finally:
+        client.stop_stream()
+        client.close()
+
+
+def tensor(name, array):
+    import tritonclient.grpc as grpcclient
+    from tritonclient.utils import np_to_triton_dtype
+
+    t = grpcclient.InferInput(name, list(array.shape), np_to_triton_dtype(array.dtype))
+    t.set_data_from_numpy(array)
+    return t
+
+
+@pytest.mark.parametrize("exclude", [False, True])
+def test_separately_called_pipeline_equals_the_ensemble(server, exclude):
+    import tritonclient.grpc as grpcclient
+
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    pre = client.infer("preprocessing", [tensor("QUERY", np.array([[PROMPT.encode()]], dtype=np.object_)),
+                                         tensor("REQUEST_OUTPUT_LEN", np.array([[24]], dtype=np.int32))])
+    ids, length = pre.as_numpy("INPUT_ID"), pre.as_numpy("REQUEST_INPUT_LEN")
+    assert pre.as_numpy("STOP_WORDS_IDS").shape == (1, 2, 0) or pre.as_numpy("STOP_WORDS_IDS").size == 2
+    (engine,) = infer_stream(server, "tensorrt_llm", [
+        tensor("input_ids", ids), tensor("input_lengths", length),
+        tensor("request_output_len", np.array([[24]], dtype=np.int32)),
+        tensor("exclude_input_in_output", np.array([[exclude]]))])
+    output_ids = engine.as_numpy("output_ids")
+    assert output_ids.shape[:2] == (1, 1)
+    assert engine.as_numpy("sequence_length")[0, 0] == output_ids.shape[2]
+    post = client.infer("postprocessing", [tensor("TOKENS_BATCH", output_ids),
+                                           tensor("SEQUENCE_LENGTH", engine.as_numpy("sequence_length"))])
+    text = post.as_numpy("OUTPUT").reshape(-1)[0]
+    ensemble = generate(server, {"text_input": PROMPT, "max_tokens": 24, "exclude_input_in_output": exclude})
+    assert text == ensemble["text_output"].encode()
+    client.close()
+
+
+@pytest.mark.parametrize("model", ["ensemble", "tensorrt_llm_bls"])
+def test_cjk_and_emoji_stream_equals_the_whole_answer_byte_for_byte(server, model):
+    whole = generate(server, {"text_input": CJK_PROMPT, "max_tokens": 24, "exclude_input_in_output": True}, model)
+    chunks = list(stream_generate(server.grpc_url, CJK_PROMPT, 24, model=model))
+    assert "🐶" in whole["text_output"] and "犬" in whole["text_output"]
+    assert len(chunks) > 4
+    assert all("\ufffd" not in c for c in chunks)
+    assert "".join(chunks).encode() == whole["text_output"].encode()
+
+
+def test_bls_equals_the_ensemble_over_http(server):
+    body = {"text_input": PROMPT, "max_tokens": 20, "bad_words": "", "stop_words": "", "return_log_probs": True}
+    bls, ensemble = generate(server, body, "tensorrt_llm_bls"), generate(server, body)
+    assert bls["text_output"] == ensemble["text_output"]
+    assert bls["output_log_probs"] == pytest.approx(ensemble["output_log_probs"])
+    streamed = generate(server, {**body, "stream": True}, "tensorrt_llm_bls", stream=True)
+    assert len(streamed) > 1
+    assert "".join(e["text_output"] for e in streamed) == text_of(server, max_tokens=20)
+
+
+def test_stop_input_ends_a_running_request(server):
+    """TensorRT-LLM's way to end a request: a second request with the same id and stop=True."""
+    import tritonclient.grpc as grpcclient
+
+    ids = np.array([[504, 3575, 282, 4649, 314]], dtype=np.int32)
+    common = [tensor("input_ids", ids), tensor("input_lengths", np.array([[5]], dtype=np.int32)),
+              tensor("request_output_len", np.array([[400]], dtype=np.int32)),
+              tensor("end_id", np.array([[-1]], dtype=np.int32)), tensor("streaming", np.array([[True]]))]
+    results: queue.Queue = queue.Queue()
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    client.start_stream(callback=lambda result, error: results.put((result, error)))
+    client.async_stream_infer("tensorrt_llm", common, request_id="long-one", enable_empty_final_response=True)
+    results.get(timeout=120)  # it is running
+    stopper = threading.Thread(target=infer_stream, args=(server, "tensorrt_llm", common[1:3] + [
+        tensor("stop", np.array([[True]]))], "long-one"))
+    stopper.start()
+    stopper.join(timeout=60)
+    tokens = 1
+    while True:
+        result, error = results.get(timeout=120)
+        assert error is None
+        if result.get_response().parameters["triton_final_response"].bool_param:
+            break
+        tokens += result.as_numpy("output_ids").shape[-1]
+    client.stop_stream()
+    client.close()
+    assert tokens < 400
+    with pytest.raises(KilnError, match="no running request has the id 'nobody'"):
+        infer_stream(server, "tensorrt_llm", common[1:3] + [tensor("stop", np.array([[True]]))], "nobody")
+
+
+def running_requests(server) -> float:
+    with urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=10) as response:
+        for line in response.read().decode().splitlines():
+            if line.startswith(names.METRIC_REQUESTS) and 'state="running"' in line:
+                return float(line.rsplit(" ", 1)[1])
+    raise AssertionError("no kiln_requests gauge")
+
+
+@pytest.mark.parametrize("model", ["tensorrt_llm", "tensorrt_llm_bls"])
+def test_cancelling_the_stream_ends_the_engine_request(server, model):
+    """Cancelling a gRPC stream reaches the engine when it is called directly or through BLS.
+    (Triton checks an ensemble's cancellation only between its steps, so a running engine
+    step of an ensemble request is not told; TensorRT-LLM's ensemble has the same limit.)"""
+    import time
+
+    import tritonclient.grpc as grpcclient
+
+    results: queue.Queue = queue.Queue()
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    client.start_stream(callback=lambda result, error: results.put((result, error)))
+    if model == "tensorrt_llm":
+        inputs = [tensor("input_ids", np.array([[504, 3575, 282, 4649, 314]], dtype=np.int32)),
+                  tensor("input_lengths", np.array([[5]], dtype=np.int32)),
+                  tensor("request_output_len", np.array([[800]], dtype=np.int32)),
+                  tensor("end_id", np.array([[-1]], dtype=np.int32)), tensor("streaming", np.array([[True]]))]
+    else:
+        inputs = ensemble_inputs(PROMPT, 800, True, end_id=-1)
+    client.async_stream_infer(model, inputs, request_id="to-cancel")
+    results.get(timeout=120)
+
+    def wait_for(count):  # the gauges refresh every 0.5 s
+        deadline = time.monotonic() + 20
+        while running_requests(server) != count and time.monotonic() < deadline:
+            time.sleep(0.2)
+        return running_requests(server)
+
+    assert wait_for(1) == 1
+    client.stop_stream(cancel_requests=True)
+    client.close()
+    assert wait_for(0) == 0
+    assert text_of(server)  # still serving
