@@ -127,8 +127,9 @@ class Executor:
             outside = [t for word in words for t in word if not 0 <= t < vocab]
             if outside:
                 raise RequestError(f"{what} token ids {outside[:5]} are outside the vocabulary [0, {vocab})")
-        if params.end_id is not None and not 0 <= params.end_id < vocab:
-            raise RequestError(f"end_id {params.end_id} is outside the vocabulary [0, {vocab})")
+        if params.end_id is not None and params.end_id >= vocab:
+            raise RequestError(f"end_id {params.end_id} is outside the vocabulary [0, {vocab}) "
+                               "(a negative end_id means: never end early)")
         if params.embedding_bias is not None and len(params.embedding_bias) != vocab:
             raise RequestError(f"embedding_bias has {len(params.embedding_bias)} values; the vocabulary has {vocab}")
 
@@ -201,8 +202,8 @@ class Executor:
 
     # --- the loop ----------------------------------------------------------------------
     def _stop_ids(self, params: SamplingParams) -> frozenset[int]:
-        if params.ignore_eos:
-            return frozenset()
+        if params.ignore_eos or (params.end_id is not None and params.end_id < 0):
+            return frozenset()  # TensorRT-LLM's convention: end_id -1 never ends
         if params.end_id is not None:
             return frozenset({params.end_id})
         return frozenset(self.engine.spec.eos_ids)

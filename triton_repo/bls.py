@@ -95,8 +95,10 @@ class TritonPythonModel:
             prefix = [int(t) for t in pb_utils.get_output_tensor_by_name(response, names.PREFIX_IDS).as_numpy().reshape(-1)]
             text = decode_delta(self.tokenizer, prefix, ids).encode("utf-8")
             tensors = [pb_utils.Tensor(names.TEXT_OUTPUT, np.array([[text]], dtype=np.object_))]
-            tensors += [pb_utils.Tensor(s.name, pb_utils.get_output_tensor_by_name(response, s.name).as_numpy())
-                        for s in RESULT_OUTPUTS]
+            for spec in RESULT_OUTPUTS:  # those the request asked for
+                result = pb_utils.get_output_tensor_by_name(response, spec.name)
+                if result is not None:
+                    tensors.append(pb_utils.Tensor(spec.name, result.as_numpy()))
             sender.send(pb_utils.InferenceResponse(output_tensors=tensors))
         sender.send(flags=final)
 

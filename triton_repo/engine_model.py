@@ -76,32 +76,28 @@ def _batched(array: np.ndarray) -> np.ndarray:
 
 def output_arrays(active: Active, tokens: list[int], prefix: list[int], log_probs: list[float],
                   context_logits, generation_logits: list, streaming: bool) -> dict[str, np.ndarray]:
-    """One response's tensors (batch of 1, one beam). Outputs a request did not ask for are
-    still sent, as zeros (an ensemble forwards every output it declares)."""
+    """One response's tensors (batch of 1, one beam). Log probs, logits and token counts are
+    sent only when the request asked for them (an ensemble forwards what is there)."""
     options = active.options
     output_ids = tokens if streaming or options.exclude_input_in_output else active.prompt_ids + tokens
-    n = len(tokens)
-    vocab = None
-    if context_logits is not None:
-        vocab = context_logits.shape[-1]
-    elif generation_logits:
-        vocab = generation_logits[0].shape[-1]
     arrays = {
         names.OUTPUT_IDS: np.array(output_ids, dtype=np.int32).reshape(1, -1),
         names.SEQUENCE_LENGTH: np.array([len(output_ids)], dtype=np.int32),
         names.PREFIX_IDS: np.array(prefix, dtype=np.int32),
-        names.CUM_LOG_PROBS: np.array([sum(log_probs) if options.return_log_probs else 0.0], dtype=np.float32),
-        names.OUTPUT_LOG_PROBS: np.array(log_probs if options.return_log_probs else [0.0] * n,
-                                         dtype=np.float32).reshape(1, n),
-        names.CONTEXT_LOGITS: (context_logits.numpy().astype(np.float32) if context_logits is not None
-                               else np.zeros((1, 1), dtype=np.float32)),
-        names.GENERATION_LOGITS: (np.stack([g.numpy() for g in generation_logits]).astype(np.float32)[np.newaxis]
-                                  if generation_logits else np.zeros((1, 1, vocab or 1), dtype=np.float32)),
         names.BATCH_INDEX: np.array([0], dtype=np.int32),
         names.SEQUENCE_INDEX: np.array([0], dtype=np.int32),
-        names.NUM_INPUT_TOKENS: np.array([len(active.prompt_ids)], dtype=np.int32),
-        names.NUM_OUTPUT_TOKENS: np.array([n], dtype=np.int32),
     }
+    if options.return_log_probs:
+        arrays[names.CUM_LOG_PROBS] = np.array([sum(log_probs)], dtype=np.float32)
+        arrays[names.OUTPUT_LOG_PROBS] = np.array(log_probs, dtype=np.float32).reshape(1, -1)
+    if options.return_context_logits and context_logits is not None:
+        arrays[names.CONTEXT_LOGITS] = context_logits.numpy().astype(np.float32)
+    if options.return_generation_logits and generation_logits:
+        arrays[names.GENERATION_LOGITS] = np.stack([g.numpy() for g in generation_logits]).astype(np.float32)[np.newaxis]
+    if options.return_num_input_tokens:
+        arrays[names.NUM_INPUT_TOKENS] = np.array([len(active.prompt_ids)], dtype=np.int32)
+    if options.return_num_output_tokens:
+        arrays[names.NUM_OUTPUT_TOKENS] = np.array([len(tokens)], dtype=np.int32)
     return {name: _batched(array) for name, array in arrays.items()}
 
 

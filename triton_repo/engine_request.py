@@ -35,6 +35,8 @@ class OutputOptions:
     return_log_probs: bool = False
     return_context_logits: bool = False
     return_generation_logits: bool = False
+    return_num_input_tokens: bool = False
+    return_num_output_tokens: bool = False
     pad_id: int | None = None
 
 
@@ -129,6 +131,8 @@ def parse_engine_request(get: Get) -> tuple[list[int], SamplingParams, OutputOpt
         return_log_probs=params.return_log_probs,
         return_context_logits=params.return_context_logits,
         return_generation_logits=params.return_generation_logits,
+        return_num_input_tokens=bool(_scalar(get, names.RETURN_NUM_INPUT_TOKENS, False)),
+        return_num_output_tokens=bool(_scalar(get, names.RETURN_NUM_OUTPUT_TOKENS, False)),
         pad_id=None if pad_id is None else int(pad_id),
     )
     return [int(t) for t in ids[:length]], params, options
