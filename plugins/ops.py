@@ -10,7 +10,8 @@ from pathlib import Path
 
 import torch
 
-OPS = ("rms_norm", "add_rms_norm", "silu_mul", "linear", "paged_attention", "select_isa")
+OPS = ("rms_norm", "add_rms_norm", "silu_mul", "linear", "paged_attention", "select_isa", "linear_w8",
+       "linear_w4", "dequantize_int4", "linear_w8a8")
 _loaded: dict[str, str] = {}  # sha256 of the library file -> path it was loaded from
 
 
@@ -60,6 +61,22 @@ def _register_fakes() -> None:
     def _linear_fake(x, weight, bias):
         return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
+    @torch.library.register_fake("kiln::linear_w8")
+    def _linear_w8_fake(x, qweight, scales, bias):
+        return x.new_empty((*x.shape[:-1], qweight.shape[0]))
+
+    @torch.library.register_fake("kiln::linear_w4")
+    def _linear_w4_fake(x, qweight, scales, group_size, bias):
+        return x.new_empty((*x.shape[:-1], qweight.shape[0]))
+
+    @torch.library.register_fake("kiln::dequantize_int4")
+    def _dequantize_int4_fake(qweight, scales, group_size, dtype):
+        return qweight.new_empty((qweight.shape[0], qweight.shape[1] * 2), dtype=dtype)
+
+    @torch.library.register_fake("kiln::linear_w8a8")
+    def _linear_w8a8_fake(x, qweight, scales, weight_sum, bias):
+        return x.new_empty((*x.shape[:-1], qweight.shape[0]))
+
     @torch.library.register_fake("kiln::paged_attention")
     def _paged_attention_fake(qkv, k_pool, v_pool, block_tables, query_start, context_lens, cos, sin,
                               heads, scale):
@@ -97,3 +114,23 @@ def paged_attention(qkv, k_pool, v_pool, block_tables, query_start, context_lens
     (see csrc/attention.h for the layout)."""
     return torch.ops.kiln.paged_attention(qkv, k_pool, v_pool, block_tables, query_start, context_lens,
                                           cos, sin, heads, scale)
+
+
+def linear_w8(x, qweight, scales, bias=None) -> torch.Tensor:
+    """x @ (qweight * scales[:, None]).T (+ bias): int8 weights, one scale per output channel."""
+    return torch.ops.kiln.linear_w8(x, qweight, scales, bias)
+
+
+def linear_w4(x, qweight, scales, group_size: int, bias=None) -> torch.Tensor:
+    """x @ dequantize_int4(qweight, scales, group_size).T (+ bias), streaming the packed weights."""
+    return torch.ops.kiln.linear_w4(x, qweight, scales, group_size, bias)
+
+
+def dequantize_int4(qweight, scales, group_size: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """[out, in] from int4 packed two per byte along `in` (low nibble first, offset by 8)."""
+    return torch.ops.kiln.dequantize_int4(qweight, scales, group_size, dtype)
+
+
+def linear_w8a8(x, qweight, scales, weight_sum, bias=None) -> torch.Tensor:
+    """SmoothQuant W8A8: x quantized per row to int8 (absmax / 127), int8 x int8 -> int32, rescaled."""
+    return torch.ops.kiln.linear_w8a8(x, qweight, scales, weight_sum, bias)

@@ -58,3 +58,37 @@ def paged_attention(qkv, k_pool, v_pool, block_tables, query_start, context_lens
         scores = scores.masked_fill(context[None, None, :] > positions[None, :, None], float("-inf"))
         out[first:last] = torch.einsum("hts,shd->thd", scores.softmax(-1), values).to(qkv.dtype)
     return out.reshape(tokens, heads * head_dim)
+
+
+def linear_w8(x, qweight, scales, bias=None):
+    return linear(x.float(), qweight.float() * scales[:, None], None if bias is None else bias.float()).to(x.dtype)
+
+
+def dequantize_int4(qweight, scales, group_size, dtype=torch.float32):
+    from kiln.quantize.formats import dequantize_int4 as dequantize
+
+    return dequantize(qweight, scales, group_size).to(dtype)
+
+
+def linear_w4(x, qweight, scales, group_size, bias=None):
+    w = dequantize_int4(qweight, scales, group_size)
+    return linear(x.float(), w, None if bias is None else bias.float()).to(x.dtype)
+
+
+def quantize_rows_int8(x):
+    """Per-row dynamic int8: (q [rows, k] int64, scale [rows]) with scale = absmax / 127."""
+    x = x.float().reshape(-1, x.shape[-1])
+    amax = x.abs().amax(dim=1)
+    inv = torch.where(amax > 0, 127 / amax, torch.zeros_like(amax))
+    q = torch.round(x * inv[:, None]).clamp(-127, 127).to(torch.int64)
+    return q, amax / 127
+
+
+def linear_w8a8(x, qweight, scales, weight_sum=None, bias=None):
+    """Exact int64 products of the int8 operands, then the float rescale."""
+    q, xs = quantize_rows_int8(x)
+    acc = (q @ qweight.to(torch.int64).T).float()
+    out = acc * xs[:, None] * scales[None, :]
+    if bias is not None:
+        out = out + bias.float()
+    return out.reshape(*x.shape[:-1], -1).to(x.dtype)

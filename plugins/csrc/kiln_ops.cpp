@@ -30,6 +30,7 @@ namespace scalar {
 #include "rmsnorm.h"
 #include "attention.h"
 #include "linear.h"
+#include "quant.h"
 #undef KILN_ISA_SCALAR
 }  // namespace scalar
 
@@ -41,6 +42,7 @@ namespace avx2 {
 #include "rmsnorm.h"
 #include "attention.h"
 #include "linear.h"
+#include "quant.h"
 #undef KILN_ISA_AVX2
 }  // namespace avx2
 #pragma GCC pop_options
@@ -53,19 +55,23 @@ namespace avx512 {
 #include "rmsnorm.h"
 #include "attention.h"
 #include "linear.h"
+#include "quant.h"
 #undef KILN_ISA_AVX512
 }  // namespace avx512
 #pragma GCC pop_options
 
 #pragma GCC push_options
-#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx2,fma,f16c")
-namespace avx512bf16 {
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx512vnni,avx2,fma,f16c")
+namespace avx512bf16 {  // AVX512-BF16 and AVX512-VNNI (Cooper Lake, Sapphire Rapids, Zen 4 and later)
 #define KILN_ISA_AVX512
 #define KILN_ISA_AVX512BF16
+#define KILN_ISA_VNNI
 #include "vec.h"
 #include "rmsnorm.h"
 #include "attention.h"
 #include "linear.h"
+#include "quant.h"
+#undef KILN_ISA_VNNI
 #undef KILN_ISA_AVX512BF16
 #undef KILN_ISA_AVX512
 }  // namespace avx512bf16
@@ -89,17 +95,32 @@ struct Kernels {
   void (*paged_attention_bf16)(const bf16*, const bf16*, const bf16*, bf16*, bf16*, bf16*,
                                const int32_t*, const int32_t*, const int32_t*, const int32_t*,
                                const PagedShape&, float);
+  void (*linear_w8_f32)(const float*, const int8_t*, const float*, const float*, float*, int64_t, int64_t, int64_t);
+  void (*linear_w8_bf16)(const bf16*, const int8_t*, const float*, const bf16*, bf16*, int64_t, int64_t, int64_t);
+  void (*linear_w4_f32)(const float*, const uint8_t*, const float*, int64_t, const float*, float*, int64_t, int64_t,
+                        int64_t);
+  void (*linear_w4_bf16)(const bf16*, const uint8_t*, const float*, int64_t, const bf16*, bf16*, int64_t, int64_t,
+                         int64_t);
+  void (*dequantize_int4_f32)(const uint8_t*, const float*, int64_t, float*, int64_t, int64_t);
+  void (*dequantize_int4_bf16)(const uint8_t*, const float*, int64_t, bf16*, int64_t, int64_t);
+  void (*linear_w8a8_f32)(const float*, const int8_t*, const float*, const int32_t*, const float*, float*, int64_t,
+                          int64_t, int64_t);
+  void (*linear_w8a8_bf16)(const bf16*, const int8_t*, const float*, const int32_t*, const bf16*, bf16*, int64_t,
+                           int64_t, int64_t);
 };
 
 #define KILN_KERNELS(ns)                                                              \
   Kernels {                                                                           \
     #ns, ns::rms_norm_f32, ns::rms_norm_bf16, ns::add_rms_norm_f32, ns::add_rms_norm_bf16,      \
         ns::silu_mul_f32, ns::silu_mul_bf16, ns::linear_f32, ns::linear_bf16,                   \
-        ns::paged_attention_f32, ns::paged_attention_bf16                                      \
+        ns::paged_attention_f32, ns::paged_attention_bf16, ns::linear_w8_f32, ns::linear_w8_bf16,  \
+        ns::linear_w4_f32, ns::linear_w4_bf16, ns::dequantize_int4_f32, ns::dequantize_int4_bf16,    \
+        ns::linear_w8a8_f32, ns::linear_w8a8_bf16                                                  \
   }
 
 static bool host_supports(const std::string& isa) {
-  if (isa == "avx512bf16") return host_supports("avx512") && __builtin_cpu_supports("avx512bf16");
+  if (isa == "avx512bf16")
+    return host_supports("avx512") && __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512vnni");
   if (isa == "avx512")
     return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
            __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
@@ -305,6 +326,94 @@ at::Tensor paged_attention(const at::Tensor& qkv, at::Tensor& k_pool, at::Tensor
   return out;
 }
 
+// --- quantized linears -----------------------------------------------------------------
+static void check_linear_args(const char* op, const at::Tensor& x, const at::Tensor& qweight, at::ScalarType wtype,
+                              const at::Tensor& scales, int64_t k, const c10::optional<at::Tensor>& bias) {
+  check_float_or_bf16(x, "x");
+  TORCH_CHECK(qweight.dim() == 2 && qweight.scalar_type() == wtype && qweight.is_contiguous(), "kiln::", op,
+              ": qweight must be a contiguous 2-d ", wtype, " tensor, got ", qweight.scalar_type(), " ",
+              qweight.sizes());
+  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.size(0) == qweight.size(0),
+              "kiln::", op, ": scales must be contiguous float32 with ", qweight.size(0), " rows");
+  TORCH_CHECK(x.size(-1) == k, "kiln::", op, ": x's last dim ", x.size(-1), " differs from in_features ", k);
+  if (bias.has_value())
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == qweight.size(0) && bias->scalar_type() == x.scalar_type() &&
+                    bias->is_contiguous(),
+                "kiln::", op, ": bias must be a contiguous [", qweight.size(0), "] tensor of x's dtype");
+}
+
+template <typename F32, typename BF16, typename... Args>
+static at::Tensor run_linear(const at::Tensor& x, int64_t k, int64_t n, const c10::optional<at::Tensor>& bias,
+                             F32 f32, BF16 bf, Args... args) {
+  auto xc = x.contiguous();
+  auto sizes = xc.sizes().vec();
+  sizes.back() = n;
+  auto out = at::empty(sizes, xc.options());
+  const int64_t rows = k == 0 ? 0 : xc.numel() / k;
+  if (rows == 0) return out;
+  if (x.scalar_type() == at::kFloat)
+    f32(xc.data_ptr<float>(), args..., bias.has_value() ? bias->data_ptr<float>() : nullptr, out.data_ptr<float>(),
+        rows, k, n);
+  else
+    bf(reinterpret_cast<const bf16*>(xc.data_ptr()), args...,
+       bias.has_value() ? reinterpret_cast<const bf16*>(bias->data_ptr()) : nullptr,
+       reinterpret_cast<bf16*>(out.data_ptr()), rows, k, n);
+  return out;
+}
+
+at::Tensor linear_w8(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
+                     const c10::optional<at::Tensor>& bias) {
+  const int64_t k = qweight.size(1), n = qweight.size(0);
+  check_linear_args("linear_w8", x, qweight, at::kChar, scales, k, bias);
+  TORCH_CHECK(scales.dim() == 1, "kiln::linear_w8: scales must be [out]");
+  return run_linear(x, k, n, bias, active().linear_w8_f32, active().linear_w8_bf16,
+                    static_cast<const int8_t*>(qweight.data_ptr()), scales.data_ptr<float>());
+}
+
+static int64_t check_int4(const char* op, const at::Tensor& qweight, const at::Tensor& scales, int64_t group) {
+  const int64_t k = qweight.size(1) * 2;
+  TORCH_CHECK(group > 0 && scales.dim() == 2 && scales.size(1) == (k + group - 1) / group, "kiln::", op,
+              ": scales must be [out, ceil(in / group_size)] = [", qweight.size(0), ", ", (k + group - 1) / std::max<int64_t>(group, 1),
+              "], got ", scales.sizes());
+  return k;
+}
+
+at::Tensor linear_w4(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales, int64_t group_size,
+                     const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(qweight.dim() == 2, "kiln::linear_w4: qweight must be [out, in / 2]");
+  const int64_t k = check_int4("linear_w4", qweight, scales, group_size), n = qweight.size(0);
+  check_linear_args("linear_w4", x, qweight, at::kByte, scales, k, bias);
+  return run_linear(x, k, n, bias, active().linear_w4_f32, active().linear_w4_bf16,
+                    static_cast<const uint8_t*>(qweight.data_ptr()), scales.data_ptr<float>(), group_size);
+}
+
+at::Tensor dequantize_int4(const at::Tensor& qweight, const at::Tensor& scales, int64_t group_size,
+                           at::ScalarType dtype) {
+  TORCH_CHECK(qweight.dim() == 2 && qweight.scalar_type() == at::kByte && qweight.is_contiguous() &&
+                  scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.size(0) == qweight.size(0),
+              "kiln::dequantize_int4: qweight must be contiguous uint8 [out, in / 2], scales float32 [out, groups]");
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "kiln::dequantize_int4: dtype must be float32 or bfloat16");
+  const int64_t k = check_int4("dequantize_int4", qweight, scales, group_size), n = qweight.size(0);
+  auto out = at::empty({n, k}, qweight.options().dtype(dtype));
+  const auto* w = static_cast<const uint8_t*>(qweight.data_ptr());
+  if (dtype == at::kFloat)
+    active().dequantize_int4_f32(w, scales.data_ptr<float>(), group_size, out.data_ptr<float>(), k, n);
+  else
+    active().dequantize_int4_bf16(w, scales.data_ptr<float>(), group_size, reinterpret_cast<bf16*>(out.data_ptr()), k, n);
+  return out;
+}
+
+at::Tensor linear_w8a8(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
+                       const at::Tensor& weight_sum, const c10::optional<at::Tensor>& bias) {
+  const int64_t k = qweight.size(1), n = qweight.size(0);
+  check_linear_args("linear_w8a8", x, qweight, at::kChar, scales, k, bias);
+  TORCH_CHECK(weight_sum.scalar_type() == at::kInt && weight_sum.is_contiguous() && weight_sum.numel() == n,
+              "kiln::linear_w8a8: weight_sum must be contiguous int32 [", n, "]");
+  return run_linear(x, k, n, bias, active().linear_w8a8_f32, active().linear_w8a8_bf16,
+                    static_cast<const int8_t*>(qweight.data_ptr()), scales.data_ptr<float>(),
+                    weight_sum.data_ptr<int32_t>());
+}
+
 }  // namespace kiln
 
 TORCH_LIBRARY(kiln, m) {
@@ -316,6 +425,10 @@ TORCH_LIBRARY(kiln, m) {
   m.def(
       "paged_attention(Tensor qkv, Tensor(a!) k_pool, Tensor(b!) v_pool, Tensor block_tables, "
       "Tensor query_start, Tensor context_lens, Tensor cos, Tensor sin, int heads, float scale) -> Tensor");
+  m.def("linear_w8(Tensor x, Tensor qweight, Tensor scales, Tensor? bias) -> Tensor");
+  m.def("linear_w4(Tensor x, Tensor qweight, Tensor scales, int group_size, Tensor? bias) -> Tensor");
+  m.def("dequantize_int4(Tensor qweight, Tensor scales, int group_size, ScalarType dtype) -> Tensor");
+  m.def("linear_w8a8(Tensor x, Tensor qweight, Tensor scales, Tensor weight_sum, Tensor? bias) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(kiln, CPU, m) {
@@ -324,4 +437,8 @@ TORCH_LIBRARY_IMPL(kiln, CPU, m) {
   m.impl("silu_mul", &kiln::silu_mul);
   m.impl("linear", &kiln::linear);
   m.impl("paged_attention", &kiln::paged_attention);
+  m.impl("linear_w8", &kiln::linear_w8);
+  m.impl("linear_w4", &kiln::linear_w4);
+  m.impl("dequantize_int4", &kiln::dequantize_int4);
+  m.impl("linear_w8a8", &kiln::linear_w8a8);
 }

@@ -1,0 +1,73 @@
+"""Quantized weight formats, as the engine stores them and the kernels read them.
+
+int8, per output channel: q = round(w / s), s = absmax(row) / 127, q in [-127, 127].
+int4, per group of `group_size` inputs (the last group may be shorter): q = round(w / s),
+s = absmax(group) / 7, q in [-8, 7], stored offset by 8 two per byte along the input
+dimension, the even input in the low nibble."""
+from __future__ import annotations
+
+import torch
+
+
+def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[out, in] float -> int8 [out, in], float32 scales [out]."""
+    w = w.float()
+    scales = (w.abs().amax(dim=1) / 127).clamp(min=1e-10)
+    q = torch.round(w / scales[:, None]).clamp(-127, 127).to(torch.int8)
+    return q, scales
+
+
+def group_view(w: torch.Tensor, group_size: int) -> tuple[torch.Tensor, int]:
+    """[out, in] -> [out, groups, group_size], zero-padded when group_size does not divide in."""
+    out_features, in_features = w.shape
+    groups = -(-in_features // group_size)
+    pad = groups * group_size - in_features
+    if pad:
+        w = torch.nn.functional.pad(w, (0, pad))
+    return w.reshape(out_features, groups, group_size), in_features
+
+
+def int4_scales(w: torch.Tensor, group_size: int, clip: torch.Tensor | None = None) -> torch.Tensor:
+    """float32 [out, groups]; `clip` [out, groups] (<= 1) shrinks each group's range (AWQ)."""
+    grouped, _ = group_view(w.float(), group_size)
+    amax = grouped.abs().amax(dim=2)
+    if clip is not None:
+        amax = amax * clip
+    return (amax / 7).clamp(min=1e-10)
+
+
+def fake_quant_int4(w: torch.Tensor, group_size: int, scales: torch.Tensor | None = None) -> torch.Tensor:
+    """w rounded to its int4 grid and back (float32), as the engine will compute with it."""
+    grouped, in_features = group_view(w.float(), group_size)
+    s = int4_scales(w, group_size) if scales is None else scales
+    q = torch.round(grouped / s[:, :, None]).clamp(-8, 7)
+    return (q * s[:, :, None]).reshape(w.shape[0], -1)[:, :in_features]
+
+
+def quantize_int4(w: torch.Tensor, group_size: int, scales: torch.Tensor | None = None):
+    """[out, in] float (in even) -> packed uint8 [out, in / 2], float32 scales [out, groups]."""
+    if w.shape[1] % 2:
+        raise ValueError(f"int4 packing needs an even in_features, got {w.shape[1]}")
+    grouped, in_features = group_view(w.float(), group_size)
+    s = int4_scales(w, group_size) if scales is None else scales
+    q = torch.round(grouped / s[:, :, None]).clamp(-8, 7).reshape(w.shape[0], -1)[:, :in_features]
+    return pack_int4(q.to(torch.int8)), s.float().contiguous()
+
+
+def pack_int4(q: torch.Tensor) -> torch.Tensor:
+    """int8 values in [-8, 7], [out, in] -> uint8 [out, in / 2]."""
+    u = (q.to(torch.int16) + 8).to(torch.uint8)
+    return (u[:, 0::2] | (u[:, 1::2] << 4)).contiguous()
+
+
+def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
+    """uint8 [out, in / 2] -> int8 [out, in] in [-8, 7]."""
+    low = (packed & 0x0F).to(torch.int16) - 8
+    high = (packed >> 4).to(torch.int16) - 8
+    return torch.stack([low, high], dim=2).reshape(packed.shape[0], -1).to(torch.int8)
+
+
+def dequantize_int4(packed: torch.Tensor, scales: torch.Tensor, group_size: int) -> torch.Tensor:
+    q = unpack_int4(packed).float()
+    index = torch.arange(q.shape[1]) // group_size
+    return q * scales[:, index]
