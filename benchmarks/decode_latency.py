@@ -41,7 +41,9 @@ def time_kiln(engine_dir: str, prompt: list[int], decode: int, repeats: int) -> 
         if r:
             prefill.append(mid - start)
             decode_rates.append(decode / (end - mid))
-    return {"name": f"kiln {engine.meta['dtype']}", "prefill_ms": 1000 * statistics.median(prefill),
+    algo = engine.meta.get("quantization", {}).get("algo", "none")
+    name = f"kiln {engine.meta['dtype']}" + ("" if algo == "none" else f" {algo}")
+    return {"name": name, "prefill_ms": 1000 * statistics.median(prefill),
             "decode_tok_s": statistics.median(decode_rates)}
 
 
@@ -91,18 +93,22 @@ def main() -> None:
         if args.hf_gguf:
             rows.append({"threads": threads, **time_hf_gguf(prompt, args.decode_tokens, args.repeats)})
         reference = next((r for r in rows if r["threads"] == threads and r["name"].startswith("transformers")), None)
+        baseline = next((r for r in rows if r["threads"] == threads), None)  # the first engine given
         for row in rows:
             if row["threads"] == threads and reference:
                 row["decode_vs_transformers"] = row["decode_tok_s"] / reference["decode_tok_s"]
+            if row["threads"] == threads:
+                row["decode_vs_first"] = row["decode_tok_s"] / baseline["decode_tok_s"]
 
     table = Table(title=f"batch-1 latency: prompt {args.prompt_tokens} tokens, decode {args.decode_tokens} "
                         f"tokens, median of {args.repeats}")
-    for column in ("threads", "engine", "prefill ms", "decode tok/s", "decode vs transformers"):
+    for column in ("threads", "engine", "prefill ms", "decode tok/s", "decode vs first engine",
+                   "decode vs transformers"):
         table.add_column(column, justify="right")
     for row in rows:
         ratio = row.get("decode_vs_transformers")
         table.add_row(str(row["threads"]), row["name"], f"{row['prefill_ms']:.1f}", f"{row['decode_tok_s']:.1f}",
-                      f"{ratio:.2f}x" if ratio else "-")
+                      f"{row['decode_vs_first']:.2f}x", f"{ratio:.2f}x" if ratio else "-")
     Console().print(table)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)

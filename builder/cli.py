@@ -10,24 +10,31 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from rich.console import Console
+
+from kiln import constants as names
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from kiln.errors import ConfigError, KilnError
 
 console = Console(stderr=True, highlight=False)
 
-STEPS = ("Validate config", "Load checkpoint", "Compile plugins", "Pack weights", "Write engine",
-         "Write Triton repository")
+STEPS = 6  # validate, load, compile plugins, pack, write engine, write repository
+QUANT_STEPS = 3  # calibrate, quantize, measure accuracy (calibrate only when the algorithm needs it)
+
+
+class GateFailed(KilnError):
+    """The quantized engine lost more accuracy than quantization.accuracy_gate allows."""
 
 
 class StepLog:
-    def __init__(self):
+    def __init__(self, total: int):
         self.index = 0
+        self.total = total
 
     @contextmanager
     def __call__(self, title: str):
         self.index += 1
-        console.print(f"[bold][{self.index}/{len(STEPS)}][/bold] {title} ...")
+        console.print(f"[bold][{self.index}/{self.total}][/bold] {title} ...")
         start = time.perf_counter()
         yield
         console.print(f"      done in {time.perf_counter() - start:.1f}s")
@@ -58,6 +65,59 @@ def _replace(staged: Path, final: Path) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
+@contextmanager
+def progress_bar(what: str, total: int):
+    with Progress(TextColumn(f"      {what}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  console=console, transient=True) as bar:
+        task = bar.add_task(what, total=total)
+        yield lambda: bar.advance(task)
+
+
+def quantize(config, spec, tokenizer_files: dict[str, str], weights, dtype, step) -> tuple[dict, dict]:
+    """Calibrate (when the algorithm needs it), quantize, measure the accuracy it cost and check
+    the gate. Returns the engine's tensors and engine.json's `quantization` entry."""
+    from tokenizers import Tokenizer
+
+    from kiln.quantize.algorithms import NEEDS_CALIBRATION, pick_group_size, quantization_meta, quantize_weights
+    from kiln.quantize.calibrate import calibrate
+    from kiln.quantize.datasets import calibration_sequences, evaluation_ids
+    from kiln.quantize.report import apply_gate, measure, report_table
+    from kiln.runtime.model import LlamaModel
+
+    q = config.quantization
+    tokenizer = Tokenizer.from_str(tokenizer_files[names.TOKENIZER_JSON])
+    max_positions = max(q.calibration.seq_len, q.accuracy.window, config.build.max_seq_len)
+    reference = LlamaModel(spec, weights, max_positions)  # float32, unquantized
+    group_size = pick_group_size(q.group_size, spec)
+    stats = None
+    if q.algo in NEEDS_CALIBRATION:
+        c = q.calibration
+        with step(f"Calibrate on {c.samples} x {c.seq_len} tokens of {c.dataset}"):
+            sequences = calibration_sequences(tokenizer, c.dataset, c.samples, c.seq_len, base=Path.cwd())
+            with progress_bar("sequences", len(sequences)) as advance:
+                stats = calibrate(reference, sequences, progress=advance)
+    detail = f", group size {group_size}" if "int4" in q.algo else (
+        f", alpha {q.smoothquant_alpha}" if q.algo == "int8_sq" else "")
+    with step(f"Quantize ({q.algo}{detail})"):
+        with progress_bar("layers", spec.num_layers) as advance:
+            quantized = quantize_weights(weights, spec, q.algo, dtype, group_size, q.smoothquant_alpha, stats,
+                                         advance, q.lm_head)
+    meta = quantization_meta(q.algo, q.kv_cache, group_size, q.smoothquant_alpha, q.lm_head)
+    with step(f"Measure accuracy on {q.accuracy.tokens} tokens of {q.accuracy.text}"):
+        ids = evaluation_ids(tokenizer, q.accuracy.text, q.accuracy.tokens, base=Path.cwd())
+        model = LlamaModel(spec, quantized, max_positions, meta)
+        with progress_bar("windows", -(-len(ids) // q.accuracy.window)) as advance:
+            report = apply_gate(measure(reference, model, ids, q.accuracy.window, progress=advance), q.accuracy_gate)
+    console.print(report_table(report, q.algo))
+    if not report.passed:
+        raise GateFailed("the quantized engine is over quantization.accuracy_gate: " + "; ".join(report.failures)
+                         + " (no engine written; loosen the gate, change the algorithm, or calibrate on more text)")
+    meta["accuracy"] = report.to_json()
+    if stats is not None:
+        meta["calibration"] = q.calibration.model_dump()
+    return quantized, meta
+
+
 def build(config_path: Path, output: Path | None) -> tuple[Path, Path]:
     from kiln.builder.checkpoint import load_checkpoint
     from kiln.builder.compile import pack_weights
@@ -66,11 +126,15 @@ def build(config_path: Path, output: Path | None) -> tuple[Path, Path]:
     from kiln.builder.triton_writer import write_triton_repo
     from kiln.plugins import ops
     from kiln.plugins.build import build_plugins
+    import torch
+
+    from kiln.quantize.algorithms import NEEDS_CALIBRATION
     from kiln.runtime.engine import DTYPES
 
-    step = StepLog()
+    config = load_config(config_path)
+    algo = config.quantization.algo
+    step = StepLog(STEPS + (0 if algo == "none" else QUANT_STEPS - (algo not in NEEDS_CALIBRATION)))
     with step(f"Validate config {config_path}"):
-        config = load_config(config_path)
         checkpoint_path = resolve_checkpoint(config.model.checkpoint, Path.cwd())
         out = output or Path("kiln-out")
         engine_dir = Path(config.engine_output or out / "engine").absolute()
@@ -88,18 +152,21 @@ def build(config_path: Path, output: Path | None) -> tuple[Path, Path]:
         ops.load_library(library)
         isa = ops.select_isa("auto")
         console.print(f"      {library} (kernels for this host: {isa})")
-    with step(f"Pack weights ({config.model.dtype}, QKV and gate/up fused)"):
-        with Progress(TextColumn("      layers"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                      console=console, transient=True) as bar:
-            task = bar.add_task("pack", total=spec.num_layers)
-            weights = pack_weights(checkpoint, DTYPES[config.model.dtype], lambda: bar.advance(task))
+    dtype = DTYPES[config.model.dtype]
+    with step(f"Pack weights ({'float32 for quantization' if algo != 'none' else config.model.dtype}, "
+              "QKV and gate/up fused)"):
+        with progress_bar("layers", spec.num_layers) as advance:
+            weights = pack_weights(checkpoint, torch.float32 if algo != "none" else dtype, advance)
+    quant_meta = None
+    if algo != "none":
+        weights, quant_meta = quantize(config, spec, checkpoint.tokenizer_files, weights, dtype, step)
     staging = []
     try:
         with step(f"Write engine {engine_dir}"):
             engine_dir.parent.mkdir(parents=True, exist_ok=True)
             staging.append(Path(tempfile.mkdtemp(prefix=".kiln-staging-", dir=engine_dir.parent)))
             write_engine(staging[-1] / "engine", config, spec, weights, checkpoint.tokenizer_files,
-                         library, isa)
+                         library, isa, quant_meta)
         with step(f"Write Triton repository {repo_dir}"):
             repo_dir.parent.mkdir(parents=True, exist_ok=True)
             staging.append(Path(tempfile.mkdtemp(prefix=".kiln-staging-", dir=repo_dir.parent)))

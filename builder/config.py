@@ -28,10 +28,52 @@ class ModelSection(_Section):
     dtype: Literal["float32", "bfloat16"] = "bfloat16"
 
 
+class CalibrationSection(_Section):
+    dataset: str = Field("builtin", description="build-time: builtin (English prose shipped with Python, "
+                                                "disjoint from the accuracy text) | a .txt file | a .jsonl file "
+                                                "with a `text` field per line")
+    samples: int = Field(64, ge=1, le=4096, description="build-time: calibration sequences")
+    seq_len: int = Field(256, ge=8, le=8192, description="build-time: tokens per sequence")
+
+    @field_validator("dataset")
+    @classmethod
+    def _dataset(cls, value: str) -> str:
+        if value != "builtin" and not value.endswith((".txt", ".jsonl")):
+            raise ValueError("expected builtin, a .txt file or a .jsonl file (a `text` field per line)")
+        return value
+
+
+class AccuracyGate(_Section):
+    max_ppl_increase: float = Field(0.05, gt=0, description="build-time: relative perplexity increase allowed")
+    min_token_agreement: float = Field(0.85, ge=0, le=1, description="build-time: share of next-token argmaxes "
+                                                                      "that must equal the unquantized model's")
+    max_kl: float = Field(0.1, gt=0, description="build-time: mean KL(unquantized || quantized), nats")
+
+
+class AccuracySection(_Section):
+    text: str = Field("builtin", description="build-time: builtin (held-out English prose) | a .txt file")
+    tokens: int = Field(4096, ge=64, description="build-time: tokens of the text to score")
+    window: int = Field(512, ge=16, description="build-time: perplexity window (tokens)")
+
+
+QUANT_ALGOS = ("none", "int8_wo", "int4_wo", "int4_awq", "int8_sq")
+
+
 class QuantizationSection(_Section):
-    # Only unquantized engines exist so far; the other algorithms come with the quantizer.
-    algo: Literal["none"] = "none"
+    algo: Literal["none", "int8_wo", "int4_wo", "int4_awq", "int8_sq"] = Field(
+        "none", description="build-time: none | int8_wo / int4_wo (round-to-nearest weight-only) | int4_awq "
+                            "(activation-aware, group-wise int4) | int8_sq (SmoothQuant W8A8)")
     kv_cache: Literal["none"] = "none"
+    group_size: Literal["auto", 32, 64, 128] = Field(
+        "auto", description="build-time, int4: auto picks 128 where it divides every in_features, else 64, else 32")
+    smoothquant_alpha: float = Field(0.5, ge=0, le=1, description="build-time, int8_sq: migration strength")
+    lm_head: Literal["int8", "none"] = Field(
+        "int8", description="build-time: int8 weights for the output projection too (it is a fifth of "
+                            "SmolLM2's weights), or none to keep it in the engine dtype")
+    calibration: CalibrationSection = CalibrationSection()
+    accuracy: AccuracySection = AccuracySection()
+    accuracy_gate: AccuracyGate | None = Field(
+        AccuracyGate(), description="build-time: the build fails (exit 2) when the loss is over it; null: report only")
 
 
 class BuildSection(_Section):

@@ -24,6 +24,7 @@ def write_engine(
     tokenizer_files: dict[str, str],
     plugin_library: Path,
     target_isa: str,
+    quantization: dict | None = None,
 ) -> None:
     engine_dir.mkdir(parents=True)
     save_file(weights, engine_dir / names.WEIGHTS_FILE, metadata={"format": "pt"})
@@ -49,7 +50,7 @@ def write_engine(
             "max_num_tokens": build.max_num_tokens,
             "kv_block_size": build.kv_block_size,
         },
-        "quantization": {"algo": config.quantization.algo, "kv_cache": config.quantization.kv_cache},
+        "quantization": quantization or {"algo": config.quantization.algo, "kv_cache": config.quantization.kv_cache},
         "target": {"device": "cpu", "isa": target_isa},
         "plugins": {"file": str(plugin_file), "sha256": sha256_file(engine_dir / plugin_file)},
         "runtime": resolved["runtime"],

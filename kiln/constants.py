@@ -4,7 +4,8 @@ Engine directory files, engine tensor names, Triton model and tensor names. Chan
 these changes a format: bump ENGINE_FORMAT_VERSION for engine names."""
 
 # --- engine directory -------------------------------------------------------------------
-ENGINE_FORMAT_VERSION = 5  # 2: paged attention; 3: fused rope/norm/SwiGLU; 4: GEMV; 5: AVX512-BF16 kernels
+ENGINE_FORMAT_VERSION = 6  # 2: paged attention; 3: fused rope/norm/SwiGLU; 4: GEMV; 5: AVX512-BF16 kernels;
+# 6: quantized linears (int8 / int4 weights, W8A8)
 ENGINE_JSON = "engine.json"
 WEIGHTS_FILE = "weights.safetensors"
 MANIFEST_FILE = "MANIFEST.json"
@@ -29,6 +30,24 @@ MLP_DOWN = "mlp.down.weight"
 
 def layer_tensor(index: int, name: str) -> str:
     return f"layers.{index}.{name}"
+
+
+# A quantized linear replaces its `.weight` with these (same prefix, e.g. layers.3.mlp.down):
+QWEIGHT = "qweight"  # int8 [out, in], or int4 packed two per byte along `in`: uint8 [out, ceil(in/2)]
+WEIGHT_SCALES = "scales"  # float32 [out] (per channel) or [out, groups] (int4, group-wise)
+PRE_SCALE = "pre_scale"  # float32 [in]: multiplies the input first (AWQ/SmoothQuant scales that
+# cannot be folded into a norm or the previous linear)
+WEIGHT_SUM = "qweight_sum"  # int32 [out]: row sums of an int8 weight (the u8 x s8 VNNI offset)
+QUANT_KINDS = ("int8_wo", "int4", "w8a8")  # engine.json quantization.linear: how qweight is used
+
+
+def linear_prefix(weight_name: str) -> str:
+    """layers.3.mlp.down.weight -> layers.3.mlp.down"""
+    return weight_name.removesuffix(".weight")
+
+
+def linear_tensor(prefix: str, part: str) -> str:
+    return f"{prefix}.{part}"
 
 
 # --- Triton model repository ------------------------------------------------------------

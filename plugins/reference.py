@@ -79,7 +79,9 @@ def quantize_rows_int8(x):
     """Per-row dynamic int8: (q [rows, k] int64, scale [rows]) with scale = absmax / 127."""
     x = x.float().reshape(-1, x.shape[-1])
     amax = x.abs().amax(dim=1)
-    inv = torch.where(amax > 0, 127 / amax, torch.zeros_like(amax))
+    # 127 / amax as one division (a Python scalar over a tensor is reciprocal() * 127 in torch,
+    # which can round differently and move a value across a rounding boundary)
+    inv = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, torch.zeros_like(amax))
     q = torch.round(x * inv[:, None]).clamp(-127, 127).to(torch.int64)
     return q, amax / 127
 

@@ -89,7 +89,7 @@ class Engine:
             weights = load_file(self.dir / names.WEIGHTS_FILE)
         except (SafetensorError, OSError) as exc:
             raise EngineError(f"{self.dir}: cannot read weights ({exc}); rebuild the engine") from exc
-        self.model = LlamaModel(self.spec, weights, self.limits.max_seq_len)
+        self.model = LlamaModel(self.spec, weights, self.limits.max_seq_len, self.meta.get("quantization"))
         self.tokenizer = Tokenizer.from_file(
             str(self.dir / names.TOKENIZER_DIR / names.TOKENIZER_JSON)
         )

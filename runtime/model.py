@@ -1,7 +1,8 @@
 """kiln's Llama-family model: one definition for calibration, tests and serving.
 
-Linear layers run through PyTorch; RMSNorm and attention (with its KV-cache write) are the
-plugin ops. Weights arrive already packed by the builder (QKV fused, gate/up fused)."""
+Linear layers are runtime.linear objects (dense, or quantized with kiln's kernels); RMSNorm
+and attention (with its KV-cache write) are the plugin ops. Weights arrive already packed by
+the builder (QKV fused, gate/up fused)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -11,21 +12,21 @@ import torch.nn.functional as F
 
 from kiln import constants as names
 from kiln.plugins import ops
+from kiln.runtime.linear import DenseLinear, load_linear
 from kiln.runtime.rope import cos_sin_tables
 from kiln.runtime.spec import ModelSpec
 
-SKINNY_ROWS = 8  # up to this many bf16 rows take the GEMV plugin (measured: 1.2x at 4 streams)
+LINEARS = ("qkv", "out", "gate_up", "down")  # Layer fields that are linear layers
 
 
 @dataclass
 class Layer:
     input_norm: torch.Tensor
-    qkv: torch.Tensor
-    qkv_bias: torch.Tensor | None
-    out: torch.Tensor
+    qkv: object  # runtime.linear objects: callables x -> x @ W.T (+ bias)
+    out: object
     post_attention_norm: torch.Tensor
-    gate_up: torch.Tensor
-    down: torch.Tensor
+    gate_up: object
+    down: object
 
 
 @dataclass
@@ -73,39 +74,37 @@ class KVPool:
 
 
 class LlamaModel:
-    def __init__(self, spec: ModelSpec, weights: dict[str, torch.Tensor], max_positions: int):
+    def __init__(self, spec: ModelSpec, weights: dict[str, torch.Tensor], max_positions: int,
+                 quantization: dict | None = None):
+        """quantization: engine.json's `quantization` (how quantized linears are stored)."""
         self.spec = spec
         self.dtype = weights[names.EMBED].dtype
         self.embed = weights[names.EMBED]
         self.final_norm = weights[names.FINAL_NORM]
-        self.lm_head = self.embed if spec.tie_embeddings else weights[names.LM_HEAD]
-        self.layers = [self._layer(weights, i) for i in range(spec.num_layers)]
+        quant = quantization or {}
+        if quant.get("lm_head"):  # quantized output projection (the embedding table stays for lookups)
+            self.lm_head = load_linear(weights, names.LM_HEAD, self.dtype, {"linear": quant["lm_head"]})
+        else:
+            self.lm_head = DenseLinear(self.embed if spec.tie_embeddings else weights[names.LM_HEAD])
+        self.layers = [self._layer(weights, i, quant) for i in range(spec.num_layers)]
         self.cos, self.sin = cos_sin_tables(spec, max_positions, self.dtype)
         self.scale = spec.head_dim**-0.5
 
-    @staticmethod
-    def _layer(weights: dict[str, torch.Tensor], i: int) -> Layer:
+    def _layer(self, weights: dict[str, torch.Tensor], i: int, quant: dict) -> Layer:
         def get(name: str) -> torch.Tensor:
             return weights[names.layer_tensor(i, name)]
 
+        def linear(name: str, bias: torch.Tensor | None = None):
+            return load_linear(weights, names.layer_tensor(i, name), self.dtype, quant, bias)
+
         return Layer(
             input_norm=get(names.INPUT_NORM),
-            qkv=get(names.ATTN_QKV),
-            qkv_bias=weights.get(names.layer_tensor(i, names.ATTN_QKV_BIAS)),
-            out=get(names.ATTN_OUT),
+            qkv=linear(names.ATTN_QKV, weights.get(names.layer_tensor(i, names.ATTN_QKV_BIAS))),
+            out=linear(names.ATTN_OUT),
             post_attention_norm=get(names.POST_ATTENTION_NORM),
-            gate_up=get(names.MLP_GATE_UP),
-            down=get(names.MLP_DOWN),
+            gate_up=linear(names.MLP_GATE_UP),
+            down=linear(names.MLP_DOWN),
         )
-
-    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        """A few bf16 rows (decode steps of small batches) go to kiln's GEMV, which streams the
-        weights once at memory bandwidth (2-3x PyTorch's at one row here); everything else to
-        PyTorch's GEMM. float32 always uses PyTorch's, whose results do not depend on the
-        batch size."""
-        if x.shape[0] <= SKINNY_ROWS and x.dtype == torch.bfloat16:
-            return ops.linear(x, weight, bias)
-        return F.linear(x, weight, bias)
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, ctx: StepContext, pool: KVPool) -> torch.Tensor:
@@ -118,13 +117,13 @@ class LlamaModel:
         h = F.embedding(tokens, self.embed)
         x = ops.rms_norm(h, self.layers[0].input_norm, eps)
         for index, layer in enumerate(self.layers):
-            qkv = self.linear(x, layer.qkv, layer.qkv_bias)
+            qkv = layer.qkv(x)
             attn = ops.paged_attention(qkv, pool.keys[index], pool.values[index], ctx.block_tables,
                                        ctx.query_start, ctx.context_lens, self.cos, self.sin,
                                        spec.num_heads, self.scale)
-            x = ops.add_rms_norm(h, self.linear(attn, layer.out), layer.post_attention_norm, eps)
-            down = self.linear(ops.silu_mul(self.linear(x, layer.gate_up)), layer.down)
+            x = ops.add_rms_norm(h, layer.out(attn), layer.post_attention_norm, eps)
+            down = layer.down(ops.silu_mul(layer.gate_up(x)))
             following = self.layers[index + 1].input_norm if index + 1 < len(self.layers) else self.final_norm
             x = ops.add_rms_norm(h, down, following, eps)
         # x is the final norm of every row; logits only for the rows that sample
-        return self.linear(x[ctx.logits_rows], self.lm_head).float()
+        return self.lm_head(x[ctx.logits_rows]).float()

@@ -1,5 +1,6 @@
 """The generated repository in the real tritonserver, called with the real tritonclient."""
 import json
+import os
 import urllib.request
 
 import pytest
@@ -26,6 +27,8 @@ def server(engine_dir, tmp_path_factory):
     with TritonServer(engine_dir.parent / "triton_repo", log_file=log) as running:
         yield running
     assert running.process.poll() is not None  # the test always stops it
+    with pytest.raises(ProcessLookupError):  # and its Python backend stubs
+        os.killpg(running.process.pid, 0)
 
 
 @pytest.fixture(scope="module")

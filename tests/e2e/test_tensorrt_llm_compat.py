@@ -2,6 +2,7 @@
 the way TensorRT-LLM's inflight_batcher_llm clients call it (tritonclient gRPC streaming, HTTP
 generate / generate_stream with its JSON bodies). Every TensorRT-LLM input is exercised."""
 import json
+import os
 import queue
 import threading
 import urllib.error
@@ -38,6 +39,8 @@ def server(engine_dir, tmp_path_factory):
     write_triton_repo(config, root / "triton_repo", engine_dir)
     with TritonServer(root / "triton_repo", log_file=root / "tritonserver.log") as running:
         yield running
+    with pytest.raises(ProcessLookupError):  # no Python backend stub outlives the server
+        os.killpg(running.process.pid, 0)
 
 
 @pytest.fixture(scope="module")

@@ -1,13 +1,15 @@
 """Quantized linear kernels against their PyTorch references, per instruction set, on fresh
 random shapes (odd row counts, tails that are not a multiple of the vector width, a padded
-last int4 group)."""
+last int4 group). The AVX-512 W8A16 / W4A16 kernels quantize the input rows to int16
+(relative error 1.5e-5 of a row's largest value), hence float32 tolerances of 5e-4."""
 import pytest
 import torch
 
 from kiln.plugins import ops, reference
 from kiln.quantize.formats import dequantize_int4, pack_int4, quantize_int4, quantize_int8, unpack_int4
 
-SHAPES = [(1, 576, 64), (3, 64, 40), (5, 1536, 96), (8, 200, 33), (13, 96, 7), (1, 32, 1)]
+SHAPES = [(1, 576, 64), (3, 64, 40), (5, 1536, 96), (8, 200, 33), (13, 96, 7), (1, 32, 1), (2, 2112, 19),
+          (6, 160, 50)]
 
 
 def rand(g, *shape, scale=1.0):
@@ -23,7 +25,7 @@ def test_linear_w8_matches_reference(isa, dtype, rows, k, n):
     bias = rand(g, n).to(dtype)
     got, want = ops.linear_w8(x, q, s, bias), reference.linear_w8(x, q, s, bias)
     assert got.dtype == dtype and got.shape == (rows, n)
-    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    tol = 5e-4 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
 
 
@@ -35,7 +37,7 @@ def test_linear_w4_matches_reference(isa, dtype, group, rows, k, n):
     x = rand(g, rows, k).to(dtype)
     packed, scales = quantize_int4(rand(g, n, k, scale=0.05), group)
     got, want = ops.linear_w4(x, packed, scales, group), reference.linear_w4(x, packed, scales, group)
-    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    tol = 5e-4 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
     for out_dtype in (torch.float32, torch.bfloat16):
         torch.testing.assert_close(ops.dequantize_int4(packed, scales, group, out_dtype),

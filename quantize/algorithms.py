@@ -1,0 +1,188 @@
+"""The quantization algorithms, on the builder's packed float32 weights.
+
+Per layer the four linears are qkv (input: the attention norm's output), out (the attention
+output), gate_up (the MLP norm's output) and down (silu(gate) * up). A per-input-channel
+scale s turns x @ W.T into (x / s) @ (W * s).T; x / s is folded where that is free: into
+the norm before qkv and gate_up, into the `up` rows before down; for `out` it is a
+`pre_scale` the runtime multiplies in (with grouped-query attention it cannot be folded into
+the value rows). Then:
+
+    int8_wo    round-to-nearest int8 per output channel (no calibration)
+    int4_wo    round-to-nearest int4 per group (no calibration)
+    int4_awq   AWQ: s = mean|x|^a, a searched on a grid to minimise the layer's output error
+               on calibration rows; then each group's clipping range searched the same way
+    int8_sq    SmoothQuant: s = max|x|^alpha / max|w|^(1 - alpha); int8 weights per channel,
+               int8 activations per token at run time (W8A8)"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from kiln import constants as names
+from kiln.quantize.calibrate import LinearStats
+from kiln.quantize.formats import fake_quant_int4, group_view, int4_scales, quantize_int4, quantize_int8
+from kiln.runtime.spec import ModelSpec
+
+LINEAR_KIND = {"int8_wo": "int8_wo", "int4_wo": "int4", "int4_awq": "int4", "int8_sq": "w8a8"}
+NEEDS_CALIBRATION = ("int4_awq", "int8_sq")
+AWQ_GRID = 20
+CLIP_GRID = 10
+CLIP_MAX_SHRINK = 0.5
+CLIP_ROWS = 128
+
+
+def pick_group_size(setting, spec: ModelSpec) -> int:
+    """auto: 128 where it divides every in_features, else the largest of 64 / 32 that does."""
+    if setting != "auto":
+        return int(setting)
+    in_features = (spec.hidden_size, spec.num_heads * spec.head_dim, spec.intermediate_size)
+    for size in (128, 64, 32):
+        if all(k % size == 0 for k in in_features):
+            return size
+    return 32  # kiln's kernels also take a shorter last group
+
+
+@dataclass
+class LayerWeights:
+    """One layer's float32 tensors, as new tensors (the inputs are left untouched)."""
+
+    input_norm: torch.Tensor
+    post_attention_norm: torch.Tensor
+    qkv: torch.Tensor
+    out: torch.Tensor
+    gate_up: torch.Tensor
+    down: torch.Tensor
+    pre_scale_out: torch.Tensor | None = None
+
+    @classmethod
+    def take(cls, weights: dict[str, torch.Tensor], i: int) -> "LayerWeights":
+        def get(name):
+            return weights[names.layer_tensor(i, name)].float().clone()
+
+        return cls(get(names.INPUT_NORM), get(names.POST_ATTENTION_NORM), get(names.ATTN_QKV),
+                   get(names.ATTN_OUT), get(names.MLP_GATE_UP), get(names.MLP_DOWN))
+
+    def apply_scales(self, s: dict[str, torch.Tensor]) -> None:
+        """x / s, W * s for each linear with a scale; the float model's output is unchanged."""
+        if "qkv" in s:
+            self.input_norm /= s["qkv"]
+            self.qkv *= s["qkv"]
+        if "gate_up" in s:
+            self.post_attention_norm /= s["gate_up"]
+            self.gate_up *= s["gate_up"]
+        if "down" in s:
+            half = self.gate_up.shape[0] // 2
+            self.gate_up[half:] /= s["down"][:, None]  # the up rows
+            self.down *= s["down"]
+        if "out" in s:
+            self.pre_scale_out = 1 / s["out"]
+            self.out *= s["out"]
+
+
+def smoothquant_scales(w: torch.Tensor, absmax_x: torch.Tensor, alpha: float) -> torch.Tensor:
+    absmax_w = w.abs().amax(dim=0).clamp(min=1e-5)
+    s = absmax_x.clamp(min=1e-5).pow(alpha) / absmax_w.pow(1 - alpha)
+    return s.clamp(min=1e-5)
+
+
+def awq_scales(w: torch.Tensor, x: torch.Tensor, absmean_x: torch.Tensor, group: int) -> torch.Tensor:
+    """The grid point a in [0, 1) whose s = mean|x|^a gives the least output error."""
+    reference = x @ w.T
+    best_error, best = float("inf"), torch.ones_like(absmean_x)
+    for i in range(AWQ_GRID):
+        s = absmean_x.clamp(min=1e-4).pow(i / AWQ_GRID)
+        s = s / (s.max() * s.min()).sqrt()
+        error = (x @ (fake_quant_int4(w * s, group) / s).T - reference).pow(2).mean().item()
+        if error < best_error:
+            best_error, best = error, s
+    return best
+
+
+def awq_clip(w: torch.Tensor, x: torch.Tensor, group: int) -> torch.Tensor:
+    """Per (output channel, group): the clipping ratio in [0.5, 1] with the least error of that
+    group's contribution to the outputs on the calibration rows."""
+    wg, _ = group_view(w, group)  # [out, groups, g]
+    xg, _ = group_view(x[:CLIP_ROWS], group)  # [rows, groups, g]
+    xt = xg.permute(1, 0, 2)  # [groups, rows, g]
+    reference = torch.bmm(xt, wg.permute(1, 2, 0))  # [groups, rows, out]
+    amax = wg.abs().amax(dim=2)  # [out, groups]
+    best_error = torch.full_like(amax, float("inf"))
+    best = torch.ones_like(amax)
+    for i in range(CLIP_GRID):
+        ratio = 1 - i * CLIP_MAX_SHRINK / CLIP_GRID
+        s = (amax * ratio / 7).clamp(min=1e-10)
+        q = torch.round(wg / s[:, :, None]).clamp(-8, 7) * s[:, :, None]
+        error = (torch.bmm(xt, q.permute(1, 2, 0)) - reference).pow(2).mean(dim=1).T  # [out, groups]
+        better = error < best_error
+        best_error = torch.where(better, error, best_error)
+        best = torch.where(better, torch.full_like(best, ratio), best)
+    return best
+
+
+def quantize_weights(weights: dict[str, torch.Tensor], spec: ModelSpec, algo: str, dtype: torch.dtype,
+                     group_size: int, alpha: float, stats: dict[tuple[int, str], LinearStats] | None,
+                     progress: Callable[[], None] = lambda: None, lm_head: str = "int8") -> dict[str, torch.Tensor]:
+    """Packed float32 weights -> the engine's tensors (quantized linears, the rest in `dtype`).
+    lm_head "int8": the output projection gets int8 weights per channel (W8A16) too; with tied
+    embeddings the embedding table stays as it is for the input lookup."""
+    kind = LINEAR_KIND[algo]
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in weights.items():
+        if not name.startswith("layers.") or name.endswith(names.ATTN_QKV_BIAS):
+            out[name] = tensor.to(dtype).contiguous()
+    if lm_head == "int8":
+        head = weights[names.EMBED if spec.tie_embeddings else names.LM_HEAD]
+        qweight, scales = quantize_int8(head)
+        prefix = names.linear_prefix(names.LM_HEAD)
+        out.pop(names.LM_HEAD, None)
+        out[names.linear_tensor(prefix, names.QWEIGHT)] = qweight
+        out[names.linear_tensor(prefix, names.WEIGHT_SCALES)] = scales
+    for i in range(spec.num_layers):
+        layer = LayerWeights.take(weights, i)
+        clips: dict[str, torch.Tensor] = {}
+        if algo == "int8_sq":
+            layer.apply_scales({n: smoothquant_scales(getattr(layer, n), stats[i, n].absmax, alpha)
+                                for n in ("qkv", "gate_up", "down", "out")})
+        elif algo == "int4_awq":
+            scales = {n: awq_scales(getattr(layer, n), stats[i, n].sample(), stats[i, n].absmean, group_size)
+                      for n in ("qkv", "gate_up", "down", "out")}
+            layer.apply_scales(scales)
+            for n in ("qkv", "gate_up", "down", "out"):
+                clips[n] = awq_clip(getattr(layer, n), stats[i, n].sample() / scales[n], group_size)
+            clips["qkv"][: spec.num_heads * spec.head_dim + spec.num_kv_heads * spec.head_dim] = 1.0
+            # (as in AWQ, query and key rows are not clipped: attention scores amplify their error)
+        out[names.layer_tensor(i, names.INPUT_NORM)] = layer.input_norm.to(dtype).contiguous()
+        out[names.layer_tensor(i, names.POST_ATTENTION_NORM)] = layer.post_attention_norm.to(dtype).contiguous()
+        for n, weight_name in (("qkv", names.ATTN_QKV), ("out", names.ATTN_OUT), ("gate_up", names.MLP_GATE_UP),
+                               ("down", names.MLP_DOWN)):
+            prefix = names.linear_prefix(names.layer_tensor(i, weight_name))
+            w = getattr(layer, n)
+            if kind == "int4":
+                qweight, scales = quantize_int4(w, group_size, int4_scales(w, group_size, clips.get(n)))
+            else:
+                qweight, scales = quantize_int8(w)
+            out[names.linear_tensor(prefix, names.QWEIGHT)] = qweight
+            out[names.linear_tensor(prefix, names.WEIGHT_SCALES)] = scales
+            if kind == "w8a8":
+                out[names.linear_tensor(prefix, names.WEIGHT_SUM)] = qweight.to(torch.int32).sum(
+                    dim=1, dtype=torch.int32)
+            if n == "out" and layer.pre_scale_out is not None:
+                out[names.linear_tensor(prefix, names.PRE_SCALE)] = layer.pre_scale_out.float().contiguous()
+        progress()
+    return out
+
+
+def quantization_meta(algo: str, kv_cache: str, group_size: int, alpha: float, lm_head: str = "int8") -> dict:
+    """engine.json's `quantization` entry (what the loader needs to read the tensors)."""
+    meta = {"algo": algo, "kv_cache": kv_cache}
+    if algo != "none" and lm_head == "int8":
+        meta["lm_head"] = "int8_wo"
+    if algo != "none":
+        meta["linear"] = LINEAR_KIND[algo]
+    if LINEAR_KIND.get(algo) == "int4":
+        meta["group_size"] = group_size
+    if algo == "int8_sq":
+        meta["smoothquant_alpha"] = alpha
+    return meta
