@@ -107,7 +107,7 @@ def quantize(config, spec, tokenizer_files: dict[str, str], weights, dtype, step
         ids = evaluation_ids(tokenizer, q.accuracy.text, q.accuracy.tokens, base=Path.cwd())
         model = LlamaModel(spec, quantized, max_positions, meta)
         with progress_bar("windows", -(-len(ids) // q.accuracy.window)) as advance:
-            report = apply_gate(measure(reference, model, ids, q.accuracy.window, progress=advance), q.accuracy_gate)
+            report = apply_gate(measure(reference, model, ids, q.accuracy.window, progress=advance), q.gate())
     console.print(report_table(report, q.algo))
     if not report.passed:
         raise GateFailed("the quantized engine is over quantization.accuracy_gate: " + "; ".join(report.failures)

@@ -50,6 +50,16 @@ class AccuracyGate(_Section):
     max_kl: float = Field(0.1, gt=0, description="build-time: mean KL(unquantized || quantized), nats")
 
 
+# `accuracy_gate: auto`: what each algorithm is expected to cost at most (SmolLM2-135M measured
+# well inside these; larger models lose less)
+DEFAULT_GATES = {
+    "int8_wo": AccuracyGate(max_ppl_increase=0.03, min_token_agreement=0.9, max_kl=0.05),
+    "int8_sq": AccuracyGate(max_ppl_increase=0.05, min_token_agreement=0.85, max_kl=0.1),
+    "int4_awq": AccuracyGate(max_ppl_increase=0.3, min_token_agreement=0.7, max_kl=0.3),
+    "int4_wo": AccuracyGate(max_ppl_increase=0.8, min_token_agreement=0.55, max_kl=0.8),
+}
+
+
 class AccuracySection(_Section):
     text: str = Field("builtin", description="build-time: builtin (held-out English prose) | a .txt file")
     tokens: int = Field(4096, ge=64, description="build-time: tokens of the text to score")
@@ -72,8 +82,12 @@ class QuantizationSection(_Section):
                             "SmolLM2's weights), or none to keep it in the engine dtype")
     calibration: CalibrationSection = CalibrationSection()
     accuracy: AccuracySection = AccuracySection()
-    accuracy_gate: AccuracyGate | None = Field(
-        AccuracyGate(), description="build-time: the build fails (exit 2) when the loss is over it; null: report only")
+    accuracy_gate: AccuracyGate | Literal["auto"] | None = Field(
+        "auto", description="build-time: the build fails (exit 2) when the loss is over it; auto: the "
+                            "algorithm's default (docs/quantization.md); null: report only")
+
+    def gate(self) -> AccuracyGate | None:
+        return DEFAULT_GATES.get(self.algo) if self.accuracy_gate == "auto" else self.accuracy_gate
 
 
 class BuildSection(_Section):

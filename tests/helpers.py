@@ -70,20 +70,24 @@ def make_tiny_model(folder: Path, architecture: str, seed: int = 0, **overrides)
     return folder
 
 
-def write_config(path: Path, checkpoint: str | Path, dtype: str = "float32", **build) -> Path:
+def write_config(path: Path, checkpoint: str | Path, dtype: str = "float32", quantization: dict | None = None,
+                 **build) -> Path:
     limits = dict(max_batch_size=4, max_input_len=256, max_seq_len=512, max_num_tokens=512)
     limits.update(build)
     config = {"model": {"checkpoint": str(checkpoint), "dtype": dtype}, "build": limits}
+    if quantization:
+        config["quantization"] = quantization
     path.write_text(yaml.safe_dump(config))
     return path
 
 
-def build_engine(out: Path, checkpoint: str | Path, dtype: str = "float32", **build) -> Path:
+def build_engine(out: Path, checkpoint: str | Path, dtype: str = "float32", quantization: dict | None = None,
+                 **build) -> Path:
     """Build in this process (the plugin library is compiled once and cached); engine dir."""
     from kiln.builder.cli import build as run_build
 
     out.mkdir(parents=True, exist_ok=True)
-    config = write_config(out / "build.yaml", checkpoint, dtype, **build)
+    config = write_config(out / "build.yaml", checkpoint, dtype, quantization, **build)
     engine_dir, _ = run_build(config, out)
     return engine_dir
 
