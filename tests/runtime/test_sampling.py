@@ -3,7 +3,6 @@ import pytest
 import torch
 
 from kiln.errors import RequestError
-from kiln.runtime.llm import LLM
 from kiln.runtime.sampling import Sampler, SamplingParams
 
 

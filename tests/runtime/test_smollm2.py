@@ -2,7 +2,6 @@
 import pytest
 import torch
 
-from kiln.runtime.llm import LLM
 from tests.helpers import SMOLLM2_FILE, smollm2_dir
 
 # no digits: transformers' tokenizer built from the GGUF does not split digits one by one as
