@@ -96,7 +96,7 @@ def quantize(config, spec, tokenizer_files: dict[str, str], weights, dtype, step
             sequences = calibration_sequences(tokenizer, c.dataset, c.samples, c.seq_len, base=Path.cwd())
             with progress_bar("sequences", len(sequences)) as advance:
                 stats = calibrate(reference, sequences, progress=advance)
-    detail = f", group size {group_size}" if "int4" in q.algo else (
+    detail = f", group size {group_size}" if "4" in q.algo else (
         f", alpha {q.smoothquant_alpha}" if q.algo == "int8_sq" else "")
     with step(f"Quantize ({q.algo}{detail})"):
         with progress_bar("layers", spec.num_layers) as advance:

@@ -56,6 +56,7 @@ DEFAULT_GATES = {
     "int8_wo": AccuracyGate(max_ppl_increase=0.03, min_token_agreement=0.9, max_kl=0.05),
     "int8_sq": AccuracyGate(max_ppl_increase=0.05, min_token_agreement=0.85, max_kl=0.1),
     "int4_awq": AccuracyGate(max_ppl_increase=0.3, min_token_agreement=0.7, max_kl=0.3),
+    "w4a8_awq": AccuracyGate(max_ppl_increase=0.35, min_token_agreement=0.7, max_kl=0.35),
     "int4_wo": AccuracyGate(max_ppl_increase=0.8, min_token_agreement=0.55, max_kl=0.8),
 }
 
@@ -66,13 +67,14 @@ class AccuracySection(_Section):
     window: int = Field(512, ge=16, description="build-time: perplexity window (tokens)")
 
 
-QUANT_ALGOS = ("none", "int8_wo", "int4_wo", "int4_awq", "int8_sq")
+QUANT_ALGOS = ("none", "int8_wo", "int4_wo", "int4_awq", "w4a8_awq", "int8_sq")
 
 
 class QuantizationSection(_Section):
-    algo: Literal["none", "int8_wo", "int4_wo", "int4_awq", "int8_sq"] = Field(
+    algo: Literal["none", "int8_wo", "int4_wo", "int4_awq", "w4a8_awq", "int8_sq"] = Field(
         "none", description="build-time: none | int8_wo / int4_wo (round-to-nearest weight-only) | int4_awq "
-                            "(activation-aware, group-wise int4) | int8_sq (SmoothQuant W8A8)")
+                            "(activation-aware, group-wise int4) | w4a8_awq (the same weights, int8 activations "
+                            "per group at run time) | int8_sq (SmoothQuant W8A8)")
     kv_cache: Literal["none"] = "none"
     group_size: Literal["auto", 32, 64, 128] = Field(
         "auto", description="build-time, int4: auto picks 128 where it divides every in_features, else 64, else 32")

@@ -38,7 +38,7 @@ WEIGHT_SCALES = "scales"  # float32 [out] (per channel) or [out, groups] (int4, 
 PRE_SCALE = "pre_scale"  # float32 [in]: multiplies the input first (AWQ/SmoothQuant scales that
 # cannot be folded into a norm or the previous linear)
 WEIGHT_SUM = "qweight_sum"  # int32 [out]: row sums of an int8 weight (the u8 x s8 VNNI offset)
-QUANT_KINDS = ("int8_wo", "int4", "w8a8")  # engine.json quantization.linear: how qweight is used
+QUANT_KINDS = ("int8_wo", "int4", "w4a8", "w8a8")  # engine.json quantization.linear: how qweight is used
 
 
 def linear_prefix(weight_name: str) -> str:

@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 OPS = ("rms_norm", "add_rms_norm", "silu_mul", "linear", "paged_attention", "select_isa", "linear_w8",
-       "linear_w4", "dequantize_int4", "linear_w8a8")
+       "linear_w4", "dequantize_int4", "linear_w8a8", "linear_w4a8")
 _loaded: dict[str, str] = {}  # sha256 of the library file -> path it was loaded from
 
 
@@ -77,6 +77,10 @@ def _register_fakes() -> None:
     def _linear_w8a8_fake(x, qweight, scales, weight_sum, bias):
         return x.new_empty((*x.shape[:-1], qweight.shape[0]))
 
+    @torch.library.register_fake("kiln::linear_w4a8")
+    def _linear_w4a8_fake(x, qweight, scales, group_size, bias):
+        return x.new_empty((*x.shape[:-1], qweight.shape[0]))
+
     @torch.library.register_fake("kiln::paged_attention")
     def _paged_attention_fake(qkv, k_pool, v_pool, block_tables, query_start, context_lens, cos, sin,
                               heads, scale):
@@ -134,3 +138,8 @@ def dequantize_int4(qweight, scales, group_size: int, dtype: torch.dtype = torch
 def linear_w8a8(x, qweight, scales, weight_sum, bias=None) -> torch.Tensor:
     """SmoothQuant W8A8: x quantized per row to int8 (absmax / 127), int8 x int8 -> int32, rescaled."""
     return torch.ops.kiln.linear_w8a8(x, qweight, scales, weight_sum, bias)
+
+
+def linear_w4a8(x, qweight, scales, group_size: int, bias=None) -> torch.Tensor:
+    """int4 weights x int8 activations quantized per row and group at run time (W4A8)."""
+    return torch.ops.kiln.linear_w4a8(x, qweight, scales, group_size, bias)

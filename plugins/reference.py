@@ -94,3 +94,30 @@ def linear_w8a8(x, qweight, scales, weight_sum=None, bias=None):
     if bias is not None:
         out = out + bias.float()
     return out.reshape(*x.shape[:-1], -1).to(x.dtype)
+
+
+def quantize_groups_int8(x, group_size):
+    """Per row and group of inputs: int8 values (float tensor) and scales absmax / 127."""
+    x = x.float().reshape(-1, x.shape[-1])
+    rows, k = x.shape
+    groups = -(-k // group_size)
+    padded = torch.nn.functional.pad(x, (0, groups * group_size - k)).reshape(rows, groups, group_size)
+    amax = padded.abs().amax(dim=2)
+    inv = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, torch.zeros_like(amax))
+    q = torch.round(padded * inv[:, :, None]).clamp(-127, 127)
+    return q, amax / 127
+
+
+def linear_w4a8(x, qweight, scales, group_size, bias=None):
+    """Exact integer products per group, then both groups' scales."""
+    from kiln.quantize.formats import unpack_int4
+
+    q, xs = quantize_groups_int8(x, group_size)  # [rows, groups, g]
+    w = unpack_int4(qweight).double()
+    rows, groups, g = q.shape
+    wg = torch.nn.functional.pad(w, (0, groups * g - w.shape[1])).reshape(w.shape[0], groups, g)
+    acc = torch.einsum("rgk,ngk->rng", q.double(), wg)  # exact in float64
+    out = (acc.float() * scales[None, :, :] * xs[:, None, :]).sum(dim=2)
+    if bias is not None:
+        out = out + bias.float()
+    return out.reshape(*x.shape[:-1], -1).to(x.dtype)

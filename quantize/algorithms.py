@@ -11,6 +11,7 @@ the value rows). Then:
     int4_wo    round-to-nearest int4 per group (no calibration)
     int4_awq   AWQ: s = mean|x|^a, a searched on a grid to minimise the layer's output error
                on calibration rows; then each group's clipping range searched the same way
+    w4a8_awq   int4_awq's weights; activations int8 per row and group at run time (W4A8)
     int8_sq    SmoothQuant: s = max|x|^alpha / max|w|^(1 - alpha); int8 weights per channel,
                int8 activations per token at run time (W8A8)"""
 from __future__ import annotations
@@ -25,8 +26,8 @@ from kiln.quantize.calibrate import LinearStats
 from kiln.quantize.formats import fake_quant_int4, group_view, int4_scales, quantize_int4, quantize_int8
 from kiln.runtime.spec import ModelSpec
 
-LINEAR_KIND = {"int8_wo": "int8_wo", "int4_wo": "int4", "int4_awq": "int4", "int8_sq": "w8a8"}
-NEEDS_CALIBRATION = ("int4_awq", "int8_sq")
+LINEAR_KIND = {"int8_wo": "int8_wo", "int4_wo": "int4", "int4_awq": "int4", "w4a8_awq": "w4a8", "int8_sq": "w8a8"}
+NEEDS_CALIBRATION = ("int4_awq", "w4a8_awq", "int8_sq")
 AWQ_GRID = 20
 CLIP_GRID = 10
 CLIP_MAX_SHRINK = 0.5
@@ -145,7 +146,7 @@ def quantize_weights(weights: dict[str, torch.Tensor], spec: ModelSpec, algo: st
         if algo == "int8_sq":
             layer.apply_scales({n: smoothquant_scales(getattr(layer, n), stats[i, n].absmax, alpha)
                                 for n in ("qkv", "gate_up", "down", "out")})
-        elif algo == "int4_awq":
+        elif algo in ("int4_awq", "w4a8_awq"):
             scales = {n: awq_scales(getattr(layer, n), stats[i, n].sample(), stats[i, n].absmean, group_size)
                       for n in ("qkv", "gate_up", "down", "out")}
             layer.apply_scales(scales)
@@ -159,7 +160,7 @@ def quantize_weights(weights: dict[str, torch.Tensor], spec: ModelSpec, algo: st
                                ("down", names.MLP_DOWN)):
             prefix = names.linear_prefix(names.layer_tensor(i, weight_name))
             w = getattr(layer, n)
-            if kind == "int4":
+            if kind in ("int4", "w4a8"):
                 qweight, scales = quantize_int4(w, group_size, int4_scales(w, group_size, clips.get(n)))
             else:
                 qweight, scales = quantize_int8(w)
@@ -181,7 +182,7 @@ def quantization_meta(algo: str, kv_cache: str, group_size: int, alpha: float, l
         meta["lm_head"] = "int8_wo"
     if algo != "none":
         meta["linear"] = LINEAR_KIND[algo]
-    if LINEAR_KIND.get(algo) == "int4":
+    if LINEAR_KIND.get(algo) in ("int4", "w4a8"):
         meta["group_size"] = group_size
     if algo == "int8_sq":
         meta["smoothquant_alpha"] = alpha

@@ -3,6 +3,7 @@
     DenseLinear     weight [out, in] in the engine dtype
     Int8Linear      int8 weight, one scale per output channel; activations stay float (W8A16)
     Int4Linear      int4 weight, one scale per group of `group_size` inputs (W4A16)
+    W4A8Linear      int4 weight and int8 activations quantized per row and group at run time
     W8A8Linear      int8 weight and int8 activations quantized per token at run time (SmoothQuant)
 
 Each may carry a `pre_scale` [in] that multiplies the input first (AWQ / SmoothQuant scales
@@ -89,6 +90,16 @@ class Int4Linear(QuantLinear):
         return F.linear(x, self.dequantize(), self.bias)
 
 
+class W4A8Linear(Int4Linear):
+    """int4 weights, int8 activations per row and group (every row count: decode and prefill
+    compute the same way)."""
+
+    kind = "w4a8"
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return ops.linear_w4a8(self._input(x), self.qweight, self.scales, self.group_size, self.bias)
+
+
 class W8A8Linear(QuantLinear):
     kind = "w8a8"
 
@@ -121,6 +132,8 @@ def load_linear(weights: dict[str, torch.Tensor], weight_name: str, dtype: torch
         return Int8Linear(qweight, scales, bias, pre_scale, dtype)
     if kind == "int4":
         return Int4Linear(qweight, scales, bias, pre_scale, dtype, quant["group_size"])
+    if kind == "w4a8":
+        return W4A8Linear(qweight, scales, bias, pre_scale, dtype, quant["group_size"])
     if kind == "w8a8":
         return W8A8Linear(qweight, scales, bias, pre_scale, dtype, part(names.WEIGHT_SUM))
     raise KeyError(f"{weight_name}: unknown quantized linear kind {kind!r}")

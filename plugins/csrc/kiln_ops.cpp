@@ -107,6 +107,10 @@ struct Kernels {
                           int64_t, int64_t);
   void (*linear_w8a8_bf16)(const bf16*, const int8_t*, const float*, const int32_t*, const bf16*, bf16*, int64_t,
                            int64_t, int64_t);
+  void (*linear_w4a8_f32)(const float*, const uint8_t*, const float*, int64_t, const float*, float*, int64_t,
+                          int64_t, int64_t);
+  void (*linear_w4a8_bf16)(const bf16*, const uint8_t*, const float*, int64_t, const bf16*, bf16*, int64_t,
+                           int64_t, int64_t);
 };
 
 #define KILN_KERNELS(ns)                                                              \
@@ -115,7 +119,7 @@ struct Kernels {
         ns::silu_mul_f32, ns::silu_mul_bf16, ns::linear_f32, ns::linear_bf16,                   \
         ns::paged_attention_f32, ns::paged_attention_bf16, ns::linear_w8_f32, ns::linear_w8_bf16,  \
         ns::linear_w4_f32, ns::linear_w4_bf16, ns::dequantize_int4_f32, ns::dequantize_int4_bf16,    \
-        ns::linear_w8a8_f32, ns::linear_w8a8_bf16                                                  \
+        ns::linear_w8a8_f32, ns::linear_w8a8_bf16, ns::linear_w4a8_f32, ns::linear_w4a8_bf16       \
   }
 
 static bool host_supports(const std::string& isa) {
@@ -387,6 +391,15 @@ at::Tensor linear_w4(const at::Tensor& x, const at::Tensor& qweight, const at::T
                     static_cast<const uint8_t*>(qweight.data_ptr()), scales.data_ptr<float>(), group_size);
 }
 
+at::Tensor linear_w4a8(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales, int64_t group_size,
+                       const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(qweight.dim() == 2, "kiln::linear_w4a8: qweight must be [out, in / 2]");
+  const int64_t k = check_int4("linear_w4a8", qweight, scales, group_size), n = qweight.size(0);
+  check_linear_args("linear_w4a8", x, qweight, at::kByte, scales, k, bias);
+  return run_linear(x, k, n, bias, active().linear_w4a8_f32, active().linear_w4a8_bf16,
+                    static_cast<const uint8_t*>(qweight.data_ptr()), scales.data_ptr<float>(), group_size);
+}
+
 at::Tensor dequantize_int4(const at::Tensor& qweight, const at::Tensor& scales, int64_t group_size,
                            at::ScalarType dtype) {
   TORCH_CHECK(qweight.dim() == 2 && qweight.scalar_type() == at::kByte && qweight.is_contiguous() &&
@@ -429,6 +442,7 @@ TORCH_LIBRARY(kiln, m) {
   m.def("linear_w4(Tensor x, Tensor qweight, Tensor scales, int group_size, Tensor? bias) -> Tensor");
   m.def("dequantize_int4(Tensor qweight, Tensor scales, int group_size, ScalarType dtype) -> Tensor");
   m.def("linear_w8a8(Tensor x, Tensor qweight, Tensor scales, Tensor weight_sum, Tensor? bias) -> Tensor");
+  m.def("linear_w4a8(Tensor x, Tensor qweight, Tensor scales, int group_size, Tensor? bias) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(kiln, CPU, m) {
@@ -441,4 +455,5 @@ TORCH_LIBRARY_IMPL(kiln, CPU, m) {
   m.impl("linear_w4", &kiln::linear_w4);
   m.impl("dequantize_int4", &kiln::dequantize_int4);
   m.impl("linear_w8a8", &kiln::linear_w8a8);
+  m.impl("linear_w4a8", &kiln::linear_w4a8);
 }

@@ -101,3 +101,18 @@ def test_quant_ops_opcheck(plugin_isas):
     torch.library.opcheck(torch.ops.kiln.dequantize_int4.default, (packed, scales, 32, torch.bfloat16))
     torch.library.opcheck(torch.ops.kiln.linear_w8a8.default,
                           (x, q, s, q.to(torch.int32).sum(1, dtype=torch.int32), None))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("group", [32, 64, 128])
+@pytest.mark.parametrize("rows, k, n", [s for s in SHAPES if s[1] % 2 == 0] + [(40, 576, 24)])
+def test_linear_w4a8_matches_exact_integer_reference(isa, dtype, group, rows, k, n):
+    g = torch.Generator().manual_seed(hash((isa, str(dtype), group, rows, k, n)) % 2**31)
+    x = rand(g, rows, k, scale=3).to(dtype)
+    x[0, : min(k, 40)] = 0  # an all-zero group must not divide by zero
+    packed, scales = quantize_int4(rand(g, n, k, scale=0.05), group)
+    got, want = ops.linear_w4a8(x, packed, scales, group), reference.linear_w4a8(x, packed, scales, group)
+    if dtype == torch.float32:  # the same integers; float sums in another order
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    else:
+        torch.testing.assert_close(got.float(), want.float(), rtol=1e-2, atol=0.07)

@@ -81,7 +81,8 @@ def test_group_size_auto():
 
 
 @pytest.mark.parametrize("algo, kind, qdtype", [("int8_wo", "int8_wo", torch.int8), ("int4_wo", "int4", torch.uint8),
-                                                ("int4_awq", "int4", torch.uint8), ("int8_sq", "w8a8", torch.int8)])
+                                                ("int4_awq", "int4", torch.uint8), ("w4a8_awq", "w4a8", torch.uint8),
+                                                ("int8_sq", "w8a8", torch.int8)])
 def test_each_algorithm_builds_runs_and_reports(algo, kind, qdtype, tiny_models, tmp_path, llm_for):
     engine_dir = build_engine(tmp_path / algo, tiny_models["llama"], "bfloat16", quantization={
         "algo": algo, "calibration": SMALL_CALIBRATION, "accuracy": SMALL_ACCURACY, "accuracy_gate": None})
@@ -90,7 +91,7 @@ def test_each_algorithm_builds_runs_and_reports(algo, kind, qdtype, tiny_models,
     report = meta["accuracy"]
     assert report["tokens"] > 300 and report["ppl_quantized"] > 0 and 0 <= report["token_agreement"] <= 1
     assert report["kl"] >= 0 and report["passed"]
-    assert ("calibration" in meta) == (algo in ("int4_awq", "int8_sq"))
+    assert ("calibration" in meta) == (algo in ("int4_awq", "w4a8_awq", "int8_sq"))
     tensors = _weights(Engine(engine_dir))
     assert tensors[names.linear_tensor("layers.0.mlp.down", names.QWEIGHT)].dtype == qdtype
     assert "layers.0.mlp.down.weight" not in tensors
