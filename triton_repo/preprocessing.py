@@ -51,6 +51,8 @@ def embedding_bias(tokenizer, words, weights, vocab_size: int) -> np.ndarray:
 
 
 def default_end_id(tokenizer, tokenizer_dir: str) -> int:
+    """The tokenizer's end-of-sequence token, else the engine's first end id (engine.json beside
+    the tokenizer folder), else -1 (TensorRT-LLM's "no end id")."""
     path = os.path.join(tokenizer_dir, names.TOKENIZER_CONFIG_JSON)
     token = None
     if os.path.exists(path):
@@ -58,6 +60,12 @@ def default_end_id(tokenizer, tokenizer_dir: str) -> int:
             token = json.load(f).get("eos_token")
         token = token.get("content") if isinstance(token, dict) else token
     end = tokenizer.token_to_id(token) if token else None
+    if end is None:
+        engine_json = os.path.join(os.path.dirname(os.path.normpath(tokenizer_dir)), names.ENGINE_JSON)
+        if os.path.exists(engine_json):
+            with open(engine_json) as f:
+                eos = json.load(f).get("model", {}).get("eos_ids") or []
+            end = eos[0] if eos else None
     return -1 if end is None else end
 
 

@@ -75,3 +75,26 @@ def test_older_names_are_aliases():
 def test_inputs_kiln_cannot_honour(name, value, message):
     with pytest.raises(RequestError, match=message):
         parse_engine_request(request(**BASE, **{name: value}))
+
+
+def test_preprocessing_default_end_id(tmp_path, tiny_engines):
+    """The tokenizer's eos token, else the engine's first end id: never -1 (no end) by accident."""
+    import json
+    import shutil
+
+    from tokenizers import Tokenizer
+
+    from kiln.triton_repo.preprocessing import default_end_id
+
+    engine = tiny_engines("llama")
+    tokenizer_dir = engine / names.TOKENIZER_DIR
+    tokenizer = Tokenizer.from_file(str(tokenizer_dir / names.TOKENIZER_JSON))
+    eos = json.loads((engine / names.ENGINE_JSON).read_text())["model"]["eos_ids"][0]
+    assert default_end_id(tokenizer, str(tokenizer_dir)) == eos
+    bare = tmp_path / "engine" / names.TOKENIZER_DIR  # no tokenizer_config.json: engine.json decides
+    bare.mkdir(parents=True)
+    shutil.copy(tokenizer_dir / names.TOKENIZER_JSON, bare)
+    shutil.copy(engine / names.ENGINE_JSON, tmp_path / "engine")
+    assert default_end_id(tokenizer, str(bare)) == eos
+    (tmp_path / "engine" / names.ENGINE_JSON).unlink()
+    assert default_end_id(tokenizer, str(bare)) == -1
