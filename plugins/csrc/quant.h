@@ -11,6 +11,38 @@
 // The W8A16 / W4A16 kernels are GEMVs for a few rows (decode steps): each weight byte is read
 // once and widened once for up to four input rows. fp32 accumulation, one rounding at the end.
 
+// f(std::integral_constant<int, R>{}) for R = mr (1..4): kernels take the row count as a
+// template argument so their accumulators stay in registers
+template <typename F>
+inline void with_rows(int64_t mr, F&& f) {
+  switch (mr) {
+    case 4: f(std::integral_constant<int, 4>{}); break;
+    case 3: f(std::integral_constant<int, 3>{}); break;
+    case 2: f(std::integral_constant<int, 2>{}); break;
+    default: f(std::integral_constant<int, 1>{});
+  }
+}
+
+// The float-input GEMV driver (AVX2 / scalar paths): the input rows widened to fp32 once, then
+// each weight row o against them four at a time; dot(R, xr, o, sums) fills sums[0, R) and
+// out = sums + bias.
+template <typename T, typename Dot>
+void gemv_float_rows(const T* x, const T* bias, T* out, int64_t rows, int64_t k, int64_t n, Dot dot) {
+  std::vector<float> xf(rows * k);
+  for (int64_t i = 0; i < rows * k; ++i) xf[i] = to_f32(x[i]);
+  at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
+    float sums[4];
+    for (int64_t o = begin; o < end; ++o) {
+      const float b = bias ? to_f32(bias[o]) : 0.f;
+      for (int64_t m0 = 0; m0 < rows; m0 += 4) {
+        const int64_t mr = std::min<int64_t>(4, rows - m0);
+        with_rows(mr, [&](auto R) { dot(R, xf.data() + m0 * k, o, sums); });
+        for (int64_t r = 0; r < mr; ++r) store_as(out + (m0 + r) * n + o, sums[r] + b);
+      }
+    }
+  });
+}
+
 #if defined(KILN_ISA_AVX512)
 inline vfloat vload_i8(const int8_t* p) {  // 16 int8 -> fp32
   return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
@@ -44,25 +76,9 @@ inline void dot_rows_w8(const float* xf, int64_t k, const int8_t* wrow, float* s
 template <typename T>
 void linear_w8_impl(const T* x, const int8_t* w, const float* scale, const T* bias, T* out, int64_t rows,
                     int64_t k, int64_t n) {
-  std::vector<float> xf(rows * k);
-  for (int64_t i = 0; i < rows * k; ++i) xf[i] = to_f32(x[i]);
-  at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
-    float sums[4];
-    for (int64_t o = begin; o < end; ++o) {
-      const int8_t* wrow = w + o * k;
-      const float b = bias ? to_f32(bias[o]) : 0.f;
-      for (int64_t m0 = 0; m0 < rows; m0 += 4) {
-        const int64_t mr = std::min<int64_t>(4, rows - m0);
-        const float* xr = xf.data() + m0 * k;
-        switch (mr) {
-          case 4: dot_rows_w8<4>(xr, k, wrow, sums); break;
-          case 3: dot_rows_w8<3>(xr, k, wrow, sums); break;
-          case 2: dot_rows_w8<2>(xr, k, wrow, sums); break;
-          default: dot_rows_w8<1>(xr, k, wrow, sums);
-        }
-        for (int64_t r = 0; r < mr; ++r) store_as(out + (m0 + r) * n + o, sums[r] * scale[o] + b);
-      }
-    }
+  gemv_float_rows(x, bias, out, rows, k, n, [&](auto R, const float* xr, int64_t o, float* sums) {
+    dot_rows_w8<decltype(R)::value>(xr, k, w + o * k, sums);
+    for (int r = 0; r < R; ++r) sums[r] *= scale[o];
   });
 }
 
@@ -126,26 +142,8 @@ template <typename T>
 void linear_w4_impl(const T* x, const uint8_t* w, const float* scale, int64_t group, const T* bias, T* out,
                     int64_t rows, int64_t k, int64_t n) {
   const int64_t row_bytes = (k + 1) / 2, groups = (k + group - 1) / group;
-  std::vector<float> xf(rows * k);
-  for (int64_t i = 0; i < rows * k; ++i) xf[i] = to_f32(x[i]);
-  at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
-    float sums[4];
-    for (int64_t o = begin; o < end; ++o) {
-      const uint8_t* wrow = w + o * row_bytes;
-      const float* srow = scale + o * groups;
-      const float b = bias ? to_f32(bias[o]) : 0.f;
-      for (int64_t m0 = 0; m0 < rows; m0 += 4) {
-        const int64_t mr = std::min<int64_t>(4, rows - m0);
-        const float* xr = xf.data() + m0 * k;
-        switch (mr) {
-          case 4: dot_rows_w4<4>(xr, k, wrow, srow, group, sums); break;
-          case 3: dot_rows_w4<3>(xr, k, wrow, srow, group, sums); break;
-          case 2: dot_rows_w4<2>(xr, k, wrow, srow, group, sums); break;
-          default: dot_rows_w4<1>(xr, k, wrow, srow, group, sums);
-        }
-        for (int64_t r = 0; r < mr; ++r) store_as(out + (m0 + r) * n + o, sums[r] + b);
-      }
-    }
+  gemv_float_rows(x, bias, out, rows, k, n, [&](auto R, const float* xr, int64_t o, float* sums) {
+    dot_rows_w4<decltype(R)::value>(xr, k, w + o * row_bytes, scale + o * groups, group, sums);
   });
 }
 
@@ -365,12 +363,7 @@ void linear_w8_i16(const T* x, const int8_t* w, const float* scale, const T* bia
       for (int64_t m0 = 0; m0 < rows; m0 += 4) {
         const int64_t mr = std::min<int64_t>(4, rows - m0);
         const int16_t* xr = xq.data() + m0 * kp;
-        switch (mr) {
-          case 4: rows_w8<4>(xr, kp, w, k, o0, o1, sums); break;
-          case 3: rows_w8<3>(xr, kp, w, k, o0, o1, sums); break;
-          case 2: rows_w8<2>(xr, kp, w, k, o0, o1, sums); break;
-          default: rows_w8<1>(xr, kp, w, k, o0, o1, sums);
-        }
+        with_rows(mr, [&](auto R) { rows_w8<decltype(R)::value>(xr, kp, w, k, o0, o1, sums); });
         for (int64_t o = o0; o < o1; ++o) {
           const float b = bias ? to_f32(bias[o]) : 0.f;
           for (int64_t r = 0; r < mr; ++r)
@@ -500,11 +493,12 @@ void linear_w4_i16(const T* x, const uint8_t* w, const float* scale, int64_t gro
       for (int64_t m0 = 0; m0 < rows; m0 += 4) {
         const int64_t mr = std::min<int64_t>(4, rows - m0);
         const int16_t* xr = xq.data() + m0 * kp;
-        const auto run = wide ? (mr == 4 ? rows_w4<4, true> : mr == 3 ? rows_w4<3, true>
-                                 : mr == 2 ? rows_w4<2, true> : rows_w4<1, true>)
-                              : (mr == 4 ? rows_w4<4, false> : mr == 3 ? rows_w4<3, false>
-                                 : mr == 2 ? rows_w4<2, false> : rows_w4<1, false>);
-        run(xr, kp, xsum8.data() + m0 * groups, w, row_bytes, scale, group, groups, o0, o1, sums);
+        const int32_t* xs8 = xsum8.data() + m0 * groups;
+        with_rows(mr, [&](auto R) {
+          constexpr int r = decltype(R)::value;
+          (wide ? rows_w4<r, true> : rows_w4<r, false>)(xr, kp, xs8, w, row_bytes, scale, group, groups, o0, o1,
+                                                          sums);
+        });
         for (int64_t o = o0; o < o1; ++o) {
           const float b = bias ? to_f32(bias[o]) : 0.f;
           for (int64_t r = 0; r < mr; ++r) store_as(out + (m0 + r) * n + o, sums[(o - o0) * mr + r] * xs[m0 + r] + b);
