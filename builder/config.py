@@ -67,9 +67,6 @@ class AccuracySection(_Section):
     window: int = Field(512, ge=16, description="build-time: perplexity window (tokens)")
 
 
-QUANT_ALGOS = ("none", "int8_wo", "int4_wo", "int4_awq", "w4a8_awq", "int8_sq")
-
-
 class QuantizationSection(_Section):
     algo: Literal["none", "int8_wo", "int4_wo", "int4_awq", "w4a8_awq", "int8_sq"] = Field(
         "none", description="build-time: none | int8_wo / int4_wo (round-to-nearest weight-only) | int4_awq "

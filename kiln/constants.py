@@ -38,7 +38,11 @@ WEIGHT_SCALES = "scales"  # float32 [out] (per channel) or [out, groups] (int4, 
 PRE_SCALE = "pre_scale"  # float32 [in]: multiplies the input first (AWQ/SmoothQuant scales that
 # cannot be folded into a norm or the previous linear)
 WEIGHT_SUM = "qweight_sum"  # int32 [out]: row sums of an int8 weight (the u8 x s8 VNNI offset)
-QUANT_KINDS = ("int8_wo", "int4", "w4a8", "w8a8")  # engine.json quantization.linear: how qweight is used
+# engine.json quantization.linear / .lm_head: how a qweight is used
+LINEAR_INT8 = "int8_wo"  # int8 weights, float activations
+LINEAR_INT4 = "int4"  # group-wise int4 weights, float activations
+LINEAR_W4A8 = "w4a8"  # group-wise int4 weights, int8 activations per row and group
+LINEAR_W8A8 = "w8a8"  # int8 weights, int8 activations per row
 
 
 def linear_prefix(weight_name: str) -> str:

@@ -26,7 +26,12 @@ from kiln.quantize.calibrate import LinearStats
 from kiln.quantize.formats import fake_quant_int4, group_view, int4_scales, quantize_int4, quantize_int8
 from kiln.runtime.spec import ModelSpec
 
-LINEAR_KIND = {"int8_wo": "int8_wo", "int4_wo": "int4", "int4_awq": "int4", "w4a8_awq": "w4a8", "int8_sq": "w8a8"}
+LINEAR_KIND = {"int8_wo": names.LINEAR_INT8, "int4_wo": names.LINEAR_INT4, "int4_awq": names.LINEAR_INT4,
+               "w4a8_awq": names.LINEAR_W4A8, "int8_sq": names.LINEAR_W8A8}
+INT4_KINDS = (names.LINEAR_INT4, names.LINEAR_W4A8)
+# Layer field -> the packed tensor it is stored as (runtime.model.LINEARS, in that order)
+LINEAR_WEIGHTS = {"qkv": names.ATTN_QKV, "out": names.ATTN_OUT, "gate_up": names.MLP_GATE_UP,
+                  "down": names.MLP_DOWN}
 NEEDS_CALIBRATION = ("int4_awq", "w4a8_awq", "int8_sq")
 AWQ_GRID = 20
 CLIP_GRID = 10
@@ -38,7 +43,7 @@ def pick_group_size(setting, spec: ModelSpec) -> int:
     """auto: 128 where it divides every in_features, else the largest of 64 / 32 that does."""
     if setting != "auto":
         return int(setting)
-    in_features = (spec.hidden_size, spec.num_heads * spec.head_dim, spec.intermediate_size)
+    in_features = (spec.hidden_size, spec.q_size, spec.intermediate_size)
     for size in (128, 64, 32):
         if all(k % size == 0 for k in in_features):
             return size
@@ -62,8 +67,8 @@ class LayerWeights:
         def get(name):
             return weights[names.layer_tensor(i, name)].float().clone()
 
-        return cls(get(names.INPUT_NORM), get(names.POST_ATTENTION_NORM), get(names.ATTN_QKV),
-                   get(names.ATTN_OUT), get(names.MLP_GATE_UP), get(names.MLP_DOWN))
+        return cls(get(names.INPUT_NORM), get(names.POST_ATTENTION_NORM),
+                   **{field: get(weight) for field, weight in LINEAR_WEIGHTS.items()})
 
     def apply_scales(self, s: dict[str, torch.Tensor]) -> None:
         """x / s, W * s for each linear with a scale; the float model's output is unchanged."""
@@ -145,28 +150,27 @@ def quantize_weights(weights: dict[str, torch.Tensor], spec: ModelSpec, algo: st
         clips: dict[str, torch.Tensor] = {}
         if algo == "int8_sq":
             layer.apply_scales({n: smoothquant_scales(getattr(layer, n), stats[i, n].absmax, alpha)
-                                for n in ("qkv", "gate_up", "down", "out")})
+                                for n in LINEAR_WEIGHTS})
         elif algo in ("int4_awq", "w4a8_awq"):
-            scales = {n: awq_scales(getattr(layer, n), stats[i, n].sample(), stats[i, n].absmean, group_size)
-                      for n in ("qkv", "gate_up", "down", "out")}
+            scales = {n: awq_scales(getattr(layer, n), stats[i, n].rows, stats[i, n].absmean, group_size)
+                      for n in LINEAR_WEIGHTS}
             layer.apply_scales(scales)
-            for n in ("qkv", "gate_up", "down", "out"):
-                clips[n] = awq_clip(getattr(layer, n), stats[i, n].sample() / scales[n], group_size)
-            clips["qkv"][: spec.num_heads * spec.head_dim + spec.num_kv_heads * spec.head_dim] = 1.0
+            for n in LINEAR_WEIGHTS:
+                clips[n] = awq_clip(getattr(layer, n), stats[i, n].rows / scales[n], group_size)
+            clips["qkv"][: spec.q_size + spec.kv_size] = 1.0
             # (as in AWQ, query and key rows are not clipped: attention scores amplify their error)
         out[names.layer_tensor(i, names.INPUT_NORM)] = layer.input_norm.to(dtype).contiguous()
         out[names.layer_tensor(i, names.POST_ATTENTION_NORM)] = layer.post_attention_norm.to(dtype).contiguous()
-        for n, weight_name in (("qkv", names.ATTN_QKV), ("out", names.ATTN_OUT), ("gate_up", names.MLP_GATE_UP),
-                               ("down", names.MLP_DOWN)):
+        for n, weight_name in LINEAR_WEIGHTS.items():
             prefix = names.linear_prefix(names.layer_tensor(i, weight_name))
             w = getattr(layer, n)
-            if kind in ("int4", "w4a8"):
+            if kind in INT4_KINDS:
                 qweight, scales = quantize_int4(w, group_size, int4_scales(w, group_size, clips.get(n)))
             else:
                 qweight, scales = quantize_int8(w)
             out[names.linear_tensor(prefix, names.QWEIGHT)] = qweight
             out[names.linear_tensor(prefix, names.WEIGHT_SCALES)] = scales
-            if kind == "w8a8":
+            if kind == names.LINEAR_W8A8:
                 out[names.linear_tensor(prefix, names.WEIGHT_SUM)] = qweight.to(torch.int32).sum(
                     dim=1, dtype=torch.int32)
             if n == "out" and layer.pre_scale_out is not None:
@@ -179,10 +183,10 @@ def quantization_meta(algo: str, kv_cache: str, group_size: int, alpha: float, l
     """engine.json's `quantization` entry (what the loader needs to read the tensors)."""
     meta = {"algo": algo, "kv_cache": kv_cache}
     if algo != "none" and lm_head == "int8":
-        meta["lm_head"] = "int8_wo"
+        meta["lm_head"] = names.LINEAR_INT8
     if algo != "none":
         meta["linear"] = LINEAR_KIND[algo]
-    if LINEAR_KIND.get(algo) in ("int4", "w4a8"):
+    if LINEAR_KIND.get(algo) in INT4_KINDS:
         meta["group_size"] = group_size
     if algo == "int8_sq":
         meta["smoothquant_alpha"] = alpha

@@ -5,7 +5,8 @@ Per linear input channel: the maximum |x| (SmoothQuant) and the mean |x| (AWQ), 
 sample of at most `rows` input rows (AWQ's search measures output error on them). The first
 token of every sequence is always in the sample: its activations are by far the largest (the
 attention sink every later token reads) and a search that never sees it clips the weights
-that carry it. Measured on SmolLM2 int4 AWQ, group 64: +33% perplexity without it, +16% with."""
+that carry it. Measured on SmolLM2 int4 AWQ, group 64 (the build's report on 4,096 held-out
+tokens, with and without the `picked[0] = 0` line below): +33% perplexity without it, +16% with."""
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -21,14 +22,12 @@ class LinearStats:
     absmax: torch.Tensor  # [in]
     abssum: torch.Tensor  # [in]
     count: int = 0
-    rows: list[torch.Tensor] = field(default_factory=list)
+    parts: list[torch.Tensor] = field(default_factory=list)  # sampled rows, call by call
+    rows: torch.Tensor | None = None  # [<= rows, in]: the sample, once calibration is done
 
     @property
     def absmean(self) -> torch.Tensor:
         return self.abssum / max(self.count, 1)
-
-    def sample(self) -> torch.Tensor:
-        return torch.cat(self.rows)
 
 
 class Observer:
@@ -46,7 +45,7 @@ class Observer:
         take = min(self.rows_per_call, xf.shape[0])
         picked = torch.randperm(xf.shape[0], generator=self.generator)[:take]
         picked[0] = 0  # the sequence's first token: see the module docstring
-        self.stats.rows.append(xf[picked].clone())
+        self.stats.parts.append(xf[picked].clone())
         return self.inner(x)
 
 
@@ -60,7 +59,7 @@ def calibrate(model: LlamaModel, sequences: list[list[int]], rows: int = 256, bl
     for index, layer in enumerate(model.layers):
         for name in LINEARS:
             inner = getattr(layer, name)
-            in_features = _in_features(inner)
+            in_features = inner.weight.shape[1]
             stats[index, name] = LinearStats(torch.zeros(in_features), torch.zeros(in_features))
             setattr(layer, name, Observer(inner, stats[index, name], rows_per_call, generator))
             originals.append((layer, name, inner))
@@ -74,9 +73,6 @@ def calibrate(model: LlamaModel, sequences: list[list[int]], rows: int = 256, bl
         for layer, name, inner in originals:
             setattr(layer, name, inner)
     for s in stats.values():
-        s.rows = [s.sample()[:rows]]
+        s.rows, s.parts = torch.cat(s.parts)[:rows], []
     return stats
 
-
-def _in_features(linear) -> int:
-    return linear.weight.shape[1]

@@ -24,10 +24,6 @@ class DenseLinear:
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
         self.weight, self.bias = weight, bias
 
-    @property
-    def out_features(self) -> int:
-        return self.weight.shape[0]
-
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """A few bf16 rows go to kiln's GEMV, which streams the weights once at memory bandwidth
         (2-3x PyTorch's at one row here); float32 always uses PyTorch's GEMM, whose results do
@@ -38,80 +34,75 @@ class DenseLinear:
 
 
 class QuantLinear:
+    """Up to `gemv_rows` rows go to the kernel (`gemv`); more are computed by dequantizing the
+    weight once and PyTorch's GEMM."""
+
     kind = ""
+    gemv_rows = SKINNY_ROWS
 
     def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None,
-                 pre_scale: torch.Tensor | None, dtype: torch.dtype):
-        self.qweight, self.scales, self.bias, self.pre_scale, self.dtype = qweight, scales, bias, pre_scale, dtype
+                 pre_scale: torch.Tensor | None, dtype: torch.dtype, group_size: int = 0,
+                 weight_sum: torch.Tensor | None = None):
+        self.qweight, self.scales, self.bias, self.dtype = qweight, scales, bias, dtype
+        self.pre_scale = None if pre_scale is None else pre_scale.to(dtype)  # activations are in dtype
+        self.group_size, self.weight_sum = group_size, weight_sum
 
-    @property
-    def out_features(self) -> int:
-        return self.qweight.shape[0]
+    def gemv(self, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
 
     def dequantize(self) -> torch.Tensor:
         raise NotImplementedError
 
-    def _input(self, x: torch.Tensor) -> torch.Tensor:
-        return x if self.pre_scale is None else x * self.pre_scale.to(x.dtype)
-
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(self._input(x), self.dequantize(), self.bias)
+        if self.pre_scale is not None:
+            x = x * self.pre_scale
+        if x.shape[0] <= self.gemv_rows:
+            return self.gemv(x)
+        return F.linear(x, self.dequantize(), self.bias)
 
 
 class Int8Linear(QuantLinear):
-    kind = "int8_wo"
+    kind = names.LINEAR_INT8
+
+    def gemv(self, x):
+        return ops.linear_w8(x, self.qweight, self.scales, self.bias)
 
     def dequantize(self) -> torch.Tensor:
         if self.dtype == torch.bfloat16:  # one bf16 pass (int8 is exact in bf16): 3x the float32 route
             return self.qweight.to(torch.bfloat16) * self.scales.to(torch.bfloat16)[:, None]
         return self.qweight.to(self.dtype) * self.scales[:, None].to(self.dtype)
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        x = self._input(x)
-        if x.shape[0] <= SKINNY_ROWS:
-            return ops.linear_w8(x, self.qweight, self.scales, self.bias)
-        return F.linear(x, self.dequantize(), self.bias)
-
 
 class Int4Linear(QuantLinear):
-    kind = "int4"
+    kind = names.LINEAR_INT4
 
-    def __init__(self, qweight, scales, bias, pre_scale, dtype, group_size: int):
-        super().__init__(qweight, scales, bias, pre_scale, dtype)
-        self.group_size = group_size
+    def gemv(self, x):
+        return ops.linear_w4(x, self.qweight, self.scales, self.group_size, self.bias)
 
     def dequantize(self) -> torch.Tensor:
         return ops.dequantize_int4(self.qweight, self.scales, self.group_size).to(self.dtype)
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        x = self._input(x)
-        if x.shape[0] <= SKINNY_ROWS:
-            return ops.linear_w4(x, self.qweight, self.scales, self.group_size, self.bias)
-        return F.linear(x, self.dequantize(), self.bias)
 
+class W4A8Linear(QuantLinear):
+    """int4 weights, int8 activations per row and group: every row count takes the kernel, so
+    decode and prefill compute the same way."""
 
-class W4A8Linear(Int4Linear):
-    """int4 weights, int8 activations per row and group (every row count: decode and prefill
-    compute the same way)."""
+    kind = names.LINEAR_W4A8
+    gemv_rows = float("inf")
 
-    kind = "w4a8"
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return ops.linear_w4a8(self._input(x), self.qweight, self.scales, self.group_size, self.bias)
+    def gemv(self, x):
+        return ops.linear_w4a8(x, self.qweight, self.scales, self.group_size, self.bias)
 
 
 class W8A8Linear(QuantLinear):
-    kind = "w8a8"
+    kind = names.LINEAR_W8A8
+    gemv_rows = float("inf")
 
-    def __init__(self, qweight, scales, bias, pre_scale, dtype, weight_sum: torch.Tensor):
-        super().__init__(qweight, scales, bias, pre_scale, dtype)
-        self.weight_sum = weight_sum
+    def gemv(self, x):
+        return ops.linear_w8a8(x, self.qweight, self.scales, self.weight_sum, self.bias)
 
-    def dequantize(self) -> torch.Tensor:
-        return (self.qweight.float() * self.scales[:, None]).to(self.dtype)
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return ops.linear_w8a8(self._input(x), self.qweight, self.scales, self.weight_sum, self.bias)
+QUANT_LINEARS = {cls.kind: cls for cls in (Int8Linear, Int4Linear, W4A8Linear, W8A8Linear)}
 
 
 def load_linear(weights: dict[str, torch.Tensor], weight_name: str, dtype: torch.dtype, quant: dict,
@@ -124,16 +115,11 @@ def load_linear(weights: dict[str, torch.Tensor], weight_name: str, dtype: torch
     def part(name: str) -> torch.Tensor | None:
         return weights.get(names.linear_tensor(prefix, name))
 
-    qweight, scales, pre_scale = part(names.QWEIGHT), part(names.WEIGHT_SCALES), part(names.PRE_SCALE)
+    qweight, scales = part(names.QWEIGHT), part(names.WEIGHT_SCALES)
     if qweight is None or scales is None:
         raise KeyError(f"{weight_name}: neither a dense weight nor {names.QWEIGHT} + {names.WEIGHT_SCALES}")
     kind = quant.get("linear")
-    if kind == "int8_wo":
-        return Int8Linear(qweight, scales, bias, pre_scale, dtype)
-    if kind == "int4":
-        return Int4Linear(qweight, scales, bias, pre_scale, dtype, quant["group_size"])
-    if kind == "w4a8":
-        return W4A8Linear(qweight, scales, bias, pre_scale, dtype, quant["group_size"])
-    if kind == "w8a8":
-        return W8A8Linear(qweight, scales, bias, pre_scale, dtype, part(names.WEIGHT_SUM))
-    raise KeyError(f"{weight_name}: unknown quantized linear kind {kind!r}")
+    if kind not in QUANT_LINEARS:
+        raise KeyError(f"{weight_name}: unknown quantized linear kind {kind!r}")
+    return QUANT_LINEARS[kind](qweight, scales, bias, part(names.PRE_SCALE), dtype, quant.get("group_size", 0),
+                               part(names.WEIGHT_SUM))

@@ -91,7 +91,7 @@ class ModelRunner:
         params = seq.params
         logits = raw
         if params.processes_logits:
-            logits = process_logits(raw, params, seq.token_ids, seq.num_generated, seq.stop_ids)
+            logits = process_logits(raw, params, seq.token_ids, seq.num_generated, seq.stop_ids, seq.sampler.bias)
         token = seq.sampler(logits)
         sample = Sample(seq, token)
         if params.return_log_probs:  # of the distribution drawn from (TensorRT-LLM's convention)

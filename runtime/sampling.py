@@ -71,12 +71,13 @@ class SamplingParams:
 
 
 def process_logits(logits: torch.Tensor, params: SamplingParams, token_ids: list[int], num_generated: int,
-                   end_ids: frozenset[int]) -> torch.Tensor:
-    """One row of float32 logits after the request's bias, penalties, bad words and min_tokens."""
+                   end_ids: frozenset[int], bias: torch.Tensor | None = None) -> torch.Tensor:
+    """One row of float32 logits after the request's bias (params.embedding_bias as a tensor,
+    made once per request by its Sampler), penalties, bad words and min_tokens."""
     logits = logits.clone()
     vocab = logits.shape[-1]
-    if params.embedding_bias is not None:
-        logits += torch.tensor(params.embedding_bias, dtype=logits.dtype)
+    if bias is not None:
+        logits += bias
     if params.repetition_penalty != 1.0 or params.presence_penalty or params.frequency_penalty:
         counts = torch.bincount(torch.tensor(token_ids, dtype=torch.int64), minlength=vocab)[:vocab]
         present = counts > 0
@@ -106,6 +107,7 @@ class Sampler:
 
     def __init__(self, params: SamplingParams):
         self.params = params
+        self.bias = None if params.embedding_bias is None else torch.tensor(params.embedding_bias)
         self.generator = torch.Generator()
         if params.seed is not None:
             self.generator.manual_seed(params.seed)

@@ -16,7 +16,7 @@ import numpy as np
 from kiln import constants as names
 from kiln.triton_repo.model_configs import PREPROCESSING_TO_ENGINE, RESULT_OUTPUTS, TEXT_INPUTS, TO_ENGINE, \
     TO_PREPROCESSING
-from kiln.triton_repo.model_utils import engine_tokenizer, error_response, parameter
+from kiln.triton_repo.model_utils import engine_tokenizer, error_response, input_array, parameter
 
 log = logging.getLogger("kiln.triton.bls")
 
@@ -62,11 +62,8 @@ class TritonPythonModel:
 
         from kiln.runtime.detokenizer import decode_delta
 
-        given = {}
-        for spec in TEXT_INPUTS:
-            tensor = pb_utils.get_input_tensor_by_name(request, spec.name)
-            if tensor is not None:
-                given[spec.name] = tensor.as_numpy()
+        given = {spec.name: input_array(request, spec.name) for spec in TEXT_INPUTS}
+        given = {name: array for name, array in given.items() if array is not None}
         pre = pb_utils.InferenceRequest(
             model_name=self.preprocessing, requested_output_names=list(PREPROCESSING_TO_ENGINE),
             inputs=[pb_utils.Tensor(TO_PREPROCESSING[k], v) for k, v in given.items() if k in TO_PREPROCESSING],

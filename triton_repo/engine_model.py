@@ -13,7 +13,7 @@ import numpy as np
 
 from kiln import constants as names
 from kiln.triton_repo.engine_request import OutputOptions
-from kiln.triton_repo.model_utils import error_response, optional_scalar, parameter, repo_path
+from kiln.triton_repo.model_utils import error_response, input_array, optional_scalar, parameter, repo_path
 
 log = logging.getLogger("kiln.triton")
 
@@ -67,7 +67,6 @@ class Active:
     log_probs: list[float] = field(default_factory=list)
     generation_logits: list = field(default_factory=list)
     context_logits: object = None
-    prefix: list[int] | None = None
 
 
 def _batched(array: np.ndarray) -> np.ndarray:
@@ -130,17 +129,12 @@ class TritonPythonModel:
         final = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
         for request in requests:
             sender = request.get_response_sender()
-
-            def get(name, request=request):
-                tensor = pb_utils.get_input_tensor_by_name(request, name)
-                return None if tensor is None else tensor.as_numpy()
-
             try:
                 if optional_scalar(request, names.STOP, False):
                     self._stop(request.request_id())
                     sender.send(flags=final)
                     continue
-                prompt_ids, params, options = parse_engine_request(get)
+                prompt_ids, params, options = parse_engine_request(lambda name, r=request: input_array(r, name))
                 self.executor.check(prompt_ids, params)
             except (KilnError, ValueError, TypeError) as exc:
                 sender.send(error_response(f"{type(exc).__name__}: {exc}"), flags=final)

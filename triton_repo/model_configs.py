@@ -26,19 +26,12 @@ def opt(name: str, dtype: str, dims: tuple[int, ...] = (1,)) -> TensorSpec:
     return TensorSpec(name, dtype, dims, optional=True)
 
 
-# --- the text-level interface: ensemble and BLS ----------------------------------------
-TEXT_INPUTS = [
-    TensorSpec(n.TEXT_INPUT, "STRING", (1,)),
-    TensorSpec(n.MAX_TOKENS, "INT32", (1,)),
-    opt(n.BAD_WORDS, "STRING", (-1,)),
-    opt(n.STOP_WORDS, "STRING", (-1,)),
+# --- inputs the ensemble / BLS and the engine model both take, under the same name ------
+SHARED_INPUTS = [
     opt(n.EXCLUDE_INPUT_IN_OUTPUT, "BOOL"),
     opt(n.END_ID, "INT32"),
     opt(n.PAD_ID, "INT32"),
-    opt(n.TOP_K, "INT32"),
-    opt(n.TOP_P, "FP32"),
     opt(n.TEMPERATURE, "FP32"),
-    opt(n.LENGTH_PENALTY, "FP32"),
     opt(n.REPETITION_PENALTY, "FP32"),
     opt(n.MIN_TOKENS, "INT32"),
     opt(n.MIN_LENGTH, "INT32"),
@@ -53,9 +46,6 @@ TEXT_INPUTS = [
     opt(n.RETURN_NUM_OUTPUT_TOKENS, "BOOL"),
     opt(n.BEAM_WIDTH, "INT32"),
     opt(n.NUM_RETURN_SEQUENCES, "INT32"),
-    opt(n.STREAM, "BOOL"),
-    opt(n.EMBEDDING_BIAS_WORDS, "STRING", (-1,)),
-    opt(n.EMBEDDING_BIAS_WEIGHTS, "FP32", (-1,)),
     opt(n.LORA_TASK_ID, "UINT64"),
     opt(n.LORA_WEIGHTS, "FP16", (-1, -1)),
     opt(n.LORA_CONFIG, "INT32", (-1, 3)),
@@ -64,6 +54,20 @@ TEXT_INPUTS = [
     opt(n.GUIDED_DECODING_GUIDE_TYPE, "STRING"),
     opt(n.GUIDED_DECODING_GUIDE, "STRING"),
 ]
+
+# --- the text-level interface: ensemble and BLS ----------------------------------------
+TEXT_INPUTS = [
+    TensorSpec(n.TEXT_INPUT, "STRING", (1,)),
+    TensorSpec(n.MAX_TOKENS, "INT32", (1,)),
+    opt(n.BAD_WORDS, "STRING", (-1,)),
+    opt(n.STOP_WORDS, "STRING", (-1,)),
+    opt(n.TOP_K, "INT32"),
+    opt(n.TOP_P, "FP32"),
+    opt(n.LENGTH_PENALTY, "FP32"),
+    opt(n.STREAM, "BOOL"),
+    opt(n.EMBEDDING_BIAS_WORDS, "STRING", (-1,)),
+    opt(n.EMBEDDING_BIAS_WEIGHTS, "FP32", (-1,)),
+] + SHARED_INPUTS
 RESULT_OUTPUTS = [  # what the engine returns beside the tokens, passed through to clients
     TensorSpec(n.CUM_LOG_PROBS, "FP32", (-1,)),
     TensorSpec(n.OUTPUT_LOG_PROBS, "FP32", (-1, -1)),
@@ -121,58 +125,29 @@ ENGINE_INPUTS = [
     opt(n.INPUT_IDS, "INT32", (-1,)),
     TensorSpec(n.INPUT_LENGTHS, "INT32", (1,)),
     TensorSpec(n.REQUEST_OUTPUT_LEN, "INT32", (1,)),
-    opt(n.END_ID, "INT32"),
-    opt(n.PAD_ID, "INT32"),
     opt(n.STOP_WORDS_LIST, "INT32", (2, -1)),
     opt(n.BAD_WORDS_LIST, "INT32", (2, -1)),
     opt(n.EMBEDDING_BIAS, "FP32", (-1,)),
-    opt(n.BEAM_WIDTH, "INT32"),
-    opt(n.NUM_RETURN_SEQUENCES, "INT32"),
-    opt(n.TEMPERATURE, "FP32"),
     opt(n.RUNTIME_TOP_K, "INT32"),
     opt(n.RUNTIME_TOP_P, "FP32"),
     opt(n.LEN_PENALTY, "FP32"),
     opt(n.EARLY_STOPPING, "BOOL"),
-    opt(n.REPETITION_PENALTY, "FP32"),
-    opt(n.MIN_TOKENS, "INT32"),
-    opt(n.MIN_LENGTH, "INT32"),
-    opt(n.PRESENCE_PENALTY, "FP32"),
-    opt(n.FREQUENCY_PENALTY, "FP32"),
-    opt(n.SEED, "UINT64"),
-    opt(n.RANDOM_SEED, "UINT64"),
-    opt(n.RETURN_LOG_PROBS, "BOOL"),
-    opt(n.RETURN_CONTEXT_LOGITS, "BOOL"),
-    opt(n.RETURN_GENERATION_LOGITS, "BOOL"),
-    opt(n.RETURN_NUM_INPUT_TOKENS, "BOOL"),
-    opt(n.RETURN_NUM_OUTPUT_TOKENS, "BOOL"),
-    opt(n.EXCLUDE_INPUT_IN_OUTPUT, "BOOL"),
     opt(n.STOP, "BOOL"),
     opt(n.STREAMING, "BOOL"),
     opt(n.DRAFT_INPUT_IDS, "INT32", (-1,)),
-    opt(n.LORA_TASK_ID, "UINT64"),
-    opt(n.LORA_WEIGHTS, "FP16", (-1, -1)),
-    opt(n.LORA_CONFIG, "INT32", (-1, 3)),
-    opt(n.PROMPT_EMBEDDING_TABLE, "FP16", (-1, -1)),
-    opt(n.PROMPT_VOCAB_SIZE, "INT32"),
-    opt(n.GUIDED_DECODING_GUIDE_TYPE, "STRING"),
-    opt(n.GUIDED_DECODING_GUIDE, "STRING"),
-]
+] + SHARED_INPUTS
 ENGINE_OUTPUTS = [
     TensorSpec(n.OUTPUT_IDS, "INT32", (-1, -1)),
     TensorSpec(n.SEQUENCE_LENGTH, "INT32", (-1,)),
     TensorSpec(n.PREFIX_IDS, "INT32", (-1,)),
 ] + RESULT_OUTPUTS
 # text-level input -> engine input (the rest of the engine's inputs come from preprocessing)
-TO_ENGINE = {
-    n.END_ID: n.END_ID,
-    n.PAD_ID: n.PAD_ID,
+TO_ENGINE = {  # text-level input -> engine input: the renamed ones, then the shared ones
     n.TOP_K: n.RUNTIME_TOP_K,
     n.TOP_P: n.RUNTIME_TOP_P,
     n.LENGTH_PENALTY: n.LEN_PENALTY,
     n.STREAM: n.STREAMING,
-    **{spec.name: spec.name for spec in TEXT_INPUTS
-       if spec.name not in TO_PREPROCESSING and spec.name not in
-       (n.END_ID, n.PAD_ID, n.TOP_K, n.TOP_P, n.LENGTH_PENALTY, n.STREAM)},
+    **{spec.name: spec.name for spec in SHARED_INPUTS},
 }
 
 # --- postprocessing ---------------------------------------------------------------------

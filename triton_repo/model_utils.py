@@ -28,22 +28,17 @@ def engine_tokenizer(args: dict):
     return Tokenizer.from_file(os.path.join(folder, names.TOKENIZER_JSON))
 
 
+def input_array(request, name: str) -> np.ndarray | None:
+    """A request's input tensor by name, or None when the client did not send it."""
+    import triton_python_backend_utils as pb_utils
+
+    tensor = pb_utils.get_input_tensor_by_name(request, name)
+    return None if tensor is None else tensor.as_numpy()
+
+
 def optional_scalar(request, name: str, default=None):
-    import triton_python_backend_utils as pb_utils
-
-    tensor = pb_utils.get_input_tensor_by_name(request, name)
-    if tensor is None:
-        return default
-    return tensor.as_numpy().reshape(-1)[0].item()
-
-
-def required(request, name: str) -> np.ndarray:
-    import triton_python_backend_utils as pb_utils
-
-    tensor = pb_utils.get_input_tensor_by_name(request, name)
-    if tensor is None:
-        raise ValueError(f"input {name!r} is required")
-    return tensor.as_numpy()
+    array = input_array(request, name)
+    return default if array is None else array.reshape(-1)[0].item()
 
 
 def error_response(message: str):

@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 
 from kiln import constants as names
-from kiln.triton_repo.model_utils import engine_tokenizer, error_response
+from kiln.triton_repo.model_utils import engine_tokenizer, error_response, input_array
 
 
 def decode_batch(tokenizer, tokens: np.ndarray, lengths: np.ndarray | None, prefixes: np.ndarray | None) -> np.ndarray:
@@ -35,17 +35,13 @@ class TritonPythonModel:
     def execute(self, requests):
         import triton_python_backend_utils as pb_utils
 
-        def get(request, name):
-            tensor = pb_utils.get_input_tensor_by_name(request, name)
-            return None if tensor is None else tensor.as_numpy()
-
         responses = []
         for request in requests:
-            tokens = get(request, names.TOKENS_BATCH)
+            tokens = input_array(request, names.TOKENS_BATCH)
             if tokens is None:
                 responses.append(error_response(f"postprocessing: input {names.TOKENS_BATCH!r} is required"))
                 continue
-            texts = decode_batch(self.tokenizer, tokens, get(request, names.SEQUENCE_LENGTH_UPPER),
-                                 get(request, names.PREFIX_IDS_UPPER))
+            texts = decode_batch(self.tokenizer, tokens, input_array(request, names.SEQUENCE_LENGTH_UPPER),
+                                 input_array(request, names.PREFIX_IDS_UPPER))
             responses.append(pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor(names.OUTPUT, texts)]))
         return responses

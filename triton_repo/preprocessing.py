@@ -12,7 +12,7 @@ import os
 import numpy as np
 
 from kiln import constants as names
-from kiln.triton_repo.model_utils import engine_tokenizer, error_response, parameter, repo_path
+from kiln.triton_repo.model_utils import engine_tokenizer, error_response, input_array, parameter, repo_path
 
 
 def word_list(tokenizer, words) -> list[list[int]]:
@@ -78,14 +78,10 @@ class TritonPythonModel:
     def execute(self, requests):
         import triton_python_backend_utils as pb_utils
 
-        def get(request, name):
-            tensor = pb_utils.get_input_tensor_by_name(request, name)
-            return None if tensor is None else tensor.as_numpy()
-
         responses = []
         for request in requests:
             try:
-                outputs = self._one(lambda name, request=request: get(request, name))
+                outputs = self._one(lambda name, r=request: input_array(r, name))
             except (ValueError, UnicodeDecodeError) as exc:
                 responses.append(error_response(f"preprocessing: {exc}"))
                 continue
