@@ -30,7 +30,7 @@ def time_kiln(engine_dir: str, prompt: list[int], decode: int, repeats: int) -> 
     table = list(range(blocks))
     prefill, decode_rates = [], []
     for r in range(repeats + 1):  # the first run warms up
-        pool = KVPool(engine.spec, blocks, block_size, engine.dtype)
+        pool = KVPool(engine.spec, blocks, block_size, engine.model.kv_dtype)
         start = time.perf_counter()
         logits = model.forward(torch.tensor(prompt), StepContext.single(0, len(prompt), table), pool)
         mid = time.perf_counter()

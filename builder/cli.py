@@ -78,7 +78,7 @@ def quantize(config, spec, tokenizer_files: dict[str, str], weights, dtype, step
     the gate. Returns the engine's tensors and engine.json's `quantization` entry."""
     from tokenizers import Tokenizer
 
-    from kiln.quantize.algorithms import NEEDS_CALIBRATION, pick_group_size, quantization_meta, quantize_weights
+    from kiln.quantize.algorithms import QuantOptions, pick_group_size, quantization_meta, quantize_weights
     from kiln.quantize.calibrate import calibrate
     from kiln.quantize.datasets import calibration_sequences, evaluation_ids
     from kiln.quantize.report import apply_gate, measure, report_table
@@ -88,27 +88,28 @@ def quantize(config, spec, tokenizer_files: dict[str, str], weights, dtype, step
     tokenizer = Tokenizer.from_str(tokenizer_files[names.TOKENIZER_JSON])
     max_positions = max(q.calibration.seq_len, q.accuracy.window, config.build.max_seq_len)
     reference = LlamaModel(spec, weights, max_positions)  # float32, unquantized
-    group_size = pick_group_size(q.group_size, spec)
+    options = QuantOptions(q.algo, q.kv_cache, pick_group_size(q.group_size, spec), q.smoothquant_alpha,
+                           q.lm_head, q.fp8_weight_scales == "per_tensor", q.w4a8_activations)
     stats = None
-    if q.algo in NEEDS_CALIBRATION:
+    if options.needs_calibration:
         c = q.calibration
         with step(f"Calibrate on {c.samples} x {c.seq_len} tokens of {c.dataset}"):
             sequences = calibration_sequences(tokenizer, c.dataset, c.samples, c.seq_len, base=Path.cwd())
             with progress_bar("sequences", len(sequences)) as advance:
                 stats = calibrate(reference, sequences, progress=advance)
-    detail = f", group size {group_size}" if "4" in q.algo else (
-        f", alpha {q.smoothquant_alpha}" if q.algo == "int8_sq" else "")
-    with step(f"Quantize ({q.algo}{detail})"):
+    detail = {"int8_sq": f", alpha {q.smoothquant_alpha}", "fp8": f", weights {q.fp8_weight_scales}",
+              "int4_awq": f", group size {options.group_size}", "int4_wo": f", group size {options.group_size}",
+              "w4a8_awq": f", group size {options.group_size}, {q.w4a8_activations} activations"}.get(q.algo, "")
+    with step(f"Quantize ({q.label}{detail})"):
         with progress_bar("layers", spec.num_layers) as advance:
-            quantized = quantize_weights(weights, spec, q.algo, dtype, group_size, q.smoothquant_alpha, stats,
-                                         advance, q.lm_head)
-    meta = quantization_meta(q.algo, q.kv_cache, group_size, q.smoothquant_alpha, q.lm_head)
+            quantized = quantize_weights(weights, spec, options, dtype, stats, advance)
+    meta = quantization_meta(options)
     with step(f"Measure accuracy on {q.accuracy.tokens} tokens of {q.accuracy.text}"):
         ids = evaluation_ids(tokenizer, q.accuracy.text, q.accuracy.tokens, base=Path.cwd())
         model = LlamaModel(spec, quantized, max_positions, meta)
         with progress_bar("windows", -(-len(ids) // q.accuracy.window)) as advance:
             report = apply_gate(measure(reference, model, ids, q.accuracy.window, progress=advance), q.gate())
-    console.print(report_table(report, q.algo))
+    console.print(report_table(report, q.label))
     if not report.passed:
         raise GateFailed("the quantized engine is over quantization.accuracy_gate: " + "; ".join(report.failures)
                          + " (no engine written; loosen the gate, change the algorithm, or calibrate on more text)")
@@ -132,8 +133,10 @@ def build(config_path: Path, output: Path | None) -> tuple[Path, Path]:
     from kiln.runtime.engine import DTYPES
 
     config = load_config(config_path)
-    algo = config.quantization.algo
-    step = StepLog(STEPS + (0 if algo == "none" else QUANT_STEPS - (algo not in NEEDS_CALIBRATION)))
+    q = config.quantization
+    quantizing = q.algo != "none" or q.kv_cache != "none"
+    calibrating = q.algo in NEEDS_CALIBRATION or q.kv_cache != "none"
+    step = StepLog(STEPS + (QUANT_STEPS - (not calibrating) if quantizing else 0))
     with step(f"Validate config {config_path}"):
         checkpoint_path = resolve_checkpoint(config.model.checkpoint, Path.cwd())
         out = output or Path("kiln-out")
@@ -153,12 +156,12 @@ def build(config_path: Path, output: Path | None) -> tuple[Path, Path]:
         isa = ops.select_isa("auto")
         console.print(f"      {library} (kernels for this host: {isa})")
     dtype = DTYPES[config.model.dtype]
-    with step(f"Pack weights ({'float32 for quantization' if algo != 'none' else config.model.dtype}, "
+    with step(f"Pack weights ({'float32 for quantization' if quantizing else config.model.dtype}, "
               "QKV and gate/up fused)"):
         with progress_bar("layers", spec.num_layers) as advance:
-            weights = pack_weights(checkpoint, torch.float32 if algo != "none" else dtype, advance)
+            weights = pack_weights(checkpoint, torch.float32 if quantizing else dtype, advance)
     quant_meta = None
-    if algo != "none":
+    if quantizing:
         weights, quant_meta = quantize(config, spec, checkpoint.tokenizer_files, weights, dtype, step)
     staging = []
     try:

@@ -58,6 +58,8 @@ DEFAULT_GATES = {
     "int4_awq": AccuracyGate(max_ppl_increase=0.3, min_token_agreement=0.7, max_kl=0.3),
     "w4a8_awq": AccuracyGate(max_ppl_increase=0.35, min_token_agreement=0.7, max_kl=0.35),
     "int4_wo": AccuracyGate(max_ppl_increase=0.8, min_token_agreement=0.55, max_kl=0.8),
+    "fp8": AccuracyGate(max_ppl_increase=0.05, min_token_agreement=0.85, max_kl=0.1),
+    "kv_cache": AccuracyGate(max_ppl_increase=0.03, min_token_agreement=0.9, max_kl=0.05),  # a KV cache alone
 }
 
 
@@ -67,15 +69,32 @@ class AccuracySection(_Section):
     window: int = Field(512, ge=16, description="build-time: perplexity window (tokens)")
 
 
+ALGO_OPTIONS = {  # options that mean something for some algorithms only
+    "group_size": ("int4_wo", "int4_awq", "w4a8_awq"),
+    "smoothquant_alpha": ("int8_sq",),
+    "fp8_weight_scales": ("fp8",),
+    "w4a8_activations": ("w4a8_awq",),
+}
+
+
 class QuantizationSection(_Section):
-    algo: Literal["none", "int8_wo", "int4_wo", "int4_awq", "w4a8_awq", "int8_sq"] = Field(
+    algo: Literal["none", "int8_wo", "int4_wo", "int4_awq", "w4a8_awq", "int8_sq", "fp8"] = Field(
         "none", description="build-time: none | int8_wo / int4_wo (round-to-nearest weight-only) | int4_awq "
-                            "(activation-aware, group-wise int4) | w4a8_awq (the same weights, int8 activations "
-                            "per group at run time) | int8_sq (SmoothQuant W8A8)")
-    kv_cache: Literal["none"] = "none"
+                            "(activation-aware, group-wise int4) | w4a8_awq (the same weights, int8 or fp8 "
+                            "activations) | int8_sq (SmoothQuant W8A8) | fp8 (E4M3 weights and static "
+                            "per-tensor E4M3 activations)")
+    kv_cache: Literal["none", "int8", "fp8"] = Field(
+        "none", description="build-time: none (the model dtype) | int8 | fp8 (E4M3): the KV cache stores "
+                            "keys and values with calibrated per-channel scales (half of bf16's memory)")
     group_size: Literal["auto", 32, 64, 128] = Field(
         "auto", description="build-time, int4: auto picks 128 where it divides every in_features, else 64, else 32")
     smoothquant_alpha: float = Field(0.5, ge=0, le=1, description="build-time, int8_sq: migration strength")
+    fp8_weight_scales: Literal["per_channel", "per_tensor"] = Field(
+        "per_channel", description="build-time, fp8: one weight scale per output channel, or one per tensor "
+                                   "(as Model Optimizer's FP8 default)")
+    w4a8_activations: Literal["int8", "fp8"] = Field(
+        "int8", description="build-time, w4a8_awq: int8 per row and group (dynamic) | fp8 E4M3 per tensor "
+                            "(static, calibrated; TensorRT-LLM's W4A8_AWQ)")
     lm_head: Literal["int8", "none"] = Field(
         "int8", description="build-time: int8 weights for the output projection too (it is a fifth of "
                             "SmolLM2's weights), or none to keep it in the engine dtype")
@@ -85,8 +104,24 @@ class QuantizationSection(_Section):
         "auto", description="build-time: the build fails (exit 2) when the loss is over it; auto: the "
                             "algorithm's default (docs/quantization.md); null: report only")
 
+    @model_validator(mode="after")
+    def _algo_options(self):
+        for key, algos in ALGO_OPTIONS.items():
+            default = type(self).model_fields[key].default  # (a resolved config lists every default)
+            if key in self.model_fields_set and getattr(self, key) != default and self.algo not in algos:
+                raise ValueError(f"quantization.{key} applies to algo {' / '.join(algos)}, not {self.algo!r}")
+        return self
+
     def gate(self) -> AccuracyGate | None:
-        return DEFAULT_GATES.get(self.algo) if self.accuracy_gate == "auto" else self.accuracy_gate
+        if self.accuracy_gate != "auto":
+            return self.accuracy_gate
+        return DEFAULT_GATES.get(self.algo if self.algo != "none" else "kv_cache")
+
+    @property
+    def label(self) -> str:
+        """int4_awq, int4_awq + int8 KV cache, fp8 KV cache, ..."""
+        kv = f"{self.kv_cache} KV cache" if self.kv_cache != "none" else ""
+        return " + ".join(part for part in (self.algo if self.algo != "none" else "", kv) if part)
 
 
 class BuildSection(_Section):

@@ -4,8 +4,8 @@ Engine directory files, engine tensor names, Triton model and tensor names. Chan
 these changes a format: bump ENGINE_FORMAT_VERSION for engine names."""
 
 # --- engine directory -------------------------------------------------------------------
-ENGINE_FORMAT_VERSION = 6  # 2: paged attention; 3: fused rope/norm/SwiGLU; 4: GEMV; 5: AVX512-BF16 kernels;
-# 6: quantized linears (int8 / int4 weights, W8A8)
+ENGINE_FORMAT_VERSION = 7  # 2: paged attention; 3: fused rope/norm/SwiGLU; 4: GEMV; 5: AVX512-BF16 kernels;
+# 6: quantized linears (int8 / int4 weights, W8A8); 7: FP8 linears, input_scale, int8 / FP8 KV cache
 ENGINE_JSON = "engine.json"
 WEIGHTS_FILE = "weights.safetensors"
 MANIFEST_FILE = "MANIFEST.json"
@@ -26,6 +26,10 @@ ATTN_QKV_BIAS = "attention.qkv.bias"  # Qwen2 only
 ATTN_OUT = "attention.out.weight"
 MLP_GATE_UP = "mlp.gate_up.weight"  # rows: gate, then up
 MLP_DOWN = "mlp.down.weight"
+ATTN_KV_SCALES = "attention.kv_scales"  # float32 [2, kv_heads * head_dim]: K's then V's per-channel
+# scales for an int8 / FP8 KV cache (the pool holds k / scale, v / scale)
+KV_CACHE_INT8 = "int8"  # engine.json quantization.kv_cache
+KV_CACHE_FP8 = "fp8"
 
 
 def layer_tensor(index: int, name: str) -> str:
@@ -33,16 +37,20 @@ def layer_tensor(index: int, name: str) -> str:
 
 
 # A quantized linear replaces its `.weight` with these (same prefix, e.g. layers.3.mlp.down):
-QWEIGHT = "qweight"  # int8 [out, in], or int4 packed two per byte along `in`: uint8 [out, ceil(in/2)]
+QWEIGHT = "qweight"  # int8 [out, in], float8_e4m3fn [out, in], or int4 packed two per byte along `in`:
+# uint8 [out, ceil(in/2)]
 WEIGHT_SCALES = "scales"  # float32 [out] (per channel) or [out, groups] (int4, group-wise)
 PRE_SCALE = "pre_scale"  # float32 [in]: multiplies the input first (AWQ/SmoothQuant scales that
 # cannot be folded into a norm or the previous linear)
 WEIGHT_SUM = "qweight_sum"  # int32 [out]: row sums of an int8 weight (the u8 x s8 VNNI offset)
+INPUT_SCALE = "input_scale"  # float32 [1]: static per-tensor FP8 activation scale (x / s is E4M3)
 # engine.json quantization.linear / .lm_head: how a qweight is used
 LINEAR_INT8 = "int8_wo"  # int8 weights, float activations
 LINEAR_INT4 = "int4"  # group-wise int4 weights, float activations
 LINEAR_W4A8 = "w4a8"  # group-wise int4 weights, int8 activations per row and group
 LINEAR_W8A8 = "w8a8"  # int8 weights, int8 activations per row
+LINEAR_FP8 = "fp8"  # FP8 E4M3 weights (scale per channel), FP8 E4M3 activations (static per tensor)
+LINEAR_W4A8_FP8 = "w4a8_fp8"  # group-wise int4 weights, FP8 E4M3 activations (static per tensor)
 
 
 def linear_prefix(weight_name: str) -> str:

@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 OPS = ("rms_norm", "add_rms_norm", "silu_mul", "linear", "paged_attention", "select_isa", "linear_w8",
-       "linear_w4", "dequantize_int4", "linear_w8a8", "linear_w4a8")
+       "linear_w4", "dequantize_int4", "linear_w8a8", "linear_w4a8", "linear_fp8", "quantize_fp8")
 _loaded: dict[str, str] = {}  # sha256 of the library file -> path it was loaded from
 
 
@@ -81,9 +81,17 @@ def _register_fakes() -> None:
     def _linear_w4a8_fake(x, qweight, scales, group_size, bias):
         return x.new_empty((*x.shape[:-1], qweight.shape[0]))
 
+    @torch.library.register_fake("kiln::linear_fp8")
+    def _linear_fp8_fake(x, qweight, scales, bias):
+        return x.new_empty((*x.shape[:-1], qweight.shape[0]))
+
+    @torch.library.register_fake("kiln::quantize_fp8")
+    def _quantize_fp8_fake(x, inv_scale):
+        return torch.empty_like(x, memory_format=torch.contiguous_format)
+
     @torch.library.register_fake("kiln::paged_attention")
     def _paged_attention_fake(qkv, k_pool, v_pool, block_tables, query_start, context_lens, cos, sin,
-                              heads, scale):
+                              heads, scale, kv_scales=None):
         return qkv.new_empty((qkv.shape[0], heads * k_pool.shape[3]))
 
 
@@ -112,12 +120,13 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 
 def paged_attention(qkv, k_pool, v_pool, block_tables, query_start, context_lens, cos, sin, heads: int,
-                    scale: float) -> torch.Tensor:
+                    scale: float, kv_scales: torch.Tensor | None = None) -> torch.Tensor:
     """Rotary embedding, the KV write into the pool, and causal GQA attention over each
     sequence's blocks, from the fused QKV projection; [tokens, heads * head_dim]
-    (see csrc/attention.h for the layout)."""
+    (see csrc/attention.h for the layout). An int8 or float8_e4m3fn pool stores k / kv_scales[0]
+    and v / kv_scales[1] (per channel, [2, kv_heads * head_dim])."""
     return torch.ops.kiln.paged_attention(qkv, k_pool, v_pool, block_tables, query_start, context_lens,
-                                          cos, sin, heads, scale)
+                                          cos, sin, heads, scale, kv_scales)
 
 
 def linear_w8(x, qweight, scales, bias=None) -> torch.Tensor:
@@ -143,3 +152,13 @@ def linear_w8a8(x, qweight, scales, weight_sum, bias=None) -> torch.Tensor:
 def linear_w4a8(x, qweight, scales, group_size: int, bias=None) -> torch.Tensor:
     """int4 weights x int8 activations quantized per row and group at run time (W4A8)."""
     return torch.ops.kiln.linear_w4a8(x, qweight, scales, group_size, bias)
+
+
+def linear_fp8(x, qweight, scales, bias=None) -> torch.Tensor:
+    """x @ (qweight.float() * scales[:, None]).T (+ bias): FP8 E4M3 weights, one scale per output channel."""
+    return torch.ops.kiln.linear_fp8(x, qweight, scales, bias)
+
+
+def quantize_fp8(x, inv_scale: float) -> torch.Tensor:
+    """x * inv_scale rounded to the nearest FP8 E4M3 value (saturating at +-448), in x's dtype."""
+    return torch.ops.kiln.quantize_fp8(x, inv_scale)

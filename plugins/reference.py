@@ -31,10 +31,22 @@ def rope(x, cos, sin):
     return x * cos[:, None, :] + rotated * sin[:, None, :]
 
 
-def paged_attention(qkv, k_pool, v_pool, block_tables, query_start, context_lens, cos, sin, heads, scale):
+def store_kv(values, pool_dtype, scales):
+    """What a pool of `pool_dtype` holds for `values` [tokens, kv_heads, head_dim] (scales [kv_size]
+    per channel for int8 / float8_e4m3fn pools)."""
+    if scales is None:
+        return values
+    x = values.float() * (1 / scales).reshape(values.shape[1:])
+    if pool_dtype == torch.int8:
+        return torch.round(x).clamp(-127, 127).to(torch.int8)
+    return x.clamp(-448, 448).to(torch.float8_e4m3fn)
+
+
+def paged_attention(qkv, k_pool, v_pool, block_tables, query_start, context_lens, cos, sin, heads, scale,
+                    kv_scales=None):
     """Reference for kiln::paged_attention: split the fused projection, apply rotary embedding,
-    write the new k/v into the pool, gather each sequence's context densely, then plain causal
-    softmax attention in fp32."""
+    write the new k/v into the pool (quantized per channel for an int8 / fp8 pool), gather each
+    sequence's context densely, then plain causal softmax attention in fp32."""
     kv_heads, head_dim = k_pool.shape[2], k_pool.shape[3]
     block_size = k_pool.shape[1]
     tokens = qkv.shape[0]
@@ -48,12 +60,18 @@ def paged_attention(qkv, k_pool, v_pool, block_tables, query_start, context_lens
         qs = rope(q[first:last], cos[positions], sin[positions])
         ks = rope(k[first:last], cos[positions], sin[positions])
         blocks = block_tables[s, positions // block_size].long()
-        k_pool[blocks, positions % block_size] = ks
-        v_pool[blocks, positions % block_size] = v[first:last]
+        k_scale, v_scale = (None, None) if kv_scales is None else (kv_scales[0], kv_scales[1])
+        k_pool[blocks, positions % block_size] = store_kv(ks, k_pool.dtype, k_scale)
+        v_pool[blocks, positions % block_size] = store_kv(v[first:last], v_pool.dtype, v_scale)
         context = torch.arange(start + count)
         ctx_blocks = block_tables[s, context // block_size].long()
-        keys = k_pool[ctx_blocks, context % block_size].float().repeat_interleave(heads // kv_heads, 1)
-        values = v_pool[ctx_blocks, context % block_size].float().repeat_interleave(heads // kv_heads, 1)
+        keys = k_pool[ctx_blocks, context % block_size].float()
+        values = v_pool[ctx_blocks, context % block_size].float()
+        if kv_scales is not None:
+            keys = keys * k_scale.reshape(kv_heads, head_dim)
+            values = values * v_scale.reshape(kv_heads, head_dim)
+        keys = keys.repeat_interleave(heads // kv_heads, 1)
+        values = values.repeat_interleave(heads // kv_heads, 1)
         scores = torch.einsum("thd,shd->hts", qs.float(), keys) * scale
         scores = scores.masked_fill(context[None, None, :] > positions[None, :, None], float("-inf"))
         out[first:last] = torch.einsum("hts,shd->thd", scores.softmax(-1), values).to(qkv.dtype)
@@ -121,3 +139,13 @@ def linear_w4a8(x, qweight, scales, group_size, bias=None):
     if bias is not None:
         out = out + bias.float()
     return out.reshape(*x.shape[:-1], -1).to(x.dtype)
+
+
+def quantize_fp8(x, inv_scale):
+    """torch's own float8_e4m3fn conversion (round to nearest even), after saturating at +-448."""
+    return (x.float() * inv_scale).clamp(-448, 448).to(torch.float8_e4m3fn).float().to(x.dtype)
+
+
+def linear_fp8(x, qweight, scales, bias=None):
+    w = qweight.float() * scales[:, None]
+    return linear(x.float(), w, None if bias is None else bias.float()).to(x.dtype)

@@ -11,9 +11,15 @@ the value rows). Then:
     int4_wo    round-to-nearest int4 per group (no calibration)
     int4_awq   AWQ: s = mean|x|^a, a searched on a grid to minimise the layer's output error
                on calibration rows; then each group's clipping range searched the same way
-    w4a8_awq   int4_awq's weights; activations int8 per row and group at run time (W4A8)
+    w4a8_awq   int4_awq's weights; activations int8 per row and group at run time (W4A8), or
+               FP8 E4M3 with a static per-tensor scale from calibration (w4a8_activations: fp8)
     int8_sq    SmoothQuant: s = max|x|^alpha / max|w|^(1 - alpha); int8 weights per channel,
-               int8 activations per token at run time (W8A8)"""
+               int8 activations per token at run time (W8A8)
+    fp8        FP8 E4M3 weights per output channel (or per tensor), activations FP8 E4M3 with a
+               static per-tensor scale: the calibrated max |x| / 448
+
+kv_cache int8 / fp8 (with any of them, or alone): the KV cache stores k / s and v / s with one
+scale per channel from calibration (max |k| / 127 or / 448); attention folds them back."""
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -22,17 +28,19 @@ from dataclasses import dataclass
 import torch
 
 from kiln import constants as names
-from kiln.quantize.calibrate import LinearStats
-from kiln.quantize.formats import fake_quant_int4, group_view, int4_scales, quantize_int4, quantize_int8
+from kiln.quantize.calibrate import KVStats, LinearStats
+from kiln.quantize.formats import (
+    FP8_MAX, fake_quant_int4, fp8_activation_scale, group_view, int4_scales, quantize_fp8, quantize_int4, quantize_int8)
 from kiln.runtime.spec import ModelSpec
 
 LINEAR_KIND = {"int8_wo": names.LINEAR_INT8, "int4_wo": names.LINEAR_INT4, "int4_awq": names.LINEAR_INT4,
-               "w4a8_awq": names.LINEAR_W4A8, "int8_sq": names.LINEAR_W8A8}
-INT4_KINDS = (names.LINEAR_INT4, names.LINEAR_W4A8)
+               "w4a8_awq": names.LINEAR_W4A8, "int8_sq": names.LINEAR_W8A8, "fp8": names.LINEAR_FP8}
+INT4_KINDS = (names.LINEAR_INT4, names.LINEAR_W4A8, names.LINEAR_W4A8_FP8)
 # Layer field -> the packed tensor it is stored as (runtime.model.LINEARS, in that order)
 LINEAR_WEIGHTS = {"qkv": names.ATTN_QKV, "out": names.ATTN_OUT, "gate_up": names.MLP_GATE_UP,
                   "down": names.MLP_DOWN}
-NEEDS_CALIBRATION = ("int4_awq", "w4a8_awq", "int8_sq")
+NEEDS_CALIBRATION = ("int4_awq", "w4a8_awq", "int8_sq", "fp8")  # and every quantized KV cache
+KV_CACHE_MAX = {names.KV_CACHE_INT8: 127.0, names.KV_CACHE_FP8: FP8_MAX}
 AWQ_GRID = 20
 CLIP_GRID = 10
 CLIP_MAX_SHRINK = 0.5
@@ -48,6 +56,41 @@ def pick_group_size(setting, spec: ModelSpec) -> int:
         if all(k % size == 0 for k in in_features):
             return size
     return 32  # kiln's kernels also take a shorter last group
+
+
+@dataclass(frozen=True)
+class QuantOptions:
+    """What to quantize how (builder.config's quantization section, resolved)."""
+
+    algo: str
+    kv_cache: str = "none"
+    group_size: int = 64
+    alpha: float = 0.5
+    lm_head: str = "int8"
+    fp8_per_tensor: bool = False  # fp8 weights: one scale per tensor instead of per output channel
+    w4a8_activations: str = "int8"  # w4a8_awq: int8 (per row and group, dynamic) | fp8 (static per tensor)
+
+    @property
+    def kind(self) -> str:
+        """engine.json quantization.linear"""
+        if self.algo == "w4a8_awq" and self.w4a8_activations == "fp8":
+            return names.LINEAR_W4A8_FP8
+        return LINEAR_KIND[self.algo]
+
+    @property
+    def fp8_activations(self) -> bool:
+        return self.algo != "none" and self.kind in (names.LINEAR_FP8, names.LINEAR_W4A8_FP8)
+
+    @property
+    def needs_calibration(self) -> bool:
+        return self.algo in NEEDS_CALIBRATION or self.kv_cache != "none"
+
+
+def kv_cache_scales(stats: KVStats, kv_cache: str) -> torch.Tensor:
+    """[2, kv_size] float32: K's and V's per-channel scales (the calibrated range maps to the
+    format's largest value)."""
+    amax = torch.stack([stats.k_absmax, stats.v_absmax]).float()
+    return (amax / KV_CACHE_MAX[kv_cache]).clamp(min=1e-8).contiguous()
 
 
 @dataclass
@@ -85,6 +128,11 @@ class LayerWeights:
         if "out" in s:
             self.pre_scale_out = 1 / s["out"]
             self.out *= s["out"]
+
+
+def input_amax(stats: LinearStats, s: torch.Tensor | None) -> float:
+    """The largest |x| the linear sees after its inputs are divided by the scales s (if any)."""
+    return float((stats.absmax if s is None else stats.absmax / s).max())
 
 
 def smoothquant_scales(w: torch.Tensor, absmax_x: torch.Tensor, alpha: float) -> torch.Tensor:
@@ -127,18 +175,27 @@ def awq_clip(w: torch.Tensor, x: torch.Tensor, group: int) -> torch.Tensor:
     return best
 
 
-def quantize_weights(weights: dict[str, torch.Tensor], spec: ModelSpec, algo: str, dtype: torch.dtype,
-                     group_size: int, alpha: float, stats: dict[tuple[int, str], LinearStats] | None,
-                     progress: Callable[[], None] = lambda: None, lm_head: str = "int8") -> dict[str, torch.Tensor]:
+def quantize_weights(weights: dict[str, torch.Tensor], spec: ModelSpec, options: QuantOptions, dtype: torch.dtype,
+                     stats: dict[tuple[int, str], LinearStats] | None,
+                     progress: Callable[[], None] = lambda: None) -> dict[str, torch.Tensor]:
     """Packed float32 weights -> the engine's tensors (quantized linears, the rest in `dtype`).
     lm_head "int8": the output projection gets int8 weights per channel (W8A16) too; with tied
     embeddings the embedding table stays as it is for the input lookup."""
-    kind = LINEAR_KIND[algo]
     out: dict[str, torch.Tensor] = {}
+    if options.kv_cache != "none":
+        for i in range(spec.num_layers):
+            out[names.layer_tensor(i, names.ATTN_KV_SCALES)] = kv_cache_scales(stats[i, "kv"], options.kv_cache)
+    if options.algo == "none":  # a quantized KV cache only
+        for name, tensor in weights.items():
+            out[name] = tensor.to(dtype).contiguous()
+        for _ in range(spec.num_layers):
+            progress()
+        return out
+    algo, kind, group_size = options.algo, options.kind, options.group_size
     for name, tensor in weights.items():
         if not name.startswith("layers.") or name.endswith(names.ATTN_QKV_BIAS):
             out[name] = tensor.to(dtype).contiguous()
-    if lm_head == "int8":
+    if options.lm_head == "int8":
         head = weights[names.EMBED if spec.tie_embeddings else names.LM_HEAD]
         qweight, scales = quantize_int8(head)
         prefix = names.linear_prefix(names.LM_HEAD)
@@ -148,9 +205,11 @@ def quantize_weights(weights: dict[str, torch.Tensor], spec: ModelSpec, algo: st
     for i in range(spec.num_layers):
         layer = LayerWeights.take(weights, i)
         clips: dict[str, torch.Tensor] = {}
+        scales: dict[str, torch.Tensor] = {}
         if algo == "int8_sq":
-            layer.apply_scales({n: smoothquant_scales(getattr(layer, n), stats[i, n].absmax, alpha)
-                                for n in LINEAR_WEIGHTS})
+            scales = {n: smoothquant_scales(getattr(layer, n), stats[i, n].absmax, options.alpha)
+                      for n in LINEAR_WEIGHTS}
+            layer.apply_scales(scales)
         elif algo in ("int4_awq", "w4a8_awq"):
             scales = {n: awq_scales(getattr(layer, n), stats[i, n].rows, stats[i, n].absmean, group_size)
                       for n in LINEAR_WEIGHTS}
@@ -165,29 +224,38 @@ def quantize_weights(weights: dict[str, torch.Tensor], spec: ModelSpec, algo: st
             prefix = names.linear_prefix(names.layer_tensor(i, weight_name))
             w = getattr(layer, n)
             if kind in INT4_KINDS:
-                qweight, scales = quantize_int4(w, group_size, int4_scales(w, group_size, clips.get(n)))
+                qweight, w_scales = quantize_int4(w, group_size, int4_scales(w, group_size, clips.get(n)))
+            elif kind == names.LINEAR_FP8:
+                qweight, w_scales = quantize_fp8(w, options.fp8_per_tensor)
             else:
-                qweight, scales = quantize_int8(w)
+                qweight, w_scales = quantize_int8(w)
             out[names.linear_tensor(prefix, names.QWEIGHT)] = qweight
-            out[names.linear_tensor(prefix, names.WEIGHT_SCALES)] = scales
+            out[names.linear_tensor(prefix, names.WEIGHT_SCALES)] = w_scales
             if kind == names.LINEAR_W8A8:
                 out[names.linear_tensor(prefix, names.WEIGHT_SUM)] = qweight.to(torch.int32).sum(
                     dim=1, dtype=torch.int32)
+            if options.fp8_activations:
+                out[names.linear_tensor(prefix, names.INPUT_SCALE)] = torch.tensor(
+                    [fp8_activation_scale(input_amax(stats[i, n], scales.get(n)))], dtype=torch.float32)
             if n == "out" and layer.pre_scale_out is not None:
                 out[names.linear_tensor(prefix, names.PRE_SCALE)] = layer.pre_scale_out.float().contiguous()
         progress()
     return out
 
 
-def quantization_meta(algo: str, kv_cache: str, group_size: int, alpha: float, lm_head: str = "int8") -> dict:
+def quantization_meta(options: QuantOptions) -> dict:
     """engine.json's `quantization` entry (what the loader needs to read the tensors)."""
-    meta = {"algo": algo, "kv_cache": kv_cache}
-    if algo != "none" and lm_head == "int8":
+    if options.algo == "none":
+        return {"algo": "none", "kv_cache": options.kv_cache}
+    meta = {"algo": options.algo, "kv_cache": options.kv_cache, "linear": options.kind}
+    if options.lm_head == "int8":
         meta["lm_head"] = names.LINEAR_INT8
-    if algo != "none":
-        meta["linear"] = LINEAR_KIND[algo]
-    if LINEAR_KIND.get(algo) in INT4_KINDS:
-        meta["group_size"] = group_size
-    if algo == "int8_sq":
-        meta["smoothquant_alpha"] = alpha
+    if options.kind in INT4_KINDS:
+        meta["group_size"] = options.group_size
+    if options.algo == "int8_sq":
+        meta["smoothquant_alpha"] = options.alpha
+    if options.kind == names.LINEAR_FP8:
+        meta["fp8_weight_scales"] = "per_tensor" if options.fp8_per_tensor else "per_channel"
+    if options.fp8_activations:
+        meta["activations"] = "fp8_per_tensor_static"
     return meta

@@ -6,7 +6,12 @@ sample of at most `rows` input rows (AWQ's search measures output error on them)
 token of every sequence is always in the sample: its activations are by far the largest (the
 attention sink every later token reads) and a search that never sees it clips the weights
 that carry it. Measured on SmolLM2 int4 AWQ, group 64 (the build's report on 4,096 held-out
-tokens, with and without the `picked[0] = 0` line below): +33% perplexity without it, +16% with."""
+tokens, with and without the `picked[0] = 0` line below): +33% perplexity without it, +16% with.
+
+Per layer, for a quantized KV cache: the largest |k| and |v| per channel, from the qkv
+projection's output. Keys are stored after rotary embedding, which mixes channel d with
+d + head_dim / 2; |rotated k_d| never exceeds the pair's norm sqrt(k_d^2 + k_{d+half}^2), so
+that norm's maximum is taken for both channels of the pair (no key saturates at any position)."""
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -30,11 +35,18 @@ class LinearStats:
         return self.abssum / max(self.count, 1)
 
 
+@dataclass
+class KVStats:
+    k_absmax: torch.Tensor  # [kv_heads * head_dim], bounds the rotated keys
+    v_absmax: torch.Tensor  # [kv_heads * head_dim]
+
+
 class Observer:
     """Stands in for a linear layer during calibration: records its input, then calls it."""
 
-    def __init__(self, inner, stats: LinearStats, rows_per_call: int, generator: torch.Generator):
+    def __init__(self, inner, stats: LinearStats, rows_per_call: int, generator: torch.Generator, kv=None):
         self.inner, self.stats, self.rows_per_call, self.generator = inner, stats, rows_per_call, generator
+        self.kv = kv  # called with the output (the qkv projection: KV-cache statistics)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         xf = x.float()
@@ -46,12 +58,31 @@ class Observer:
         picked = torch.randperm(xf.shape[0], generator=self.generator)[:take]
         picked[0] = 0  # the sequence's first token: see the module docstring
         self.stats.parts.append(xf[picked].clone())
-        return self.inner(x)
+        out = self.inner(x)
+        if self.kv is not None:
+            self.kv(out)
+        return out
+
+
+def kv_observer(stats: KVStats, q_size: int, kv_size: int, head_dim: int):
+    """Records the K / V ranges of a qkv projection's output."""
+    half = head_dim // 2
+
+    def observe(qkv: torch.Tensor) -> None:
+        k = qkv[:, q_size:q_size + kv_size].float()
+        v = qkv[:, q_size + kv_size:].float()
+        heads = k.reshape(k.shape[0], -1, 2, half)  # [tokens, kv_heads, (first, second) half, half]
+        pair = heads.pow(2).sum(dim=2).sqrt().amax(dim=0)  # [kv_heads, half]
+        stats.k_absmax = torch.maximum(stats.k_absmax, pair.repeat(1, 2).reshape(-1))
+        stats.v_absmax = torch.maximum(stats.v_absmax, v.abs().amax(dim=0))
+
+    return observe
 
 
 def calibrate(model: LlamaModel, sequences: list[list[int]], rows: int = 256, block_size: int = 32,
-              progress: Callable[[], None] = lambda: None) -> dict[tuple[int, str], LinearStats]:
-    """(layer index, linear name) -> statistics of its input over every calibration token."""
+              progress: Callable[[], None] = lambda: None) -> dict[tuple[int, str], LinearStats | KVStats]:
+    """(layer index, linear name) -> statistics of its input over every calibration token, and
+    (layer index, "kv") -> the layer's K / V ranges."""
     generator = torch.Generator().manual_seed(0)
     rows_per_call = max(1, -(-rows // len(sequences)))
     stats: dict[tuple[int, str], LinearStats] = {}
@@ -61,18 +92,24 @@ def calibrate(model: LlamaModel, sequences: list[list[int]], rows: int = 256, bl
             inner = getattr(layer, name)
             in_features = inner.weight.shape[1]
             stats[index, name] = LinearStats(torch.zeros(in_features), torch.zeros(in_features))
-            setattr(layer, name, Observer(inner, stats[index, name], rows_per_call, generator))
+            kv = None
+            if name == "qkv":
+                spec = model.spec
+                stats[index, "kv"] = KVStats(torch.zeros(spec.kv_size), torch.zeros(spec.kv_size))
+                kv = kv_observer(stats[index, "kv"], spec.q_size, spec.kv_size, spec.head_dim)
+            setattr(layer, name, Observer(inner, stats[index, name], rows_per_call, generator, kv))
             originals.append((layer, name, inner))
     try:
         for ids in sequences:
             blocks = -(-len(ids) // block_size)
-            pool = KVPool(model.spec, blocks, block_size, model.dtype)
+            pool = KVPool(model.spec, blocks, block_size, model.kv_dtype)
             model.forward(torch.tensor(ids), StepContext.single(0, len(ids), list(range(blocks))), pool)
             progress()
     finally:
         for layer, name, inner in originals:
             setattr(layer, name, inner)
     for s in stats.values():
-        s.rows, s.parts = torch.cat(s.parts)[:rows], []
+        if isinstance(s, LinearStats):
+            s.rows, s.parts = torch.cat(s.parts)[:rows], []
     return stats
 

@@ -23,7 +23,7 @@ class Perplexity:
 def window_logits(model: LlamaModel, ids: list[int], block_size: int) -> torch.Tensor:
     """Float32 logits at every position of one window, through a private block pool."""
     blocks = -(-len(ids) // block_size)
-    pool = KVPool(model.spec, blocks, block_size, model.dtype)
+    pool = KVPool(model.spec, blocks, block_size, model.kv_dtype)
     ctx = StepContext.single(0, len(ids), list(range(blocks)), all_logits=True)
     return model.forward(torch.tensor(ids), ctx, pool)
 

@@ -3,7 +3,9 @@
 int8, per output channel: q = round(w / s), s = absmax(row) / 127, q in [-127, 127].
 int4, per group of `group_size` inputs (the last group may be shorter): q = round(w / s),
 s = absmax(group) / 7, q in [-8, 7], stored offset by 8 two per byte along the input
-dimension, the even input in the low nibble."""
+dimension, the even input in the low nibble.
+fp8, FP8 E4M3 (torch.float8_e4m3fn, largest value 448) per output channel or per tensor:
+q = w / s rounded to nearest even, s = absmax(row or tensor) / 448, scales stored per row either way."""
 from __future__ import annotations
 
 import torch
@@ -15,6 +17,23 @@ def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     scales = (w.abs().amax(dim=1) / 127).clamp(min=1e-10)
     q = torch.round(w / scales[:, None]).clamp(-127, 127).to(torch.int8)
     return q, scales
+
+
+FP8_MAX = 448.0
+
+
+def quantize_fp8(w: torch.Tensor, per_tensor: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """[out, in] float -> float8_e4m3fn [out, in], float32 scales [out] (all equal when per_tensor)."""
+    w = w.float()
+    amax = w.abs().amax() if per_tensor else w.abs().amax(dim=1)
+    scales = (amax / FP8_MAX).clamp(min=1e-12).expand(w.shape[0]).contiguous()
+    q = (w / scales[:, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return q, scales
+
+
+def fp8_activation_scale(amax: float) -> float:
+    """The static per-tensor activation scale from a calibrated absolute maximum."""
+    return max(float(amax), 1e-6) / FP8_MAX
 
 
 def group_view(w: torch.Tensor, group_size: int) -> tuple[torch.Tensor, int]:

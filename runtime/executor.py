@@ -82,7 +82,7 @@ class Executor:
         self.limits = engine.limits
         self.options = options
         block_size = self.limits.kv_block_size
-        per_block = KVPool.bytes_per_block(engine.spec, block_size, engine.dtype)
+        per_block = KVPool.bytes_per_block(engine.spec, block_size, engine.model.kv_dtype)
         num_blocks = options.kv_cache_bytes() // per_block
         needed = -(-self.limits.max_seq_len // block_size)
         if num_blocks < needed:
@@ -92,7 +92,7 @@ class Executor:
                 f"sequence needs ({needed}, {needed * per_block} bytes); give it more memory"
             )
         self.kv = KVCacheManager(num_blocks, block_size, options.enable_prefix_reuse)
-        self.pool = KVPool(engine.spec, num_blocks, block_size, engine.dtype)
+        self.pool = KVPool(engine.spec, num_blocks, block_size, engine.model.kv_dtype)
         self.scheduler = Scheduler(self.kv, self.limits.max_batch_size, self.limits.max_num_tokens,
                                    options.scheduler)
         self.runner = ModelRunner(engine.model, self.pool)

@@ -5,9 +5,13 @@
     Int4Linear      int4 weight, one scale per group of `group_size` inputs (W4A16)
     W4A8Linear      int4 weight and int8 activations quantized per row and group at run time
     W8A8Linear      int8 weight and int8 activations quantized per token at run time (SmoothQuant)
+    Fp8Linear       FP8 E4M3 weight, one scale per output channel; activations E4M3 (static scale)
+    W4A8Fp8Linear   int4 weight, activations E4M3 (static scale): TensorRT-LLM's W4A8_AWQ
 
 Each may carry a `pre_scale` [in] that multiplies the input first (AWQ / SmoothQuant scales
-that could not be folded into a norm). Few rows (decode steps) go to kiln's kernels, which
+that could not be folded into a norm), and an `input_scale` (static per-tensor FP8
+activations): x / input_scale is rounded to E4M3, which bf16 holds exactly, and input_scale
+is folded into the weight scales once at load. Few rows (decode steps) go to kiln's kernels, which
 stream the packed weights once; many rows (prefill) dequantize once and use PyTorch's GEMM."""
 from __future__ import annotations
 
@@ -17,6 +21,7 @@ import torch.nn.functional as F
 from kiln import constants as names
 from kiln.plugins import ops
 
+FP8_ACTIVATION_KINDS = (names.LINEAR_FP8, names.LINEAR_W4A8_FP8)
 SKINNY_ROWS = 8  # up to this many rows take the GEMV plugins (measured: 1.2x at 4 streams for bf16)
 
 
@@ -42,10 +47,17 @@ class QuantLinear:
 
     def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None,
                  pre_scale: torch.Tensor | None, dtype: torch.dtype, group_size: int = 0,
-                 weight_sum: torch.Tensor | None = None):
+                 weight_sum: torch.Tensor | None = None, input_scale: torch.Tensor | None = None):
         self.qweight, self.scales, self.bias, self.dtype = qweight, scales, bias, dtype
         self.pre_scale = None if pre_scale is None else pre_scale.to(dtype)  # activations are in dtype
         self.group_size, self.weight_sum = group_size, weight_sum
+        self.inv_input_scale = None
+        if input_scale is not None:
+            a = float(input_scale.reshape(-1)[0])
+            if not a > 0:
+                raise ValueError(f"input_scale must be positive, got {a}")
+            self.inv_input_scale = 1 / a
+            self.scales = (scales * a).contiguous()
 
     def gemv(self, x: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
@@ -53,12 +65,17 @@ class QuantLinear:
     def dequantize(self) -> torch.Tensor:
         raise NotImplementedError
 
+    def dense(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.dequantize(), self.bias)
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.pre_scale is not None:
             x = x * self.pre_scale
+        if self.inv_input_scale is not None:
+            x = ops.quantize_fp8(x, self.inv_input_scale)
         if x.shape[0] <= self.gemv_rows:
             return self.gemv(x)
-        return F.linear(x, self.dequantize(), self.bias)
+        return self.dense(x)
 
 
 class Int8Linear(QuantLinear):
@@ -102,7 +119,26 @@ class W8A8Linear(QuantLinear):
         return ops.linear_w8a8(x, self.qweight, self.scales, self.weight_sum, self.bias)
 
 
-QUANT_LINEARS = {cls.kind: cls for cls in (Int8Linear, Int4Linear, W4A8Linear, W8A8Linear)}
+class Fp8Linear(QuantLinear):
+    """Prefill multiplies the E4M3 values themselves (exact in bf16) and scales the outputs, so
+    every product is exact as in the decode kernel."""
+
+    kind = names.LINEAR_FP8
+
+    def gemv(self, x):
+        return ops.linear_fp8(x, self.qweight, self.scales, self.bias)
+
+    def dense(self, x: torch.Tensor) -> torch.Tensor:
+        out = F.linear(x, self.qweight.to(x.dtype)) * self.scales.to(x.dtype)
+        return out if self.bias is None else out + self.bias
+
+
+class W4A8Fp8Linear(Int4Linear):
+    kind = names.LINEAR_W4A8_FP8
+
+
+QUANT_LINEARS = {cls.kind: cls for cls in (Int8Linear, Int4Linear, W4A8Linear, W8A8Linear, Fp8Linear,
+                                           W4A8Fp8Linear)}
 
 
 def load_linear(weights: dict[str, torch.Tensor], weight_name: str, dtype: torch.dtype, quant: dict,
@@ -121,5 +157,7 @@ def load_linear(weights: dict[str, torch.Tensor], weight_name: str, dtype: torch
     kind = quant.get("linear")
     if kind not in QUANT_LINEARS:
         raise KeyError(f"{weight_name}: unknown quantized linear kind {kind!r}")
+    if kind in FP8_ACTIVATION_KINDS and part(names.INPUT_SCALE) is None:
+        raise KeyError(f"{weight_name}: a {kind} linear needs {names.linear_tensor(prefix, names.INPUT_SCALE)}")
     return QUANT_LINEARS[kind](qweight, scales, bias, part(names.PRE_SCALE), dtype, quant.get("group_size", 0),
-                               part(names.WEIGHT_SUM))
+                               part(names.WEIGHT_SUM), part(names.INPUT_SCALE))

@@ -17,6 +17,7 @@ from kiln.runtime.rope import cos_sin_tables
 from kiln.runtime.spec import ModelSpec
 
 LINEARS = ("qkv", "out", "gate_up", "down")  # Layer fields that are linear layers
+KV_DTYPES = {names.KV_CACHE_INT8: torch.int8, names.KV_CACHE_FP8: torch.float8_e4m3fn}  # else the model dtype
 
 
 @dataclass
@@ -27,6 +28,7 @@ class Layer:
     post_attention_norm: torch.Tensor
     gate_up: object
     down: object
+    kv_scales: torch.Tensor | None = None  # [2, kv_size] for an int8 / FP8 KV cache
 
 
 @dataclass
@@ -82,6 +84,10 @@ class LlamaModel:
         self.embed = weights[names.EMBED]
         self.final_norm = weights[names.FINAL_NORM]
         quant = quantization or {}
+        kv_cache = quant.get("kv_cache", "none")
+        if kv_cache != "none" and kv_cache not in KV_DTYPES:
+            raise KeyError(f"unknown kv_cache {kv_cache!r}; expected none, {', '.join(KV_DTYPES)}")
+        self.kv_dtype = KV_DTYPES.get(kv_cache, self.dtype)  # what KVPool holds
         if quant.get("lm_head"):  # quantized output projection (the embedding table stays for lookups)
             self.lm_head = load_linear(weights, names.LM_HEAD, self.dtype, {"linear": quant["lm_head"]})
         else:
@@ -97,6 +103,13 @@ class LlamaModel:
         def linear(name: str, bias: torch.Tensor | None = None):
             return load_linear(weights, names.layer_tensor(i, name), self.dtype, quant, bias)
 
+        kv_scales = None
+        if self.kv_dtype != self.dtype:
+            kv_scales = weights.get(names.layer_tensor(i, names.ATTN_KV_SCALES))
+            if kv_scales is None:
+                raise KeyError(f"a {quant['kv_cache']} KV cache needs {names.layer_tensor(i, names.ATTN_KV_SCALES)}")
+            kv_scales = kv_scales.float().contiguous()
+
         return Layer(
             input_norm=get(names.INPUT_NORM),
             qkv=linear(names.ATTN_QKV, weights.get(names.layer_tensor(i, names.ATTN_QKV_BIAS))),
@@ -104,6 +117,7 @@ class LlamaModel:
             post_attention_norm=get(names.POST_ATTENTION_NORM),
             gate_up=linear(names.MLP_GATE_UP),
             down=linear(names.MLP_DOWN),
+            kv_scales=kv_scales,
         )
 
     @torch.inference_mode()
@@ -120,7 +134,7 @@ class LlamaModel:
             qkv = layer.qkv(x)
             attn = ops.paged_attention(qkv, pool.keys[index], pool.values[index], ctx.block_tables,
                                        ctx.query_start, ctx.context_lens, self.cos, self.sin,
-                                       spec.num_heads, self.scale)
+                                       spec.num_heads, self.scale, layer.kv_scales)
             x = ops.add_rms_norm(h, layer.out(attn), layer.post_attention_norm, eps)
             down = layer.down(ops.silu_mul(layer.gate_up(x)))
             following = self.layers[index + 1].input_norm if index + 1 < len(self.layers) else self.final_norm

@@ -101,7 +101,7 @@ def forward_logits(engine, ids: list[int], chunks: list[int] | None = None):
 
     block_size = engine.limits.kv_block_size
     blocks = -(-len(ids) // block_size)
-    pool = KVPool(engine.spec, blocks + 1, block_size, engine.dtype)
+    pool = KVPool(engine.spec, blocks + 1, block_size, engine.model.kv_dtype)
     table = list(range(blocks, 0, -1))  # deliberately not in order
     rows, start = [], 0
     for count in chunks or [len(ids)]:

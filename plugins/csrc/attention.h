@@ -13,6 +13,10 @@
 // causally to positions [0, its own] of its sequence: one pass over the blocks with an online
 // softmax in fp32, rescaled once per block. Grouped-query attention: head h reads kv head
 // h / (heads / kv_heads).
+// The pool holds T (the model dtype) or a quantized P (int8, FP8 E4M3) with one scale per
+// channel of K and of V (kv_scales [2, kv_heads * head_dim]): k / k_scale and v / v_scale
+// are stored; K's scales are folded into the query (q . (k_q * s) = (q * s) . k_q) and V's
+// into the output, so the loops over the blocks only widen the stored bytes.
 // Included per ISA inside kiln::<isa> after vec.h.
 
 // x * cos + rotate_half(x) * sin for one head vector, into fp32 (values rounded to T).
@@ -26,11 +30,12 @@ inline void rope_into(float* dst, const T* x, const T* cos, const T* sin, int64_
   }
 }
 
-template <typename T>
-void paged_attention_impl(const T* qkv, const T* cos, const T* sin, T* k_pool, T* v_pool, T* out,
+template <typename T, typename P>
+void paged_attention_impl(const T* qkv, const T* cos, const T* sin, P* k_pool, P* v_pool, T* out,
                           const int32_t* block_tables, const int32_t* query_start,
                           const int32_t* context_lens, const int32_t* token_seq,
-                          const PagedShape& shape, float scale) {
+                          const PagedShape& shape, float scale, const float* kv_scales) {
+  constexpr bool quantized = !std::is_same_v<P, T>;
   const int64_t row = shape.kv_heads * shape.head_dim;  // one token's keys in a block
   const int64_t block_stride = shape.block_size * row;
   const int64_t head_dim = shape.head_dim, bs = shape.block_size;
@@ -44,6 +49,8 @@ void paged_attention_impl(const T* qkv, const T* cos, const T* sin, T* k_pool, T
 
   const int64_t qkv_row = (shape.heads + 2 * shape.kv_heads) * head_dim;
   const int64_t q_size = shape.heads * head_dim;
+  std::vector<float> inv_scales(quantized ? 2 * row : 0);  // 1 / k_scale, then 1 / v_scale
+  for (size_t i = 0; i < inv_scales.size(); ++i) inv_scales[i] = 1.f / kv_scales[i];
   at::parallel_for(0, shape.tokens, 16, [&](int64_t begin, int64_t end) {
     std::vector<float> rotated(head_dim);
     for (int64_t t = begin; t < end; ++t) {
@@ -53,9 +60,18 @@ void paged_attention_impl(const T* qkv, const T* cos, const T* sin, T* k_pool, T
       for (int64_t g = 0; g < shape.kv_heads; ++g) {
         rope_into(rotated.data(), k + g * head_dim, cos + position * head_dim, sin + position * head_dim,
                   head_dim);
-        for (int64_t d = 0; d < head_dim; ++d) store_as(k_pool + slot + g * head_dim + d, rotated[d]);
+        for (int64_t d = 0; d < head_dim; ++d) {
+          if constexpr (quantized)
+            store_as(k_pool + slot + g * head_dim + d, rotated[d] * inv_scales[g * head_dim + d]);
+          else
+            store_as(k_pool + slot + g * head_dim + d, rotated[d]);
+        }
       }
-      std::memcpy(v_pool + slot, k + row, sizeof(T) * row);
+      if constexpr (quantized) {
+        for (int64_t j = 0; j < row; ++j) store_as(v_pool + slot + j, to_f32(k[row + j]) * inv_scales[row + j]);
+      } else {
+        std::memcpy(v_pool + slot, k + row, sizeof(T) * row);
+      }
     }
   });
 
@@ -70,13 +86,15 @@ void paged_attention_impl(const T* qkv, const T* cos, const T* sin, T* k_pool, T
       rope_into(qf.data(), qkv + t * qkv_row + h * head_dim, cos + position * head_dim,
                 sin + position * head_dim, head_dim);
       for (int64_t d = 0; d < head_dim; ++d) qf[d] *= scale;
+      if constexpr (quantized)
+        for (int64_t d = 0; d < head_dim; ++d) qf[d] *= kv_scales[g * head_dim + d];
       std::fill(acc.begin(), acc.end(), 0.f);
       float running_max = -std::numeric_limits<float>::infinity(), denom = 0.f;
       const int64_t context = position + 1;
       for (int64_t first = 0, b = 0; first < context; first += bs, ++b) {
         const int64_t n = std::min(bs, context - first);
-        const T* kblock = k_pool + table[b] * block_stride + g * head_dim;
-        const T* vblock = v_pool + table[b] * block_stride + g * head_dim;
+        const P* kblock = k_pool + table[b] * block_stride + g * head_dim;
+        const P* vblock = v_pool + table[b] * block_stride + g * head_dim;
         float block_max = -std::numeric_limits<float>::infinity();
         for (int64_t i = 0; i < n; ++i) {
           scores[i] = dot(qf.data(), kblock + i * row, head_dim);
@@ -96,18 +114,28 @@ void paged_attention_impl(const T* qkv, const T* cos, const T* sin, T* k_pool, T
       }
       T* orow = out + (t * shape.heads + h) * head_dim;
       const float inv = 1.f / denom;
-      for (int64_t d = 0; d < head_dim; ++d) store_as(orow + d, acc[d] * inv);
+      if constexpr (quantized) {
+        const float* v_scale = kv_scales + row + g * head_dim;
+        for (int64_t d = 0; d < head_dim; ++d) store_as(orow + d, acc[d] * inv * v_scale[d]);
+      } else {
+        for (int64_t d = 0; d < head_dim; ++d) store_as(orow + d, acc[d] * inv);
+      }
     }
   });
 }
 
-void paged_attention_f32(const float* qkv, const float* cos, const float* sin, float* kp, float* vp,
-                         float* out, const int32_t* bt, const int32_t* qs, const int32_t* cl,
-                         const int32_t* ts, const PagedShape& shape, float scale) {
-  paged_attention_impl<float>(qkv, cos, sin, kp, vp, out, bt, qs, cl, ts, shape, scale);
-}
-void paged_attention_bf16(const bf16* qkv, const bf16* cos, const bf16* sin, bf16* kp, bf16* vp,
-                          bf16* out, const int32_t* bt, const int32_t* qs, const int32_t* cl,
-                          const int32_t* ts, const PagedShape& shape, float scale) {
-  paged_attention_impl<bf16>(qkv, cos, sin, kp, vp, out, bt, qs, cl, ts, shape, scale);
-}
+// paged_attention_<activations>_<pool>: the pool in the model dtype, int8 or FP8 E4M3
+#define KILN_ATTENTION(name, T, P)                                                                        \
+  void name(const T* qkv, const T* cos, const T* sin, void* kp, void* vp, T* out, const int32_t* bt,      \
+            const int32_t* qs, const int32_t* cl, const int32_t* ts, const PagedShape& shape, float scale, \
+            const float* kv_scales) {                                                                     \
+    paged_attention_impl<T, P>(qkv, cos, sin, static_cast<P*>(kp), static_cast<P*>(vp), out, bt, qs, cl, ts, \
+                               shape, scale, kv_scales);                                                   \
+  }
+KILN_ATTENTION(paged_attention_f32, float, float)
+KILN_ATTENTION(paged_attention_bf16, bf16, bf16)
+KILN_ATTENTION(paged_attention_f32_i8, float, int8_t)
+KILN_ATTENTION(paged_attention_bf16_i8, bf16, int8_t)
+KILN_ATTENTION(paged_attention_f32_fp8, float, fp8e4m3)
+KILN_ATTENTION(paged_attention_bf16_fp8, bf16, fp8e4m3)
+#undef KILN_ATTENTION

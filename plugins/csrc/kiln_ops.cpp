@@ -90,12 +90,14 @@ struct Kernels {
   void (*silu_mul_bf16)(const bf16*, bf16*, int64_t, int64_t);
   void (*linear_f32)(const float*, const float*, const float*, float*, int64_t, int64_t, int64_t);
   void (*linear_bf16)(const bf16*, const bf16*, const bf16*, bf16*, int64_t, int64_t, int64_t);
-  void (*paged_attention_f32)(const float*, const float*, const float*, float*, float*, float*,
-                              const int32_t*, const int32_t*, const int32_t*, const int32_t*,
-                              const PagedShape&, float);
-  void (*paged_attention_bf16)(const bf16*, const bf16*, const bf16*, bf16*, bf16*, bf16*,
-                               const int32_t*, const int32_t*, const int32_t*, const int32_t*,
-                               const PagedShape&, float);
+  using AttentionF32 = void (*)(const float*, const float*, const float*, void*, void*, float*, const int32_t*,
+                                const int32_t*, const int32_t*, const int32_t*, const PagedShape&, float,
+                                const float*);
+  using AttentionBF16 = void (*)(const bf16*, const bf16*, const bf16*, void*, void*, bf16*, const int32_t*,
+                                 const int32_t*, const int32_t*, const int32_t*, const PagedShape&, float,
+                                 const float*);
+  AttentionF32 paged_attention_f32, paged_attention_f32_i8, paged_attention_f32_fp8;
+  AttentionBF16 paged_attention_bf16, paged_attention_bf16_i8, paged_attention_bf16_fp8;
   void (*linear_w8_f32)(const float*, const int8_t*, const float*, const float*, float*, int64_t, int64_t, int64_t);
   void (*linear_w8_bf16)(const bf16*, const int8_t*, const float*, const bf16*, bf16*, int64_t, int64_t, int64_t);
   void (*linear_w4_f32)(const float*, const uint8_t*, const float*, int64_t, const float*, float*, int64_t, int64_t,
@@ -112,15 +114,22 @@ struct Kernels {
                           int64_t, int64_t);
   void (*linear_w4a8_bf16)(const bf16*, const uint8_t*, const float*, int64_t, const bf16*, bf16*, int64_t,
                            int64_t, int64_t);
+  void (*linear_fp8_f32)(const float*, const uint8_t*, const float*, const float*, float*, int64_t, int64_t, int64_t);
+  void (*linear_fp8_bf16)(const bf16*, const uint8_t*, const float*, const bf16*, bf16*, int64_t, int64_t, int64_t);
+  void (*quantize_fp8_f32)(const float*, float*, int64_t, float);
+  void (*quantize_fp8_bf16)(const bf16*, bf16*, int64_t, float);
 };
 
 #define KILN_KERNELS(ns)                                                              \
   Kernels {                                                                           \
     #ns, ns::rms_norm_f32, ns::rms_norm_bf16, ns::add_rms_norm_f32, ns::add_rms_norm_bf16,      \
         ns::silu_mul_f32, ns::silu_mul_bf16, ns::linear_f32, ns::linear_bf16,                   \
-        ns::paged_attention_f32, ns::paged_attention_bf16, ns::linear_w8_f32, ns::linear_w8_bf16,  \
+        ns::paged_attention_f32, ns::paged_attention_f32_i8, ns::paged_attention_f32_fp8,             \
+        ns::paged_attention_bf16, ns::paged_attention_bf16_i8, ns::paged_attention_bf16_fp8,          \
+        ns::linear_w8_f32, ns::linear_w8_bf16,                                                        \
         ns::linear_w4_f32, ns::linear_w4_bf16, ns::dequantize_int4_f32, ns::dequantize_int4_bf16,    \
-        ns::linear_w8a8_f32, ns::linear_w8a8_bf16, ns::linear_w4a8_f32, ns::linear_w4a8_bf16       \
+        ns::linear_w8a8_f32, ns::linear_w8a8_bf16, ns::linear_w4a8_f32, ns::linear_w4a8_bf16,      \
+        ns::linear_fp8_f32, ns::linear_fp8_bf16, ns::quantize_fp8_f32, ns::quantize_fp8_bf16         \
   }
 
 static bool host_supports(const std::string& isa) {
@@ -264,15 +273,19 @@ static void check_int32_vector(const at::Tensor& t, const char* name, int64_t di
 at::Tensor paged_attention(const at::Tensor& qkv, at::Tensor& k_pool, at::Tensor& v_pool,
                            const at::Tensor& block_tables, const at::Tensor& query_start,
                            const at::Tensor& context_lens, const at::Tensor& cos, const at::Tensor& sin,
-                           int64_t heads, double scale) {
+                           int64_t heads, double scale, const c10::optional<at::Tensor>& kv_scales) {
   check_float_or_bf16(qkv, "qkv");
+  const auto pool_type = k_pool.scalar_type();
+  const bool quantized = pool_type == at::kChar || pool_type == at::kFloat8_e4m3fn;
   TORCH_CHECK(k_pool.dim() == 4 && k_pool.is_contiguous() && v_pool.is_contiguous() &&
                   v_pool.sizes() == k_pool.sizes(),
               "kiln::paged_attention: pools must be contiguous [blocks, block_size, kv_heads, head_dim]");
-  for (const auto& [t, name] : {std::pair<const at::Tensor&, const char*>{k_pool, "k_pool"},
-                                 {v_pool, "v_pool"}, {cos, "cos"}, {sin, "sin"}})
+  for (const auto& [t, name] : {std::pair<const at::Tensor&, const char*>{cos, "cos"}, {sin, "sin"}})
     TORCH_CHECK(t.scalar_type() == qkv.scalar_type(), "kiln::paged_attention: ", name, " dtype ",
                 t.scalar_type(), " differs from qkv dtype ", qkv.scalar_type());
+  TORCH_CHECK(v_pool.scalar_type() == pool_type && (quantized || pool_type == qkv.scalar_type()),
+              "kiln::paged_attention: the pools must both be int8, float8_e4m3fn or qkv's dtype ",
+              qkv.scalar_type(), ", got ", pool_type, " and ", v_pool.scalar_type());
   check_int32_vector(block_tables, "block_tables", 2);
   check_int32_vector(query_start, "query_start", 1);
   check_int32_vector(context_lens, "context_lens", 1);
@@ -285,6 +298,13 @@ at::Tensor paged_attention(const at::Tensor& qkv, at::Tensor& k_pool, at::Tensor
   TORCH_CHECK(heads > 0 && kv_heads > 0 && heads % kv_heads == 0 && head_dim % 2 == 0,
               "kiln::paged_attention: heads ", heads, " must be a multiple of kv_heads ", kv_heads,
               " and head_dim ", head_dim, " even");
+  TORCH_CHECK(quantized == kv_scales.has_value(), "kiln::paged_attention: kv_scales go with an int8 or ",
+              "float8_e4m3fn pool, and only with one");
+  if (quantized)
+    TORCH_CHECK(kv_scales->scalar_type() == at::kFloat && kv_scales->is_contiguous() && kv_scales->dim() == 2 &&
+                    kv_scales->size(0) == 2 && kv_scales->size(1) == kv_heads * head_dim,
+                "kiln::paged_attention: kv_scales must be contiguous float32 [2, ", kv_heads * head_dim, "], got ",
+                kv_scales->sizes());
   TORCH_CHECK(cos.dim() == 2 && cos.size(1) == head_dim && sin.sizes() == cos.sizes() &&
                   cos.is_contiguous() && sin.is_contiguous(),
               "kiln::paged_attention: cos/sin must be contiguous [positions, ", head_dim, "]");
@@ -317,17 +337,20 @@ at::Tensor paged_attention(const at::Tensor& qkv, at::Tensor& k_pool, at::Tensor
   auto qkvc = qkv.contiguous();
   auto out = at::empty({shape.tokens, heads * head_dim}, qkvc.options());
   if (shape.tokens == 0) return out;
-  if (qkv.scalar_type() == at::kFloat)
-    active().paged_attention_f32(qkvc.data_ptr<float>(), cos.data_ptr<float>(), sin.data_ptr<float>(),
-                                 k_pool.data_ptr<float>(), v_pool.data_ptr<float>(),
-                                 out.data_ptr<float>(), bt, qs, cl, token_seq.data(), shape,
-                                 static_cast<float>(scale));
-  else
-    active().paged_attention_bf16(
-        reinterpret_cast<const bf16*>(qkvc.data_ptr()), reinterpret_cast<const bf16*>(cos.data_ptr()),
-        reinterpret_cast<const bf16*>(sin.data_ptr()), reinterpret_cast<bf16*>(k_pool.data_ptr()),
-        reinterpret_cast<bf16*>(v_pool.data_ptr()), reinterpret_cast<bf16*>(out.data_ptr()), bt, qs, cl,
-        token_seq.data(), shape, static_cast<float>(scale));
+  const float* ks = quantized ? kv_scales->data_ptr<float>() : nullptr;
+  const Kernels& k = active();
+  if (qkv.scalar_type() == at::kFloat) {
+    auto f = pool_type == at::kChar ? k.paged_attention_f32_i8 : quantized ? k.paged_attention_f32_fp8
+                                                                          : k.paged_attention_f32;
+    f(qkvc.data_ptr<float>(), cos.data_ptr<float>(), sin.data_ptr<float>(), k_pool.data_ptr(), v_pool.data_ptr(),
+      out.data_ptr<float>(), bt, qs, cl, token_seq.data(), shape, static_cast<float>(scale), ks);
+  } else {
+    auto f = pool_type == at::kChar ? k.paged_attention_bf16_i8 : quantized ? k.paged_attention_bf16_fp8
+                                                                           : k.paged_attention_bf16;
+    f(reinterpret_cast<const bf16*>(qkvc.data_ptr()), reinterpret_cast<const bf16*>(cos.data_ptr()),
+      reinterpret_cast<const bf16*>(sin.data_ptr()), k_pool.data_ptr(), v_pool.data_ptr(),
+      reinterpret_cast<bf16*>(out.data_ptr()), bt, qs, cl, token_seq.data(), shape, static_cast<float>(scale), ks);
+  }
   return out;
 }
 
@@ -428,6 +451,30 @@ at::Tensor linear_w8a8(const at::Tensor& x, const at::Tensor& qweight, const at:
                     weight_sum.data_ptr<int32_t>());
 }
 
+at::Tensor linear_fp8(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
+                      const c10::optional<at::Tensor>& bias) {
+  const int64_t k = qweight.size(1), n = qweight.size(0);
+  check_linear_args("linear_fp8", x, qweight, at::kFloat8_e4m3fn, scales, k, bias);
+  TORCH_CHECK(scales.dim() == 1, "kiln::linear_fp8: scales must be [out]");
+  return run_linear(x, k, n, bias, active().linear_fp8_f32, active().linear_fp8_bf16,
+                    static_cast<const uint8_t*>(qweight.data_ptr()), scales.data_ptr<float>());
+}
+
+at::Tensor quantize_fp8(const at::Tensor& x, double inv_scale) {
+  check_float_or_bf16(x, "x");
+  TORCH_CHECK(std::isfinite(inv_scale) && inv_scale > 0, "kiln::quantize_fp8: inv_scale must be positive, got ",
+              inv_scale);
+  auto xc = x.contiguous();
+  auto out = at::empty_like(xc);
+  const float inv = static_cast<float>(inv_scale);
+  if (x.scalar_type() == at::kFloat)
+    active().quantize_fp8_f32(xc.data_ptr<float>(), out.data_ptr<float>(), xc.numel(), inv);
+  else
+    active().quantize_fp8_bf16(reinterpret_cast<const bf16*>(xc.data_ptr()), reinterpret_cast<bf16*>(out.data_ptr()),
+                               xc.numel(), inv);
+  return out;
+}
+
 }  // namespace kiln
 
 TORCH_LIBRARY(kiln, m) {
@@ -438,12 +485,15 @@ TORCH_LIBRARY(kiln, m) {
   m.def("linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
   m.def(
       "paged_attention(Tensor qkv, Tensor(a!) k_pool, Tensor(b!) v_pool, Tensor block_tables, "
-      "Tensor query_start, Tensor context_lens, Tensor cos, Tensor sin, int heads, float scale) -> Tensor");
+      "Tensor query_start, Tensor context_lens, Tensor cos, Tensor sin, int heads, float scale, "
+      "Tensor? kv_scales=None) -> Tensor");
   m.def("linear_w8(Tensor x, Tensor qweight, Tensor scales, Tensor? bias) -> Tensor");
   m.def("linear_w4(Tensor x, Tensor qweight, Tensor scales, int group_size, Tensor? bias) -> Tensor");
   m.def("dequantize_int4(Tensor qweight, Tensor scales, int group_size, ScalarType dtype) -> Tensor");
   m.def("linear_w8a8(Tensor x, Tensor qweight, Tensor scales, Tensor weight_sum, Tensor? bias) -> Tensor");
   m.def("linear_w4a8(Tensor x, Tensor qweight, Tensor scales, int group_size, Tensor? bias) -> Tensor");
+  m.def("linear_fp8(Tensor x, Tensor qweight, Tensor scales, Tensor? bias) -> Tensor");
+  m.def("quantize_fp8(Tensor x, float inv_scale) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(kiln, CPU, m) {
@@ -457,4 +507,6 @@ TORCH_LIBRARY_IMPL(kiln, CPU, m) {
   m.impl("dequantize_int4", &kiln::dequantize_int4);
   m.impl("linear_w8a8", &kiln::linear_w8a8);
   m.impl("linear_w4a8", &kiln::linear_w4a8);
+  m.impl("linear_fp8", &kiln::linear_fp8);
+  m.impl("quantize_fp8", &kiln::quantize_fp8);
 }

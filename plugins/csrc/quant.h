@@ -7,6 +7,9 @@
 //   linear_w8a8 x quantized per row to int8 at run time (absmax / 127), int8 x int8 -> int32
 //               dot products (VNNI vpdpbusd on CPUs with it: u8 x s8, so x is offset by 128 and
 //               128 * rowsum(W) taken off), then * x_scale[m] * w_scale[n] (SmoothQuant W8A8)
+//   linear_fp8  out = x @ (e4m3 W * scale[n])^T       weights FP8 E4M3 [n, k] (one byte each)
+//   quantize_fp8 x * inv_scale rounded to the nearest E4M3 value (ties to even, saturating at
+//               +-448), in x's dtype: static per-tensor FP8 activations (exact in bf16)
 //
 // The W8A16 / W4A16 kernels are GEMVs for a few rows (decode steps): each weight byte is read
 // once and widened once for up to four input rows. fp32 accumulation, one rounding at the end.
@@ -682,3 +685,45 @@ void linear_w8a8_f32(const float* x, const int8_t* w, const float* s, const int3
                      int64_t r, int64_t k, int64_t n) { linear_w8a8_impl<float>(x, w, s, ws, b, o, r, k, n); }
 void linear_w8a8_bf16(const bf16* x, const int8_t* w, const float* s, const int32_t* ws, const bf16* b, bf16* o,
                       int64_t r, int64_t k, int64_t n) { linear_w8a8_impl<bf16>(x, w, s, ws, b, o, r, k, n); }
+
+// --- FP8 (E4M3; round_fp8 and the loads are in vec.h) -----------------------------------
+template <typename T>
+void quantize_fp8_impl(const T* x, T* out, int64_t count, float inv_scale) {
+  at::parallel_for(0, count, 4096, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) store_as(out + i, round_fp8(to_f32(x[i]) * inv_scale));
+  });
+}
+
+// R input rows against one E4M3 weight row
+template <int R>
+inline void dot_rows_fp8(const float* xf, int64_t k, const uint8_t* wrow, float* sums) {
+  int64_t i = 0;
+  for (int r = 0; r < R; ++r) sums[r] = 0.f;
+#if !defined(KILN_ISA_SCALAR)
+  vfloat acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = vzero();
+  for (; i + kLanes <= k; i += kLanes) {
+    const vfloat wv = vload(reinterpret_cast<const fp8e4m3*>(wrow + i));
+    for (int r = 0; r < R; ++r) acc[r] = vfma(vload(xf + r * k + i), wv, acc[r]);
+  }
+  for (int r = 0; r < R; ++r) sums[r] = vsum(acc[r]);
+#endif
+  for (; i < k; ++i)
+    for (int r = 0; r < R; ++r) sums[r] += xf[r * k + i] * to_f32(fp8e4m3{wrow[i]});
+}
+
+template <typename T>
+void linear_fp8_impl(const T* x, const uint8_t* w, const float* scale, const T* bias, T* out, int64_t rows,
+                     int64_t k, int64_t n) {
+  gemv_float_rows(x, bias, out, rows, k, n, [&](auto R, const float* xr, int64_t o, float* sums) {
+    dot_rows_fp8<decltype(R)::value>(xr, k, w + o * k, sums);
+    for (int r = 0; r < R; ++r) sums[r] *= scale[o];
+  });
+}
+
+void linear_fp8_f32(const float* x, const uint8_t* w, const float* s, const float* b, float* o, int64_t r, int64_t k,
+                    int64_t n) { linear_fp8_impl<float>(x, w, s, b, o, r, k, n); }
+void linear_fp8_bf16(const bf16* x, const uint8_t* w, const float* s, const bf16* b, bf16* o, int64_t r, int64_t k,
+                     int64_t n) { linear_fp8_impl<bf16>(x, w, s, b, o, r, k, n); }
+void quantize_fp8_f32(const float* x, float* o, int64_t count, float inv) { quantize_fp8_impl<float>(x, o, count, inv); }
+void quantize_fp8_bf16(const bf16* x, bf16* o, int64_t count, float inv) { quantize_fp8_impl<bf16>(x, o, count, inv); }

@@ -11,6 +11,51 @@ inline float to_f32(bf16 x) { return static_cast<float>(x); }
 inline void store_as(float* p, float x) { *p = x; }
 inline void store_as(bf16* p, float x) { *p = bf16(x); }
 
+// Quantized KV-cache elements: the attention loops read them through the same to_f32 / vload
+// as float and bf16 (the per-channel scales are applied outside the loops).
+struct fp8e4m3 {  // FP8 E4M3 bits (1 sign, 4 exponent bits biased by 7, 3 mantissa bits)
+  uint8_t bits;
+};
+inline float to_f32(int8_t x) { return static_cast<float>(x); }
+inline float to_f32(fp8e4m3 x) {  // exact; 0x7f / 0xff (NaN) are never written
+  const int e = (x.bits >> 3) & 15, m = x.bits & 7;
+  const float v = e == 0 ? std::ldexp(static_cast<float>(m), -9) : std::ldexp(1.f + m / 8.f, e - 7);
+  return (x.bits & 0x80) ? -v : v;
+}
+
+constexpr float kFp8Max = 448.f;
+inline float round_fp8(float x) {  // to the nearest E4M3 value, ties to even, saturating
+  const float v = std::min(kFp8Max, std::max(-kFp8Max, x));
+  uint32_t bits;
+  std::memcpy(&bits, &v, 4);
+  const uint32_t sign = bits & 0x80000000u, mag = bits & 0x7fffffffu;
+  float r;
+  if (mag < 0x3c800000u) {  // below 2^-6: subnormal E4M3, a multiple of 2^-9
+    r = std::nearbyint(std::fabs(v) * 512.f) / 512.f;
+  } else {  // keep 3 of the 23 mantissa bits, ties to even
+    const uint32_t rounded = (mag + 0x7ffffu + ((mag >> 20) & 1u)) & 0xfff00000u;
+    std::memcpy(&r, &rounded, 4);
+  }
+  uint32_t out;
+  std::memcpy(&out, &r, 4);
+  out |= sign;
+  std::memcpy(&r, &out, 4);
+  return r;
+}
+inline uint8_t fp8_bits(float x) {  // an E4M3 value (as round_fp8 returns) -> its bits
+  uint32_t b;
+  std::memcpy(&b, &x, 4);
+  const uint8_t sign = (b >> 24) & 0x80;
+  const float a = std::fabs(x);
+  if (a < 0.015625f) return sign | static_cast<uint8_t>(std::nearbyint(a * 512.f));  // subnormal
+  const int e = static_cast<int>(((b >> 23) & 0xff)) - 127 + 7;
+  return sign | static_cast<uint8_t>(e << 3) | static_cast<uint8_t>((b >> 20) & 7);
+}
+inline void store_as(int8_t* p, float x) {  // x already divided by the scale
+  *p = static_cast<int8_t>(std::nearbyint(std::min(127.f, std::max(-127.f, x))));
+}
+inline void store_as(fp8e4m3* p, float x) { p->bits = fp8_bits(round_fp8(x)); }
+
 #if defined(KILN_ISA_AVX512)
 constexpr int kLanes = 16;
 using vfloat = __m512;
@@ -20,6 +65,17 @@ inline vfloat vload(const float* p) { return _mm512_loadu_ps(p); }
 inline vfloat vload(const bf16* p) {
   __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+inline vfloat vload(const int8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+// E4M3 -> fp32: the sign and the 7 exponent+mantissa bits placed as an fp16 (whose exponent
+// bias is 8 more; subnormals land on fp16 subnormals, so it is exact), then * 2^8
+inline vfloat vload(const fp8e4m3* p) {
+  const __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  const __m256i h = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x80)), 8),
+                                    _mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x7f)), 7));
+  return _mm512_mul_ps(_mm512_cvtph_ps(h), _mm512_set1_ps(256.f));
 }
 inline vfloat vfma(vfloat a, vfloat b, vfloat c) { return _mm512_fmadd_ps(a, b, c); }
 inline vfloat vmul(vfloat a, vfloat b) { return _mm512_mul_ps(a, b); }
@@ -34,6 +90,15 @@ inline vfloat vload(const float* p) { return _mm256_loadu_ps(p); }
 inline vfloat vload(const bf16* p) {
   __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
+}
+inline vfloat vload(const int8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+inline vfloat vload(const fp8e4m3* p) {  // as the AVX-512 version, 8 at a time
+  const __m128i b = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  const __m128i h = _mm_or_si128(_mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x80)), 8),
+                                 _mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x7f)), 7));
+  return _mm256_mul_ps(_mm256_cvtph_ps(h), _mm256_set1_ps(256.f));
 }
 inline vfloat vfma(vfloat a, vfloat b, vfloat c) { return _mm256_fmadd_ps(a, b, c); }
 inline vfloat vmul(vfloat a, vfloat b) { return _mm256_mul_ps(a, b); }

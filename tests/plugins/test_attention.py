@@ -63,6 +63,52 @@ def test_paged_attention_matches_reference(isa, dtype, shape):
         torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
 
 
+def quantized_pools(batch, pool_dtype, g):
+    """The batch with int8 / fp8 pools (earlier contexts: random stored values) and random
+    per-channel scales, some small enough to saturate."""
+    shape = batch["k_pool"].shape
+    kv_size = shape[2] * shape[3]
+    if pool_dtype == torch.int8:
+        pools = [torch.randint(-127, 128, shape, generator=g, dtype=torch.int8) for _ in range(2)]
+    else:
+        pools = [(torch.randn(shape, generator=g) * 100).clamp(-448, 448).to(torch.float8_e4m3fn) for _ in range(2)]
+    scales = torch.rand(2, kv_size, generator=g) * 0.05 + (0.002 if pool_dtype == torch.int8 else 0.0005)
+    return {**batch, "k_pool": pools[0], "v_pool": pools[1], "kv_scales": scales}
+
+
+@pytest.mark.parametrize("pool_dtype", [torch.int8, torch.float8_e4m3fn])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_quantized_kv_cache_matches_reference(isa, dtype, pool_dtype, shape):
+    """int8 / FP8 pools: the stored bytes equal the reference's quantization exactly, and the
+    attention over them (scales folded into the query and the output) matches."""
+    rng = random.Random(f"{isa}{dtype}{pool_dtype}{shape}")
+    for _ in range(2):
+        batch = quantized_pools(random_batch(rng, dtype, *shape), pool_dtype,
+                                torch.Generator().manual_seed(rng.randrange(2**31)))
+        ref = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+        scale = shape[2] ** -0.5
+        got = ops.paged_attention(**batch, scale=scale)
+        want = reference.paged_attention(**ref, scale=scale)
+        for name in ("k_pool", "v_pool"):
+            assert torch.equal(batch[name].view(torch.uint8), ref[name].view(torch.uint8)), name
+        tol = 2e-5 if dtype == torch.float32 else 2e-2
+        torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
+
+
+def test_quantized_pools_need_their_scales(plugin_isas):
+    batch = random_batch(random.Random(5), torch.float32, 2, 2, 8, 4, 1, 3, 5)
+    quantized = quantized_pools(batch, torch.int8, torch.Generator().manual_seed(0))
+    with pytest.raises(RuntimeError, match="kv_scales go with"):
+        ops.paged_attention(**{**quantized, "kv_scales": None}, scale=1.0)
+    with pytest.raises(RuntimeError, match="kv_scales go with"):
+        ops.paged_attention(**{**batch, "kv_scales": quantized["kv_scales"]}, scale=1.0)
+    with pytest.raises(RuntimeError, match=r"kv_scales must be contiguous float32 \[2, 16\]"):
+        ops.paged_attention(**{**quantized, "kv_scales": quantized["kv_scales"][:, :8].contiguous()}, scale=1.0)
+    with pytest.raises(RuntimeError, match="pools must both be"):
+        ops.paged_attention(**{**quantized, "v_pool": batch["v_pool"]}, scale=1.0)
+
+
 def test_chunked_prefill_equals_one_pass(plugin_isas):
     """A prompt prefilled in chunks, then decoded, matches a single prefill pass."""
     torch.manual_seed(0)
@@ -102,6 +148,8 @@ def test_positions_beyond_the_table_are_refused(plugin_isas):
 def test_paged_attention_opcheck(plugin_isas):
     batch = random_batch(random.Random(3), torch.float32, 4, 2, 16, 4, 3, 5, 9)
     torch.library.opcheck(torch.ops.kiln.paged_attention.default, tuple(batch.values()) + (0.25,))
+    quantized = quantized_pools(batch, torch.int8, torch.Generator().manual_seed(1))
+    torch.library.opcheck(torch.ops.kiln.paged_attention.default, tuple(quantized.values())[:-1] + (0.25, quantized["kv_scales"]))
 
 
 def test_rotary_tables_too_short_are_refused(plugin_isas):

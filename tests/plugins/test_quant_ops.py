@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kiln.plugins import ops, reference
-from kiln.quantize.formats import dequantize_int4, pack_int4, quantize_int4, quantize_int8, unpack_int4
+from kiln.quantize.formats import dequantize_int4, pack_int4, quantize_fp8, quantize_int4, quantize_int8, unpack_int4
 
 SHAPES = [(1, 576, 64), (3, 64, 40), (5, 1536, 96), (8, 200, 33), (13, 96, 7), (1, 32, 1), (2, 2112, 19),
           (6, 160, 50)]
@@ -90,6 +90,10 @@ def test_quant_ops_validate_their_inputs(plugin_isas):
         ops.linear_w4(torch.randn(2, 64), packed, scales, 64)
     with pytest.raises(RuntimeError, match="weight_sum"):
         ops.linear_w8a8(torch.randn(2, 16), q, s, torch.zeros(3, dtype=torch.int32))
+    with pytest.raises(RuntimeError, match="Float8_e4m3fn"):
+        ops.linear_fp8(torch.randn(2, 16), q, s)
+    with pytest.raises(RuntimeError, match="inv_scale"):
+        ops.quantize_fp8(torch.randn(2, 16), 0.0)
 
 
 def test_quant_ops_opcheck(plugin_isas):
@@ -101,6 +105,11 @@ def test_quant_ops_opcheck(plugin_isas):
     torch.library.opcheck(torch.ops.kiln.dequantize_int4.default, (packed, scales, 32, torch.bfloat16))
     torch.library.opcheck(torch.ops.kiln.linear_w8a8.default,
                           (x, q, s, q.to(torch.int32).sum(1, dtype=torch.int32), None))
+    q8, s8 = quantize_fp8(torch.randn(8, 64))
+    # (the schema test compares tensors with a multiply torch lacks for float8 on the CPU)
+    torch.library.opcheck(torch.ops.kiln.linear_fp8.default, (x, q8, s8, None),
+                          test_utils=("test_faketensor", "test_autograd_registration"))
+    torch.library.opcheck(torch.ops.kiln.quantize_fp8.default, (x, 2.0))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -116,3 +125,52 @@ def test_linear_w4a8_matches_exact_integer_reference(isa, dtype, group, rows, k,
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     else:
         torch.testing.assert_close(got.float(), want.float(), rtol=1e-2, atol=0.07)
+
+
+def fp8_probe_values(g, count):
+    """Random magnitudes over E4M3's whole range plus its edge cases: ties between neighbours,
+    subnormals, zero, saturation."""
+    grid = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+    grid = grid[grid.isfinite()].unique()
+    ties = (grid[1:] + grid[:-1]) / 2  # exactly halfway: ties to even
+    wide = torch.exp2(torch.rand(count, generator=g) * 24 - 14) * torch.sign(torch.randn(count, generator=g))
+    return torch.cat([wide, grid, ties, -ties, torch.tensor([0.0, 447.9, 448.0, 460.0, 1e6, -1e6, 2.0**-10])])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_quantize_fp8_matches_torch_float8(isa, dtype):
+    g = torch.Generator().manual_seed(hash((isa, str(dtype), "fp8")) % 2**31)
+    x = fp8_probe_values(g, 20000).to(dtype)
+    for inv_scale in (1.0, 0.37, 1 / 3e-3):
+        got, want = ops.quantize_fp8(x, inv_scale), reference.quantize_fp8(x, inv_scale)
+        assert got.dtype == dtype
+        assert torch.equal(got, want), (x[got != want][:5], got[got != want][:5], want[got != want][:5])
+    assert torch.equal(ops.quantize_fp8(x.reshape(2, -1)[:, ::2], 1.0), reference.quantize_fp8(x.reshape(2, -1)[:, ::2], 1.0))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows, k, n", SHAPES)
+@pytest.mark.parametrize("per_tensor", [False, True])
+def test_linear_fp8_matches_reference(isa, dtype, rows, k, n, per_tensor):
+    g = torch.Generator().manual_seed(hash((isa, str(dtype), rows, k, n, per_tensor)) % 2**31)
+    x = rand(g, rows, k).to(dtype)
+    w = rand(g, n, k, scale=0.05)
+    w[0, : min(k, 5)] = 1e-6  # subnormal E4M3 weights
+    q, s = quantize_fp8(w, per_tensor)
+    bias = rand(g, n).to(dtype)
+    got, want = ops.linear_fp8(x, q, s, bias), reference.linear_fp8(x, q, s, bias)
+    assert got.dtype == dtype and got.shape == (rows, n)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
+
+
+def test_fp8_weights_round_trip_within_half_a_step():
+    g = torch.Generator().manual_seed(2)
+    w = rand(g, 16, 96)
+    for per_tensor in (False, True):
+        q, s = quantize_fp8(w, per_tensor)
+        assert q.dtype == torch.float8_e4m3fn and s.shape == (16,)
+        back = q.float() * s[:, None]
+        assert ((back - w).abs() <= w.abs() / 16 + s[:, None] * 2.0**-10).all()  # 3 mantissa bits
+        assert torch.allclose(back.abs().amax(dim=1 if not per_tensor else None),
+                              w.abs().amax(dim=1 if not per_tensor else None))

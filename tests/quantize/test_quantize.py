@@ -80,26 +80,109 @@ def test_group_size_auto():
                                         intermediate_size=11008)) == 128
 
 
-@pytest.mark.parametrize("algo, kind, qdtype", [("int8_wo", "int8_wo", torch.int8), ("int4_wo", "int4", torch.uint8),
-                                                ("int4_awq", "int4", torch.uint8), ("w4a8_awq", "w4a8", torch.uint8),
-                                                ("int8_sq", "w8a8", torch.int8)])
-def test_each_algorithm_builds_runs_and_reports(algo, kind, qdtype, tiny_models, tmp_path, llm_for):
+@pytest.mark.parametrize("algo, options, kind, qdtype", [
+    ("int8_wo", {}, "int8_wo", torch.int8), ("int4_wo", {}, "int4", torch.uint8),
+    ("int4_awq", {}, "int4", torch.uint8), ("w4a8_awq", {}, "w4a8", torch.uint8),
+    ("w4a8_awq", {"w4a8_activations": "fp8"}, "w4a8_fp8", torch.uint8), ("int8_sq", {}, "w8a8", torch.int8),
+    ("fp8", {}, "fp8", torch.float8_e4m3fn), ("fp8", {"fp8_weight_scales": "per_tensor"}, "fp8", torch.float8_e4m3fn)])
+def test_each_algorithm_builds_runs_and_reports(algo, options, kind, qdtype, tiny_models, tmp_path, llm_for):
     engine_dir = build_engine(tmp_path / algo, tiny_models["llama"], "bfloat16", quantization={
-        "algo": algo, "calibration": SMALL_CALIBRATION, "accuracy": SMALL_ACCURACY, "accuracy_gate": None})
+        "algo": algo, "calibration": SMALL_CALIBRATION, "accuracy": SMALL_ACCURACY, "accuracy_gate": None,
+        **options})
     meta = json.loads((engine_dir / names.ENGINE_JSON).read_text())["quantization"]
     assert meta["algo"] == algo and meta["linear"] == kind and meta["lm_head"] == "int8_wo"
     report = meta["accuracy"]
     assert report["tokens"] > 300 and report["ppl_quantized"] > 0 and 0 <= report["token_agreement"] <= 1
     assert report["kl"] >= 0 and report["passed"]
-    assert ("calibration" in meta) == (algo in ("int4_awq", "w4a8_awq", "int8_sq"))
+    assert ("calibration" in meta) == (algo in ("int4_awq", "w4a8_awq", "int8_sq", "fp8"))
     tensors = _weights(Engine(engine_dir))
-    assert tensors[names.linear_tensor("layers.0.mlp.down", names.QWEIGHT)].dtype == qdtype
+    down = "layers.0.mlp.down"
+    assert tensors[names.linear_tensor(down, names.QWEIGHT)].dtype == qdtype
     assert "layers.0.mlp.down.weight" not in tensors
+    input_scale = tensors.get(names.linear_tensor(down, names.INPUT_SCALE))
+    assert (input_scale is not None) == (kind in ("fp8", "w4a8_fp8"))
+    if input_scale is not None:
+        assert input_scale.shape == (1,) and input_scale.item() > 0
+    scales = tensors[names.linear_tensor(down, names.WEIGHT_SCALES)]
+    if options.get("fp8_weight_scales") == "per_tensor":
+        assert meta["fp8_weight_scales"] == "per_tensor" and torch.all(scales == scales[0])
     llm = llm_for(engine_dir)
     out = llm.generate(PROMPT, max_tokens=8, ignore_eos=True)
     assert len(out.token_ids) == 8
     batched = llm.generate([PROMPT, PROMPT[:5]], max_tokens=4, ignore_eos=True)  # decode rows go to the GEMVs
     assert [len(o.token_ids) for o in batched] == [4, 4]
+
+
+@pytest.mark.parametrize("algo, kv_cache", [("none", "int8"), ("none", "fp8"), ("int4_awq", "fp8"),
+                                            ("int8_sq", "int8")])
+def test_quantized_kv_cache_builds_runs_and_reports(algo, kv_cache, tiny_models, tmp_path, llm_for):
+    engine_dir = build_engine(tmp_path / kv_cache, tiny_models["llama"], "bfloat16", quantization={
+        "algo": algo, "kv_cache": kv_cache, "calibration": SMALL_CALIBRATION, "accuracy": SMALL_ACCURACY,
+        "accuracy_gate": None})
+    meta = json.loads((engine_dir / names.ENGINE_JSON).read_text())["quantization"]
+    assert meta["kv_cache"] == kv_cache and meta["algo"] == algo and "calibration" in meta
+    assert ("lm_head" in meta) == (algo != "none")  # a KV cache alone leaves the linears as they are
+    report = meta["accuracy"]
+    assert report["passed"] and report["kl"] >= 0
+    engine = Engine(engine_dir)
+    tensors = _weights(engine)
+    scales = tensors[names.layer_tensor(0, names.ATTN_KV_SCALES)]
+    assert scales.shape == (2, engine.spec.kv_size) and (scales > 0).all()
+    assert engine.model.kv_dtype == {"int8": torch.int8, "fp8": torch.float8_e4m3fn}[kv_cache]
+    if algo == "none":
+        assert tensors[names.layer_tensor(0, names.MLP_DOWN)].dtype == torch.bfloat16
+    llm = llm_for(engine_dir)
+    assert llm.executor.pool.storage.dtype == engine.model.kv_dtype
+    out = llm.generate([PROMPT, PROMPT[:5]], max_tokens=6, ignore_eos=True)
+    assert [len(o.token_ids) for o in out] == [6, 6]
+
+
+def test_kv_calibration_bounds_the_rotated_keys(tiny_engines):
+    """No rotated key the engine writes exceeds its channel's calibrated range (the pair-norm
+    bound), on the calibration text itself; values reach theirs exactly."""
+    from kiln.quantize.calibrate import calibrate
+    from kiln.runtime.model import KVPool, StepContext
+
+    model = Engine(tiny_engines("llama")).model
+    ids = list(range(3, 60))
+    stats = calibrate(model, [ids])
+    spec = model.spec
+    pool = KVPool(spec, 2, 32, model.kv_dtype)
+    model.forward(torch.tensor(ids), StepContext.single(0, len(ids), [0, 1]), pool)
+    for i in range(spec.num_layers):
+        keys = pool.keys[i].reshape(-1, spec.kv_size)[: len(ids)].float().abs().amax(dim=0)
+        values = pool.values[i].reshape(-1, spec.kv_size)[: len(ids)].float().abs().amax(dim=0)
+        assert (keys <= stats[i, "kv"].k_absmax * (1 + 1e-5) + 1e-6).all()
+        torch.testing.assert_close(values, stats[i, "kv"].v_absmax)
+
+
+def test_fp8_linears_match_the_fake_quantized_float_computation():
+    """An Fp8Linear (decode kernel and prefill path) computes E4M3(x / a) @ (E4M3(W / s) * s).T * a,
+    checked against torch's own float8 conversions."""
+    from kiln.quantize.formats import quantize_fp8
+    from kiln.runtime.linear import Fp8Linear
+
+    g = torch.Generator().manual_seed(hash("fp8-linear") % 2**31)
+    w, x = torch.randn(48, 96, generator=g) * 0.1, torch.randn(20, 96, generator=g) * 3
+    q, s = quantize_fp8(w)
+    a = float(x.abs().max()) / 448 * 0.7  # some activations saturate
+    xq = (x / a).clamp(-448, 448).to(torch.float8_e4m3fn).float() * a
+    want = xq @ (q.float() * s[:, None]).T
+    for dtype, tol in ((torch.float32, 1e-4), (torch.bfloat16, 3e-2)):
+        linear = Fp8Linear(q, s, None, None, dtype, input_scale=torch.tensor([a]))
+        for rows in (1, 3, 20):  # the GEMV and the dense path
+            got = linear(x[:rows].to(dtype)).float()
+            torch.testing.assert_close(got, want[:rows], rtol=tol, atol=tol * float(want.abs().max()))
+
+
+def test_options_for_another_algorithm_are_refused(tmp_path):
+    from kiln.builder.config import load_config
+    from kiln.errors import ConfigError
+
+    config = write_config(tmp_path / "q.yaml", "/nonexistent", "bfloat16",
+                          quantization={"algo": "int8_sq", "w4a8_activations": "fp8"})
+    with pytest.raises(ConfigError, match="w4a8_activations applies to algo w4a8_awq"):
+        load_config(config)
 
 
 def test_a_gate_set_too_tight_fails_the_build_with_exit_2_and_the_table(tiny_models, tmp_path, capsys):
