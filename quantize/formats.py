@@ -22,18 +22,22 @@ def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 FP8_MAX = 448.0
 
 
-def quantize_fp8(w: torch.Tensor, per_tensor: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """[out, in] float -> float8_e4m3fn [out, in], float32 scales [out] (all equal when per_tensor)."""
+def quantize_fp8(w: torch.Tensor, per_tensor: bool = False,
+                 scales: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """[out, in] float -> float8_e4m3fn [out, in], float32 scales [out] (all equal when
+    per_tensor); by default s = absmax / 448."""
     w = w.float()
-    amax = w.abs().amax() if per_tensor else w.abs().amax(dim=1)
-    scales = (amax / FP8_MAX).clamp(min=1e-12).expand(w.shape[0]).contiguous()
+    if scales is None:
+        amax = w.abs().amax() if per_tensor else w.abs().amax(dim=1)
+        scales = amax / FP8_MAX
+    scales = scales.float().clamp(min=1e-12).expand(w.shape[0]).contiguous()
     q = (w / scales[:, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
     return q, scales
 
 
-def fp8_activation_scale(amax: float) -> float:
-    """The static per-tensor activation scale from a calibrated absolute maximum."""
-    return max(float(amax), 1e-6) / FP8_MAX
+def fake_quant_fp8(x: torch.Tensor, scale: torch.Tensor | float) -> torch.Tensor:
+    """x rounded to the E4M3 grid scaled by `scale` (broadcast), saturating, and back."""
+    return (x / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).float() * scale
 
 
 def group_view(w: torch.Tensor, group_size: int) -> tuple[torch.Tensor, int]:
