@@ -146,6 +146,10 @@ def build(config_path: Path, output: Path | None) -> tuple[Path, Path]:
         checkpoint = load_checkpoint(checkpoint_path, config.model.format)
         spec = checkpoint.spec
         check_model_limits(config, spec)
+        if checkpoint.quantization is not None and quantizing:
+            raise ConfigError(f"checkpoint {checkpoint_path} is already quantized "
+                              f"({checkpoint.quantization['source']}); build it as it is with "
+                              f"quantization.algo: none and kv_cache: none")
         console.print(
             f"      {spec.architecture}: {spec.num_layers} layers, hidden {spec.hidden_size}, "
             f"{spec.num_heads} heads / {spec.num_kv_heads} kv heads, vocab {spec.vocab_size}"
@@ -160,7 +164,7 @@ def build(config_path: Path, output: Path | None) -> tuple[Path, Path]:
               "QKV and gate/up fused)"):
         with progress_bar("layers", spec.num_layers) as advance:
             weights = pack_weights(checkpoint, torch.float32 if quantizing else dtype, advance)
-    quant_meta = None
+    quant_meta = checkpoint.quantization  # an already quantized checkpoint, or None
     if quantizing:
         weights, quant_meta = quantize(config, spec, checkpoint.tokenizer_files, weights, dtype, step)
     staging = []

@@ -7,7 +7,7 @@ from collections.abc import Callable
 import torch
 
 from kiln import constants as names
-from kiln.builder.checkpoint import Checkpoint
+from kiln.builder.checkpoint import PACKED_PARTS, Checkpoint
 
 
 def pack_weights(
@@ -30,16 +30,11 @@ def pack_weights(
         def layer(n: str) -> torch.Tensor:
             return take(names.layer_tensor(i, n))
 
-        out = {
-            names.INPUT_NORM: layer("input_norm.weight"),
-            names.POST_ATTENTION_NORM: layer("post_attention_norm.weight"),
-            names.ATTN_QKV: torch.cat(
-                [layer("attention.q.weight"), layer("attention.k.weight"), layer("attention.v.weight")]
-            ),
-            names.ATTN_OUT: layer("attention.o.weight"),
-            names.MLP_GATE_UP: torch.cat([layer("mlp.gate.weight"), layer("mlp.up.weight")]),
-            names.MLP_DOWN: layer("mlp.down.weight"),
-        }
+        out = {names.INPUT_NORM: layer("input_norm.weight"),
+               names.POST_ATTENTION_NORM: layer("post_attention_norm.weight")}
+        for fused, parts in PACKED_PARTS.items():
+            if names.layer_tensor(i, parts[0]) in src:  # else already quantized (checkpoint.prequantized)
+                out[fused] = torch.cat([layer(part) for part in parts])
         if spec.qkv_bias:
             out[names.ATTN_QKV_BIAS] = torch.cat(
                 [layer("attention.q.bias"), layer("attention.k.bias"), layer("attention.v.bias")]
@@ -47,4 +42,5 @@ def pack_weights(
         for name, tensor in out.items():
             packed[names.layer_tensor(i, name)] = cast(tensor)
         progress()
+    packed.update(checkpoint.prequantized)  # kept as they are (quantized; scales in float32)
     return packed

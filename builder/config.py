@@ -24,7 +24,7 @@ class _Section(BaseModel):
 
 class ModelSection(_Section):
     checkpoint: str = Field(description="build-time: HF folder, .gguf file, or package:PKG/FILE")
-    format: Literal["auto", "hf", "gguf"] = "auto"
+    format: Literal["auto", "hf", "gguf", "trtllm"] = "auto"
     dtype: Literal["float32", "bfloat16"] = "bfloat16"
 
 

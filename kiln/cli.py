@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import signal
 import sys
+from pathlib import Path
 
 from kiln.errors import KilnError
 
@@ -34,6 +35,14 @@ def _generate(args) -> int:
                                 **{k: v for k, v in sampling.items() if v is not None}):
         print(text, end="", flush=True)
     print()
+    return 0
+
+
+def _export(args) -> int:
+    from kiln.builder.trtllm import export_checkpoint
+
+    out = export_checkpoint(Path(args.engine), Path(args.output))
+    print(f"TensorRT-LLM checkpoint {out} (config.json, rank0.safetensors, tokenizer files)")
     return 0
 
 
@@ -71,6 +80,12 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--top-p", type=float, default=None)
     gen.add_argument("--seed", type=int, default=None)
     gen.set_defaults(run=_generate)
+
+    export = sub.add_parser("export", help="write an engine as a TensorRT-LLM checkpoint")
+    export.add_argument("--engine", required=True, help="the engine/ folder build-engine wrote")
+    export.add_argument("--format", choices=["tensorrt_llm"], default="tensorrt_llm")
+    export.add_argument("--output", required=True, help="the checkpoint folder to write")
+    export.set_defaults(run=_export)
 
     sub.add_parser("bench", help="benchmark an engine or a server (kiln bench --help)")
     sub.add_parser("eval", help="perplexity of an engine on a text file (kiln eval --help)")

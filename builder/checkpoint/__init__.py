@@ -18,6 +18,10 @@ class Checkpoint:
     spec: ModelSpec
     tensors: dict[str, torch.Tensor]  # canonical names (kiln.constants.CKPT_*), float32
     tokenizer_files: dict[str, str] = field(default_factory=dict)  # file name -> text
+    # An already quantized checkpoint (TensorRT-LLM): its quantized linears and KV-cache scales as
+    # engine tensors (kiln's formats, fused), and engine.json's `quantization` entry for them
+    prequantized: dict[str, torch.Tensor] = field(default_factory=dict)
+    quantization: dict | None = None
 
     def expected_names(self) -> list[str]:
         spec = self.spec
@@ -26,8 +30,19 @@ class Checkpoint:
             expected.append(names.CKPT_LM_HEAD)
         per_layer = names.CKPT_LAYER_TENSORS + (names.CKPT_QKV_BIASES if spec.qkv_bias else ())
         for i in range(spec.num_layers):
-            expected += [names.layer_tensor(i, n) for n in per_layer]
+            expected += [names.layer_tensor(i, n) for n in per_layer
+                         if names.layer_tensor(i, n) not in self.prequantized_parts()]
         return expected
+
+    def prequantized_parts(self) -> set[str]:
+        """Canonical weights that the prequantized tensors stand for."""
+        parts = set()
+        for fused, canonical in PACKED_PARTS.items():
+            for key in self.prequantized:
+                if key.endswith(names.linear_prefix(fused) + "." + names.QWEIGHT):
+                    layer = key.removesuffix(names.linear_prefix(fused) + "." + names.QWEIGHT)
+                    parts.update(layer + c for c in canonical)
+        return parts
 
     def validate(self, source: Path) -> None:
         missing = [n for n in self.expected_names() if n not in self.tensors]
@@ -38,14 +53,28 @@ class Checkpoint:
             )
 
 
+# packed (fused) linear -> the canonical weights it is made of
+PACKED_PARTS = {
+    names.ATTN_QKV: ("attention.q.weight", "attention.k.weight", "attention.v.weight"),
+    names.ATTN_OUT: ("attention.o.weight",),
+    names.MLP_GATE_UP: ("mlp.gate.weight", "mlp.up.weight"),
+    names.MLP_DOWN: ("mlp.down.weight",),
+}
+
+
 def detect_format(path: Path) -> str:
     if path.is_file() and path.suffix == ".gguf":
         return "gguf"
+    from kiln.builder.trtllm import is_trtllm_checkpoint
+
+    if is_trtllm_checkpoint(path):
+        return "trtllm"
     if path.is_dir() and (path / "config.json").is_file():
         return "hf"
     raise CheckpointError(
-        f"cannot tell the format of checkpoint {path}: expected a .gguf file or a Hugging Face "
-        f"folder with config.json; set model.format to hf or gguf"
+        f"cannot tell the format of checkpoint {path}: expected a .gguf file, a Hugging Face "
+        f"folder with config.json or a TensorRT-LLM checkpoint (config.json + rank0.safetensors); "
+        f"set model.format to hf, gguf or trtllm"
     )
 
 
@@ -59,7 +88,11 @@ def load_checkpoint(path: Path, fmt: str = "auto") -> Checkpoint:
         from kiln.builder.checkpoint.gguf import load_gguf
 
         checkpoint = load_gguf(path)
+    elif fmt == "trtllm":
+        from kiln.builder.trtllm import load_trtllm
+
+        checkpoint = load_trtllm(path)
     else:
-        raise CheckpointError(f"unknown checkpoint format {fmt!r}; expected hf or gguf")
+        raise CheckpointError(f"unknown checkpoint format {fmt!r}; expected hf, gguf or trtllm")
     checkpoint.validate(path)
     return checkpoint

@@ -1,0 +1,103 @@
+"""TensorRT-LLM checkpoints: kiln's export, TensorRT-LLM's int4 packing, and the round trip
+(export, re-import as a checkpoint, build) reproducing the engine's logits."""
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from kiln import constants as names
+from kiln.builder.cli import main as build_main
+from kiln.builder.trtllm import ExportError, export_checkpoint, pack_int4_along_out, unpack_int4_along_out
+from kiln.runtime.engine import Engine
+from tests.helpers import build_engine, forward_logits, write_config
+
+SMALL = {"calibration": {"samples": 8, "seq_len": 64}, "accuracy": {"tokens": 512, "window": 128},
+         "accuracy_gate": None}
+PROMPT = [1, 17, 250, 33, 99, 5, 201, 64, 300, 12, 7, 8, 150, 3]
+
+
+def test_int4_packing_along_out_is_tensorrt_llms():
+    g = torch.Generator().manual_seed(hash("trt-int4") % 2**31)
+    q = torch.randint(-8, 8, (6, 10), generator=g, dtype=torch.int8)
+    packed = pack_int4_along_out(q)
+    assert packed.dtype == torch.int8 and packed.shape == (3, 10)
+    byte = int(packed.view(torch.uint8)[1, 4])  # rows 2 and 3, column 4: signed nibbles, low = even row
+    assert byte & 0x0F == int(q[2, 4]) & 0x0F and byte >> 4 == int(q[3, 4]) & 0x0F
+    assert torch.equal(unpack_int4_along_out(packed), q)
+
+
+@pytest.mark.parametrize("quantization, quant_algo, weight_dtype", [
+    ({"algo": "none"}, None, torch.float32),
+    ({"algo": "int4_awq", "group_size": 32}, "W4A16_AWQ", torch.int8),
+    ({"algo": "fp8", "fp8_weight_scales": "per_tensor"}, "FP8", torch.float8_e4m3fn),
+])
+def test_export_and_reimport_reproduce_the_logits(quantization, quant_algo, weight_dtype, tiny_models, tmp_path):
+    engine_dir = build_engine(tmp_path / "a", tiny_models["llama"], "float32", quantization={**quantization, **SMALL})
+    export = export_checkpoint(engine_dir, tmp_path / "trtllm")
+    config = json.loads((export / "config.json").read_text())
+    assert config["architecture"] == "LlamaForCausalLM" and config["quantization"]["quant_algo"] == quant_algo
+    assert config["mapping"]["world_size"] == 1 and config["rotary_scaling"]["type"] == "llama3"
+    tensors = load_file(export / "rank0.safetensors")
+    layer = "transformer.layers.1."
+    engine = Engine(engine_dir)
+    spec = engine.spec
+    assert tensors[layer + "attention.qkv.weight"].dtype == weight_dtype
+    assert tensors[layer + "mlp.fc.weight"].shape[0] * (2 if quant_algo == "W4A16_AWQ" else 1) == spec.intermediate_size
+    if quant_algo == "W4A16_AWQ":
+        assert tensors[layer + "attention.dense.weights_scaling_factor"].shape == (spec.hidden_size, spec.q_size // 32)
+        assert tensors[layer + "attention.dense.prequant_scaling_factor"].shape == (spec.q_size,)
+        assert not torch.all(tensors[layer + "attention.dense.prequant_scaling_factor"] == 1)  # AWQ's scales
+    if quant_algo == "FP8":
+        assert tensors[layer + "mlp.proj.weights_scaling_factor"].shape == ()
+        assert tensors[layer + "mlp.proj.activation_scaling_factor"].item() > 0
+
+    again = build_engine(tmp_path / "b", export, "float32")
+    meta = json.loads((again / names.ENGINE_JSON).read_text())["quantization"]
+    assert meta["algo"] == {None: "none", "W4A16_AWQ": "int4_awq", "FP8": "fp8"}[quant_algo]
+    want = forward_logits(engine, PROMPT)
+    got = forward_logits(Engine(again), PROMPT)
+    # the same weights and scales; only the int8 lm_head comes back dequantized (float32)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_a_quantized_kv_cache_exports_one_scale_per_layer(tiny_models, tmp_path):
+    engine_dir = build_engine(tmp_path / "a", tiny_models["llama"], "bfloat16",
+                              quantization={"algo": "none", "kv_cache": "int8", **SMALL})
+    export = export_checkpoint(engine_dir, tmp_path / "trtllm")
+    config = json.loads((export / "config.json").read_text())
+    assert config["quantization"]["kv_cache_quant_algo"] == "INT8"
+    exported = load_file(export / "rank0.safetensors")["transformer.layers.0.attention.kv_cache_scaling_factor"]
+    original = load_file(engine_dir / names.WEIGHTS_FILE)[names.layer_tensor(0, names.ATTN_KV_SCALES)]
+    assert exported.shape == (1,) and exported.item() == original.max().item()
+    again = Engine(build_engine(tmp_path / "b", export, "bfloat16"))
+    assert again.model.kv_dtype == torch.int8
+    assert torch.all(again.model.layers[0].kv_scales == exported.item())
+    logits = forward_logits(again, PROMPT)
+    assert logits.isfinite().all()
+
+
+@pytest.mark.parametrize("quantization, message", [
+    ({"algo": "int8_sq"}, "no TensorRT-LLM checkpoint form"),
+    ({"algo": "fp8"}, "fp8_weight_scales: per_tensor"),
+])
+def test_formats_without_a_faithful_export_are_refused(quantization, message, tiny_models, tmp_path):
+    engine_dir = build_engine(tmp_path / "a", tiny_models["llama"], "bfloat16", quantization={**quantization, **SMALL})
+    with pytest.raises(ExportError, match=message):
+        export_checkpoint(engine_dir, tmp_path / "trtllm")
+
+
+def test_a_quantized_checkpoint_is_built_as_it_is(tiny_models, tmp_path, capsys):
+    engine_dir = build_engine(tmp_path / "a", tiny_models["llama"], "float32",
+                              quantization={"algo": "fp8", "fp8_weight_scales": "per_tensor", **SMALL})
+    export = export_checkpoint(engine_dir, tmp_path / "trtllm")
+    config = write_config(tmp_path / "b.yaml", export, "float32", quantization={"algo": "int8_sq"})
+    assert build_main(["--config", str(config), "--output", str(tmp_path / "b")]) == 2
+    assert "is already quantized" in " ".join(capsys.readouterr().err.split())  # (rich wraps lines)
+
+
+def test_kiln_export_cli(tiny_engines, tmp_path, capsys):
+    from kiln.cli import main
+
+    assert main(["export", "--engine", str(tiny_engines("llama")), "--output", str(tmp_path / "t")]) == 0
+    assert (tmp_path / "t" / "rank0.safetensors").is_file() and (tmp_path / "t" / "tokenizer.json").is_file()
