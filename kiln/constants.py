@@ -229,3 +229,12 @@ TRTLLM_W4A16_AWQ = "W4A16_AWQ"
 TRTLLM_KV_INT8 = "INT8"  # quantization.kv_cache_quant_algo
 TRTLLM_KV_FP8 = "FP8"
 TRTLLM_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+
+# --- NVIDIA Model Optimizer's Hugging Face export (read by model.format: hf) --------------
+MODELOPT_QUANT_CONFIG = "hf_quant_config.json"
+MODELOPT_WEIGHT_SCALE = "weight_scale"
+MODELOPT_INPUT_SCALE = "input_scale"
+MODELOPT_PRE_QUANT_SCALE = "pre_quant_scale"
+MODELOPT_FP8 = "FP8"
+MODELOPT_W4A16_AWQ = "W4A16_AWQ"
+MODELOPT_W8A8_SQ = "W8A8_SQ_PER_CHANNEL"

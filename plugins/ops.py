@@ -74,7 +74,7 @@ def _register_fakes() -> None:
         return qweight.new_empty((qweight.shape[0], qweight.shape[1] * 2), dtype=dtype)
 
     @torch.library.register_fake("kiln::linear_w8a8")
-    def _linear_w8a8_fake(x, qweight, scales, weight_sum, bias):
+    def _linear_w8a8_fake(x, qweight, scales, weight_sum, bias, input_scale=0.0):
         return x.new_empty((*x.shape[:-1], qweight.shape[0]))
 
     @torch.library.register_fake("kiln::linear_w4a8")
@@ -144,9 +144,10 @@ def dequantize_int4(qweight, scales, group_size: int, dtype: torch.dtype = torch
     return torch.ops.kiln.dequantize_int4(qweight, scales, group_size, dtype)
 
 
-def linear_w8a8(x, qweight, scales, weight_sum, bias=None) -> torch.Tensor:
-    """SmoothQuant W8A8: x quantized per row to int8 (absmax / 127), int8 x int8 -> int32, rescaled."""
-    return torch.ops.kiln.linear_w8a8(x, qweight, scales, weight_sum, bias)
+def linear_w8a8(x, qweight, scales, weight_sum, bias=None, input_scale: float = 0.0) -> torch.Tensor:
+    """SmoothQuant W8A8: x quantized per row to int8 (absmax / 127; or with one static input_scale),
+    int8 x int8 -> int32, rescaled."""
+    return torch.ops.kiln.linear_w8a8(x, qweight, scales, weight_sum, bias, input_scale)
 
 
 def linear_w4a8(x, qweight, scales, group_size: int, bias=None) -> torch.Tensor:

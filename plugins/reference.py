@@ -104,9 +104,18 @@ def quantize_rows_int8(x):
     return q, amax / 127
 
 
-def linear_w8a8(x, qweight, scales, weight_sum=None, bias=None):
+def quantize_static_int8(x, scale):
+    """One static scale for every row, the full int8 range [-128, 127] (as Model Optimizer's
+    static quantizers): (q [rows, k] int64, scale [rows])."""
+    x = x.float().reshape(-1, x.shape[-1])
+    inv = torch.tensor(1.0, dtype=torch.float32) / torch.tensor(scale, dtype=torch.float32)
+    q = torch.round(x * inv).clamp(-128, 127).to(torch.int64)
+    return q, torch.full((x.shape[0],), scale, dtype=torch.float32)
+
+
+def linear_w8a8(x, qweight, scales, weight_sum=None, bias=None, input_scale=0.0):
     """Exact int64 products of the int8 operands, then the float rescale."""
-    q, xs = quantize_rows_int8(x)
+    q, xs = quantize_static_int8(x, input_scale) if input_scale > 0 else quantize_rows_int8(x)
     acc = (q @ qweight.to(torch.int64).T).float()
     out = acc * xs[:, None] * scales[None, :]
     if bias is not None:

@@ -4,7 +4,8 @@
     Int8Linear      int8 weight, one scale per output channel; activations stay float (W8A16)
     Int4Linear      int4 weight, one scale per group of `group_size` inputs (W4A16)
     W4A8Linear      int4 weight and int8 activations quantized per row and group at run time
-    W8A8Linear      int8 weight and int8 activations quantized per token at run time (SmoothQuant)
+    W8A8Linear      int8 weight and int8 activations quantized per token at run time (SmoothQuant),
+                    or with a static per-tensor scale (an imported Model Optimizer checkpoint)
     Fp8Linear       FP8 E4M3 weight, one scale per output channel; activations E4M3 (static scale)
     W4A8Fp8Linear   int4 weight, activations E4M3 (static scale): TensorRT-LLM's W4A8_AWQ
 
@@ -51,13 +52,14 @@ class QuantLinear:
         self.qweight, self.scales, self.bias, self.dtype = qweight, scales, bias, dtype
         self.pre_scale = None if pre_scale is None else pre_scale.to(dtype)  # activations are in dtype
         self.group_size, self.weight_sum = group_size, weight_sum
-        self.inv_input_scale = None
+        self.input_scale = self.inv_input_scale = None
         if input_scale is not None:
-            a = float(input_scale.reshape(-1)[0])
-            if not a > 0:
-                raise ValueError(f"input_scale must be positive, got {a}")
-            self.inv_input_scale = 1 / a
-            self.scales = (scales * a).contiguous()
+            self.input_scale = float(input_scale.reshape(-1)[0])
+            if not self.input_scale > 0:
+                raise ValueError(f"input_scale must be positive, got {self.input_scale}")
+        if self.kind in FP8_ACTIVATION_KINDS and self.input_scale is not None:
+            self.inv_input_scale = 1 / self.input_scale
+            self.scales = (scales * self.input_scale).contiguous()
 
     def gemv(self, x: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
@@ -112,11 +114,14 @@ class W4A8Linear(QuantLinear):
 
 
 class W8A8Linear(QuantLinear):
+    """Activations int8 per row at run time, or with one static input_scale when the engine has
+    one (Model Optimizer's W8A8_SQ_PER_CHANNEL checkpoints)."""
+
     kind = names.LINEAR_W8A8
     gemv_rows = float("inf")
 
     def gemv(self, x):
-        return ops.linear_w8a8(x, self.qweight, self.scales, self.weight_sum, self.bias)
+        return ops.linear_w8a8(x, self.qweight, self.scales, self.weight_sum, self.bias, self.input_scale or 0.0)
 
 
 class Fp8Linear(QuantLinear):

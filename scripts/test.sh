@@ -3,4 +3,5 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
+export KILN_REQUIRE_MODELOPT=${KILN_REQUIRE_MODELOPT:-1}  # the Model Optimizer tests run, never skip
 exec .venv/bin/python -m pytest -q "$@"

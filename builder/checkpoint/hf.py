@@ -139,16 +139,20 @@ def load_hf(folder: Path) -> Checkpoint:
         spec = spec_from_config(config, generation, folder)
     except KeyError as exc:
         raise CheckpointError(f"{folder}/config.json lacks the key {exc}") from None
-    tensors = {}
+    from kiln.builder.checkpoint.modelopt import read_quant_config, take_quantized
+
+    quant = read_quant_config(folder)  # a Model Optimizer export, or None
+    raw = {}
     for file in _safetensors_files(folder):
         try:
             with safe_open(file, framework="pt") as f:
                 for key in f.keys():
-                    name = canonical_name(key)
-                    if name is not None:
-                        tensors[name] = f.get_tensor(key).float()
+                    if quant is not None or canonical_name(key) is not None:
+                        raw[key] = f.get_tensor(key)
         except (SafetensorError, OSError) as exc:
             raise CheckpointError(f"cannot read {file}: {exc} (is it truncated or corrupt?)") from None
+    prequantized, quantization = take_quantized(raw, spec, quant, folder) if quant is not None else ({}, None)
+    tensors = {canonical_name(key): t.float() for key, t in raw.items() if canonical_name(key) is not None}
     tokenizer_files = {}
     for name in TOKENIZER_FILES:
         if (folder / name).is_file():
@@ -158,4 +162,4 @@ def load_hf(folder: Path) -> Checkpoint:
             f"{folder} has no tokenizer.json (a fast tokenizer file); save one with "
             f"AutoTokenizer.from_pretrained(...).save_pretrained(folder)"
         )
-    return Checkpoint(spec, tensors, tokenizer_files)
+    return Checkpoint(spec, tensors, tokenizer_files, prequantized=prequantized, quantization=quantization)

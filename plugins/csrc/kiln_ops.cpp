@@ -106,9 +106,9 @@ struct Kernels {
                          int64_t);
   void (*dequantize_int4_f32)(const uint8_t*, const float*, int64_t, float*, int64_t, int64_t);
   void (*dequantize_int4_bf16)(const uint8_t*, const float*, int64_t, bf16*, int64_t, int64_t);
-  void (*linear_w8a8_f32)(const float*, const int8_t*, const float*, const int32_t*, const float*, float*, int64_t,
+  void (*linear_w8a8_f32)(const float*, const int8_t*, const float*, const int32_t*, float, const float*, float*, int64_t,
                           int64_t, int64_t);
-  void (*linear_w8a8_bf16)(const bf16*, const int8_t*, const float*, const int32_t*, const bf16*, bf16*, int64_t,
+  void (*linear_w8a8_bf16)(const bf16*, const int8_t*, const float*, const int32_t*, float, const bf16*, bf16*, int64_t,
                            int64_t, int64_t);
   void (*linear_w4a8_f32)(const float*, const uint8_t*, const float*, int64_t, const float*, float*, int64_t,
                           int64_t, int64_t);
@@ -441,14 +441,16 @@ at::Tensor dequantize_int4(const at::Tensor& qweight, const at::Tensor& scales, 
 }
 
 at::Tensor linear_w8a8(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
-                       const at::Tensor& weight_sum, const c10::optional<at::Tensor>& bias) {
+                       const at::Tensor& weight_sum, const c10::optional<at::Tensor>& bias, double input_scale) {
   const int64_t k = qweight.size(1), n = qweight.size(0);
   check_linear_args("linear_w8a8", x, qweight, at::kChar, scales, k, bias);
+  TORCH_CHECK(std::isfinite(input_scale) && input_scale >= 0, "kiln::linear_w8a8: input_scale must be 0 (per-row "
+              "dynamic) or a positive static scale, got ", input_scale);
   TORCH_CHECK(weight_sum.scalar_type() == at::kInt && weight_sum.is_contiguous() && weight_sum.numel() == n,
               "kiln::linear_w8a8: weight_sum must be contiguous int32 [", n, "]");
   return run_linear(x, k, n, bias, active().linear_w8a8_f32, active().linear_w8a8_bf16,
                     static_cast<const int8_t*>(qweight.data_ptr()), scales.data_ptr<float>(),
-                    weight_sum.data_ptr<int32_t>());
+                    weight_sum.data_ptr<int32_t>(), static_cast<float>(input_scale));
 }
 
 at::Tensor linear_fp8(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
@@ -490,7 +492,8 @@ TORCH_LIBRARY(kiln, m) {
   m.def("linear_w8(Tensor x, Tensor qweight, Tensor scales, Tensor? bias) -> Tensor");
   m.def("linear_w4(Tensor x, Tensor qweight, Tensor scales, int group_size, Tensor? bias) -> Tensor");
   m.def("dequantize_int4(Tensor qweight, Tensor scales, int group_size, ScalarType dtype) -> Tensor");
-  m.def("linear_w8a8(Tensor x, Tensor qweight, Tensor scales, Tensor weight_sum, Tensor? bias) -> Tensor");
+  m.def("linear_w8a8(Tensor x, Tensor qweight, Tensor scales, Tensor weight_sum, Tensor? bias, float input_scale=0.) "
+        "-> Tensor");
   m.def("linear_w4a8(Tensor x, Tensor qweight, Tensor scales, int group_size, Tensor? bias) -> Tensor");
   m.def("linear_fp8(Tensor x, Tensor qweight, Tensor scales, Tensor? bias) -> Tensor");
   m.def("quantize_fp8(Tensor x, float inv_scale) -> Tensor");

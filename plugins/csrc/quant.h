@@ -6,7 +6,9 @@
 //   dequantize_int4                                    the same weights back to float
 //   linear_w8a8 x quantized per row to int8 at run time (absmax / 127), int8 x int8 -> int32
 //               dot products (VNNI vpdpbusd on CPUs with it: u8 x s8, so x is offset by 128 and
-//               128 * rowsum(W) taken off), then * x_scale[m] * w_scale[n] (SmoothQuant W8A8)
+//               128 * rowsum(W) taken off), then * x_scale[m] * w_scale[n] (SmoothQuant W8A8); with
+//               input_scale > 0 the activations use that one static scale instead (Model Optimizer's
+//               W8A8_SQ_PER_CHANNEL)
 //   linear_fp8  out = x @ (e4m3 W * scale[n])^T       weights FP8 E4M3 [n, k] (one byte each)
 //   quantize_fp8 x * inv_scale rounded to the nearest E4M3 value (ties to even, saturating at
 //               +-448), in x's dtype: static per-tensor FP8 activations (exact in bf16)
@@ -181,13 +183,16 @@ void dequantize_int4_impl(const uint8_t* w, const float* scale, int64_t group, T
 // --- W8A8 -------------------------------------------------------------------------------
 // Quantize one row to u8 = round(x / s) + 128 with s = absmax / 127 (0 for an all-zero row).
 template <typename T>
-float quantize_row_u8(const T* x, uint8_t* q, int64_t k) {
+float quantize_row_u8(const T* x, uint8_t* q, int64_t k, float static_scale) {
   float amax = 0.f;
-  for (int64_t i = 0; i < k; ++i) amax = std::max(amax, std::fabs(to_f32(x[i])));
-  const float s = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
+  if (static_scale <= 0.f)
+    for (int64_t i = 0; i < k; ++i) amax = std::max(amax, std::fabs(to_f32(x[i])));
+  const float s = static_scale > 0.f ? static_scale : amax / 127.f;
+  const float inv = static_scale > 0.f ? 1.f / static_scale : amax > 0.f ? 127.f / amax : 0.f;
+  const float lowest = static_scale > 0.f ? -128.f : -127.f;  // static: the full int8 range, as Model Optimizer
   for (int64_t i = 0; i < k; ++i) {
     const float v = std::nearbyint(to_f32(x[i]) * inv);
-    q[i] = static_cast<uint8_t>(static_cast<int>(std::min(127.f, std::max(-127.f, v))) + 128);
+    q[i] = static_cast<uint8_t>(static_cast<int>(std::min(127.f, std::max(lowest, v))) + 128);
   }
   return s;
 }
@@ -231,12 +236,12 @@ inline int32_t dot_u8s8(const uint8_t* a, const int8_t* b, int64_t n) {
 }
 
 template <typename T>
-void linear_w8a8_impl(const T* x, const int8_t* w, const float* scale, const int32_t* wsum, const T* bias, T* out,
-                      int64_t rows, int64_t k, int64_t n) {
+void linear_w8a8_impl(const T* x, const int8_t* w, const float* scale, const int32_t* wsum, float static_scale,
+                      const T* bias, T* out, int64_t rows, int64_t k, int64_t n) {
   std::vector<uint8_t> xq(rows * k);
   std::vector<float> xs(rows);
   at::parallel_for(0, rows, 8, [&](int64_t begin, int64_t end) {
-    for (int64_t m = begin; m < end; ++m) xs[m] = quantize_row_u8(x + m * k, xq.data() + m * k, k);
+    for (int64_t m = begin; m < end; ++m) xs[m] = quantize_row_u8(x + m * k, xq.data() + m * k, k, static_scale);
   });
   // weight rows in tiles of 4 (L1-resident) against every input row
   at::parallel_for(0, (n + 3) / 4, 1, [&](int64_t begin, int64_t end) {
@@ -681,10 +686,10 @@ void dequantize_int4_f32(const uint8_t* w, const float* s, int64_t g, float* o, 
 void dequantize_int4_bf16(const uint8_t* w, const float* s, int64_t g, bf16* o, int64_t k, int64_t n) {
   dequantize_int4_impl<bf16>(w, s, g, o, k, n);
 }
-void linear_w8a8_f32(const float* x, const int8_t* w, const float* s, const int32_t* ws, const float* b, float* o,
-                     int64_t r, int64_t k, int64_t n) { linear_w8a8_impl<float>(x, w, s, ws, b, o, r, k, n); }
-void linear_w8a8_bf16(const bf16* x, const int8_t* w, const float* s, const int32_t* ws, const bf16* b, bf16* o,
-                      int64_t r, int64_t k, int64_t n) { linear_w8a8_impl<bf16>(x, w, s, ws, b, o, r, k, n); }
+void linear_w8a8_f32(const float* x, const int8_t* w, const float* s, const int32_t* ws, float xs, const float* b,
+                     float* o, int64_t r, int64_t k, int64_t n) { linear_w8a8_impl<float>(x, w, s, ws, xs, b, o, r, k, n); }
+void linear_w8a8_bf16(const bf16* x, const int8_t* w, const float* s, const int32_t* ws, float xs, const bf16* b,
+                      bf16* o, int64_t r, int64_t k, int64_t n) { linear_w8a8_impl<bf16>(x, w, s, ws, xs, b, o, r, k, n); }
 
 // --- FP8 (E4M3; round_fp8 and the loads are in vec.h) -----------------------------------
 template <typename T>

@@ -62,6 +62,22 @@ def test_linear_w8a8_matches_exact_integer_reference(isa, dtype, rows, k, n):
         torch.testing.assert_close(got.float(), want.float(), rtol=1e-2, atol=0.07)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows, k, n", SHAPES[:5])
+def test_linear_w8a8_with_a_static_input_scale(isa, dtype, rows, k, n):
+    g = torch.Generator().manual_seed(hash((isa, str(dtype), rows, k, n, "static")) % 2**31)
+    x = rand(g, rows, k, scale=4).to(dtype)
+    q, s = quantize_int8(rand(g, n, k, scale=0.05))
+    weight_sum = q.to(torch.int32).sum(dim=1, dtype=torch.int32)
+    input_scale = float(x.float().abs().max()) / 127 * 0.6  # some activations saturate
+    got = ops.linear_w8a8(x, q, s, weight_sum, None, input_scale)
+    want = reference.linear_w8a8(x, q, s, input_scale=input_scale)
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    else:
+        torch.testing.assert_close(got.float(), want.float(), rtol=1e-2, atol=0.07)
+
+
 def test_int4_packing_round_trips():
     g = torch.Generator().manual_seed(0)
     q = torch.randint(-8, 8, (7, 64), generator=g, dtype=torch.int8)
