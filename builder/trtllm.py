@@ -108,7 +108,7 @@ def _config(spec: ModelSpec, dtype: str, quant: dict | None) -> dict:
 
 
 def _export_linear(out: dict, layer: int, modules: tuple[str, ...], kind: str | None,
-                   w: dict[str, torch.Tensor], dtype: torch.dtype, group: int) -> None:
+                   w: dict[str, torch.Tensor], dtype: torch.dtype) -> None:
     """One kiln linear (dense or quantized tensors `w`) -> TensorRT-LLM module(s), split by rows."""
     rows = w[names.QWEIGHT if kind else "weight"].shape[0] // len(modules)
     for index, module in enumerate(modules):
@@ -151,8 +151,10 @@ def export_checkpoint(engine_dir: Path, output: Path) -> Path:
         raise ExportError(f"a {quant.get('algo')} engine ({kind} linears) has no TensorRT-LLM checkpoint form "
                           f"kiln writes faithfully; exportable: unquantized, fp8 with per_tensor weight "
                           f"scales, int4_awq / int4_wo (W4A16_AWQ), with or without an int8 / fp8 KV cache")
-    if kind == names.LINEAR_INT4 and spec.hidden_size % quant["group_size"]:
-        raise ExportError(f"TensorRT-LLM needs the int4 group size ({quant['group_size']}) to divide in_features")
+    in_features = (spec.hidden_size, spec.q_size, spec.intermediate_size)
+    if kind == names.LINEAR_INT4 and any(k % quant["group_size"] for k in in_features):
+        raise ExportError(f"TensorRT-LLM needs the int4 group size ({quant['group_size']}) to divide every "
+                          f"in_features {in_features}; build with a group_size that does")
     weights = load_file(engine_dir / names.WEIGHTS_FILE)
     out: dict[str, torch.Tensor] = {names.TRTLLM_EMBED: weights[names.EMBED].to(dtype).contiguous(),
                                     names.TRTLLM_FINAL_NORM: weights[names.FINAL_NORM].to(dtype).contiguous()}
@@ -162,7 +164,6 @@ def export_checkpoint(engine_dir: Path, output: Path) -> Path:
         out[names.TRTLLM_LM_HEAD] = q * weights[names.linear_tensor(head_prefix, names.WEIGHT_SCALES)][:, None]
     else:
         out[names.TRTLLM_LM_HEAD] = weights.get(names.LM_HEAD, weights[names.EMBED]).to(dtype).contiguous()
-    kv_scales = []
     for i in range(spec.num_layers):
         for kiln_name, trt_name in NORMS.items():
             out[names.TRTLLM_LAYER.format(i) + trt_name] = weights[names.layer_tensor(i, kiln_name)].to(dtype)
@@ -177,11 +178,10 @@ def export_checkpoint(engine_dir: Path, output: Path) -> Path:
                      if names.linear_tensor(prefix, part) in weights}
             if linear == names.ATTN_QKV and spec.qkv_bias:
                 w["bias"] = weights[names.layer_tensor(i, names.ATTN_QKV_BIAS)]
-            _export_linear(out, i, modules, kind, w, dtype, quant.get("group_size", 0))
+            _export_linear(out, i, modules, kind, w, dtype)
         if quant.get("kv_cache", "none") != "none":
             scale = weights[names.layer_tensor(i, names.ATTN_KV_SCALES)].max().reshape(1).float()
             out[names.TRTLLM_LAYER.format(i) + names.TRTLLM_KV_SCALE] = scale
-            kv_scales.append(scale)
     quant_config = {"quant_algo": QUANT_ALGOS.get(kind), "kv_cache_quant_algo": KV_ALGOS.get(quant.get("kv_cache")),
                     "exclude_modules": ["lm_head"] if kind else None}
     if kind == names.LINEAR_INT4:

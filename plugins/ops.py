@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 OPS = ("rms_norm", "add_rms_norm", "silu_mul", "linear", "paged_attention", "select_isa", "linear_w8",
-       "linear_w4", "dequantize_int4", "linear_w8a8", "linear_w4a8", "linear_fp8", "quantize_fp8")
+       "linear_w4", "dequantize_int4", "linear_w8a8", "linear_w4a8", "linear_fp8", "quantize_fp8", "dequantize_fp8")
 _loaded: dict[str, str] = {}  # sha256 of the library file -> path it was loaded from
 
 
@@ -89,6 +89,10 @@ def _register_fakes() -> None:
     def _quantize_fp8_fake(x, inv_scale):
         return torch.empty_like(x, memory_format=torch.contiguous_format)
 
+    @torch.library.register_fake("kiln::dequantize_fp8")
+    def _dequantize_fp8_fake(qweight, dtype):
+        return qweight.new_empty(qweight.shape, dtype=dtype)
+
     @torch.library.register_fake("kiln::paged_attention")
     def _paged_attention_fake(qkv, k_pool, v_pool, block_tables, query_start, context_lens, cos, sin,
                               heads, scale, kv_scales=None):
@@ -163,3 +167,8 @@ def linear_fp8(x, qweight, scales, bias=None) -> torch.Tensor:
 def quantize_fp8(x, inv_scale: float) -> torch.Tensor:
     """x * inv_scale rounded to the nearest FP8 E4M3 value (saturating at +-448), in x's dtype."""
     return torch.ops.kiln.quantize_fp8(x, inv_scale)
+
+
+def dequantize_fp8(qweight, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """float8_e4m3fn -> float32 / bfloat16, exactly (the scales are not applied)."""
+    return torch.ops.kiln.dequantize_fp8(qweight, dtype)

@@ -134,7 +134,7 @@ class Fp8Linear(QuantLinear):
         return ops.linear_fp8(x, self.qweight, self.scales, self.bias)
 
     def dense(self, x: torch.Tensor) -> torch.Tensor:
-        out = F.linear(x, self.qweight.to(x.dtype)) * self.scales.to(x.dtype)
+        out = F.linear(x, ops.dequantize_fp8(self.qweight, x.dtype)) * self.scales.to(x.dtype)
         return out if self.bias is None else out + self.bias
 
 

@@ -118,6 +118,8 @@ struct Kernels {
   void (*linear_fp8_bf16)(const bf16*, const uint8_t*, const float*, const bf16*, bf16*, int64_t, int64_t, int64_t);
   void (*quantize_fp8_f32)(const float*, float*, int64_t, float);
   void (*quantize_fp8_bf16)(const bf16*, bf16*, int64_t, float);
+  void (*dequantize_fp8_f32)(const uint8_t*, float*, int64_t);
+  void (*dequantize_fp8_bf16)(const uint8_t*, bf16*, int64_t);
 };
 
 #define KILN_KERNELS(ns)                                                              \
@@ -129,7 +131,8 @@ struct Kernels {
         ns::linear_w8_f32, ns::linear_w8_bf16,                                                        \
         ns::linear_w4_f32, ns::linear_w4_bf16, ns::dequantize_int4_f32, ns::dequantize_int4_bf16,    \
         ns::linear_w8a8_f32, ns::linear_w8a8_bf16, ns::linear_w4a8_f32, ns::linear_w4a8_bf16,      \
-        ns::linear_fp8_f32, ns::linear_fp8_bf16, ns::quantize_fp8_f32, ns::quantize_fp8_bf16         \
+        ns::linear_fp8_f32, ns::linear_fp8_bf16, ns::quantize_fp8_f32, ns::quantize_fp8_bf16,        \
+        ns::dequantize_fp8_f32, ns::dequantize_fp8_bf16                                              \
   }
 
 static bool host_supports(const std::string& isa) {
@@ -462,6 +465,20 @@ at::Tensor linear_fp8(const at::Tensor& x, const at::Tensor& qweight, const at::
                     static_cast<const uint8_t*>(qweight.data_ptr()), scales.data_ptr<float>());
 }
 
+at::Tensor dequantize_fp8(const at::Tensor& qweight, at::ScalarType dtype) {
+  TORCH_CHECK(qweight.scalar_type() == at::kFloat8_e4m3fn && qweight.is_contiguous() && qweight.device().is_cpu(),
+              "kiln::dequantize_fp8: qweight must be a contiguous float8_e4m3fn CPU tensor, got ",
+              qweight.scalar_type());
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "kiln::dequantize_fp8: dtype must be float32 or bfloat16");
+  auto out = at::empty(qweight.sizes(), qweight.options().dtype(dtype));
+  const auto* w = static_cast<const uint8_t*>(qweight.data_ptr());
+  if (dtype == at::kFloat)
+    active().dequantize_fp8_f32(w, out.data_ptr<float>(), qweight.numel());
+  else
+    active().dequantize_fp8_bf16(w, reinterpret_cast<bf16*>(out.data_ptr()), qweight.numel());
+  return out;
+}
+
 at::Tensor quantize_fp8(const at::Tensor& x, double inv_scale) {
   check_float_or_bf16(x, "x");
   TORCH_CHECK(std::isfinite(inv_scale) && inv_scale > 0, "kiln::quantize_fp8: inv_scale must be positive, got ",
@@ -497,6 +514,7 @@ TORCH_LIBRARY(kiln, m) {
   m.def("linear_w4a8(Tensor x, Tensor qweight, Tensor scales, int group_size, Tensor? bias) -> Tensor");
   m.def("linear_fp8(Tensor x, Tensor qweight, Tensor scales, Tensor? bias) -> Tensor");
   m.def("quantize_fp8(Tensor x, float inv_scale) -> Tensor");
+  m.def("dequantize_fp8(Tensor qweight, ScalarType dtype) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(kiln, CPU, m) {
@@ -512,4 +530,5 @@ TORCH_LIBRARY_IMPL(kiln, CPU, m) {
   m.impl("linear_w4a8", &kiln::linear_w4a8);
   m.impl("linear_fp8", &kiln::linear_fp8);
   m.impl("quantize_fp8", &kiln::quantize_fp8);
+  m.impl("dequantize_fp8", &kiln::dequantize_fp8);
 }

@@ -10,6 +10,7 @@
 //               input_scale > 0 the activations use that one static scale instead (Model Optimizer's
 //               W8A8_SQ_PER_CHANNEL)
 //   linear_fp8  out = x @ (e4m3 W * scale[n])^T       weights FP8 E4M3 [n, k] (one byte each)
+//   dequantize_fp8 E4M3 weights -> float32 / bf16 (exact; bf16 holds every E4M3 value)
 //   quantize_fp8 x * inv_scale rounded to the nearest E4M3 value (ties to even, saturating at
 //               +-448), in x's dtype: static per-tensor FP8 activations (exact in bf16)
 //
@@ -717,6 +718,76 @@ inline void dot_rows_fp8(const float* xf, int64_t k, const uint8_t* wrow, float*
     for (int r = 0; r < R; ++r) sums[r] += xf[r * k + i] * to_f32(fp8e4m3{wrow[i]});
 }
 
+#if defined(KILN_ISA_AVX512)
+// 32 E4M3 bytes -> 32 bf16, exactly. A normal E4M3 (exponent e, mantissa m) is the bf16 with
+// exponent e + 120 and the same top mantissa bits: (bits & 0x7f) << 4 plus 120 << 7; the eight
+// subnormals (e = 0: m * 2^-9) come from a table.
+inline __m512i fp8x32_to_bf16(const uint8_t* p) {
+  const __m512i b = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  const __m512i mag = _mm512_and_si512(b, _mm512_set1_epi16(0x7f));
+  const __m512i sign = _mm512_slli_epi16(_mm512_and_si512(b, _mm512_set1_epi16(0x80)), 8);
+  const __m512i normal = _mm512_add_epi16(_mm512_slli_epi16(mag, 4), _mm512_set1_epi16(120 << 7));
+  const __m512i subnormals = _mm512_set_epi16(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
+                                              0x3C60, 0x3C40, 0x3C20, 0x3C00, 0x3BC0, 0x3B80, 0x3B00, 0);
+  const __mmask32 small = _mm512_cmplt_epu16_mask(mag, _mm512_set1_epi16(8));
+  const __m512i value = _mm512_mask_blend_epi16(small, normal, _mm512_permutexvar_epi16(mag, subnormals));
+  return _mm512_or_si512(value, sign);
+}
+#endif
+
+template <typename T>
+void dequantize_fp8_impl(const uint8_t* w, T* out, int64_t count) {
+  at::parallel_for(0, count, 1 << 14, [&](int64_t begin, int64_t end) {
+    int64_t i = begin;
+#if defined(KILN_ISA_AVX512)
+    for (; i + 32 <= end; i += 32) {
+      const __m512i v = fp8x32_to_bf16(w + i);
+      if constexpr (std::is_same_v<T, bf16>) {
+        _mm512_storeu_si512(out + i, v);
+      } else {
+        _mm512_storeu_ps(out + i, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(v)), 16)));
+        _mm512_storeu_ps(out + i + 16, _mm512_castsi512_ps(
+                                           _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(v, 1)), 16)));
+      }
+    }
+#endif
+    for (; i < end; ++i) store_as(out + i, to_f32(fp8e4m3{w[i]}));
+  });
+}
+
+#if defined(KILN_ISA_AVX512BF16)
+// bf16 rows against one E4M3 weight row with vdpbf16ps: the weights become bf16 exactly (above)
+// and 32 multiply-adds take one instruction per row; products are exact, sums fp32.
+template <int R>
+inline void dot_rows_fp8_dp(const bf16* x, int64_t k, const uint8_t* wrow, float* sums) {
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  int64_t i = 0;
+  for (; i + 32 <= k; i += 32) {
+    const __m512bh wv = (__m512bh)fp8x32_to_bf16(wrow + i);
+    for (int r = 0; r < R; ++r) acc[r] = _mm512_dpbf16_ps(acc[r], load_bf16x32(x + r * k + i), wv);
+  }
+  for (int r = 0; r < R; ++r) sums[r] = _mm512_reduce_add_ps(acc[r]);
+  for (; i < k; ++i)
+    for (int r = 0; r < R; ++r) sums[r] += to_f32(x[r * k + i]) * to_f32(fp8e4m3{wrow[i]});
+}
+
+void linear_fp8_dp(const bf16* x, const uint8_t* w, const float* scale, const bf16* bias, bf16* out, int64_t rows,
+                   int64_t k, int64_t n) {
+  at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
+    float sums[4];
+    for (int64_t o = begin; o < end; ++o) {
+      const float b = bias ? to_f32(bias[o]) : 0.f;
+      for (int64_t m0 = 0; m0 < rows; m0 += 4) {
+        const int64_t mr = std::min<int64_t>(4, rows - m0);
+        with_rows(mr, [&](auto R) { dot_rows_fp8_dp<decltype(R)::value>(x + m0 * k, k, w + o * k, sums); });
+        for (int64_t r = 0; r < mr; ++r) store_as(out + (m0 + r) * n + o, sums[r] * scale[o] + b);
+      }
+    }
+  });
+}
+#endif
+
 template <typename T>
 void linear_fp8_impl(const T* x, const uint8_t* w, const float* scale, const T* bias, T* out, int64_t rows,
                      int64_t k, int64_t n) {
@@ -729,6 +800,14 @@ void linear_fp8_impl(const T* x, const uint8_t* w, const float* scale, const T* 
 void linear_fp8_f32(const float* x, const uint8_t* w, const float* s, const float* b, float* o, int64_t r, int64_t k,
                     int64_t n) { linear_fp8_impl<float>(x, w, s, b, o, r, k, n); }
 void linear_fp8_bf16(const bf16* x, const uint8_t* w, const float* s, const bf16* b, bf16* o, int64_t r, int64_t k,
-                     int64_t n) { linear_fp8_impl<bf16>(x, w, s, b, o, r, k, n); }
+                     int64_t n) {
+#if defined(KILN_ISA_AVX512BF16)
+  linear_fp8_dp(x, w, s, b, o, r, k, n);
+#else
+  linear_fp8_impl<bf16>(x, w, s, b, o, r, k, n);
+#endif
+}
+void dequantize_fp8_f32(const uint8_t* w, float* o, int64_t count) { dequantize_fp8_impl<float>(w, o, count); }
+void dequantize_fp8_bf16(const uint8_t* w, bf16* o, int64_t count) { dequantize_fp8_impl<bf16>(w, o, count); }
 void quantize_fp8_f32(const float* x, float* o, int64_t count, float inv) { quantize_fp8_impl<float>(x, o, count, inv); }
 void quantize_fp8_bf16(const bf16* x, bf16* o, int64_t count, float inv) { quantize_fp8_impl<bf16>(x, o, count, inv); }

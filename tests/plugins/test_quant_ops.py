@@ -126,6 +126,8 @@ def test_quant_ops_opcheck(plugin_isas):
     torch.library.opcheck(torch.ops.kiln.linear_fp8.default, (x, q8, s8, None),
                           test_utils=("test_faketensor", "test_autograd_registration"))
     torch.library.opcheck(torch.ops.kiln.quantize_fp8.default, (x, 2.0))
+    torch.library.opcheck(torch.ops.kiln.dequantize_fp8.default, (q8, torch.bfloat16),
+                          test_utils=("test_faketensor", "test_autograd_registration"))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -178,6 +180,16 @@ def test_linear_fp8_matches_reference(isa, dtype, rows, k, n, per_tensor):
     assert got.dtype == dtype and got.shape == (rows, n)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_dequantize_fp8_is_exact(isa, dtype):
+    every = torch.arange(256, dtype=torch.uint8)
+    every = every[(every & 0x7F) != 0x7F]  # all E4M3 values but NaN
+    g = torch.Generator().manual_seed(hash((isa, str(dtype), "deq8")) % 2**31)
+    q = every[torch.randint(0, every.numel(), (37, 70), generator=g)].view(torch.float8_e4m3fn)
+    assert torch.equal(ops.dequantize_fp8(q, dtype), q.to(dtype))
+    assert torch.equal(ops.dequantize_fp8(every.view(torch.float8_e4m3fn), dtype), every.view(torch.float8_e4m3fn).to(dtype))
 
 
 def test_fp8_weights_round_trip_within_half_a_step():
