@@ -392,13 +392,21 @@ static at::Tensor run_linear(const at::Tensor& x, int64_t k, int64_t n, const c1
   return out;
 }
 
+// one-byte weights W [out, in] with one scale per output channel (int8_t; FP8 as uint8_t bits)
+template <typename W, typename F32, typename BF16>
+static at::Tensor per_channel_linear(const char* op, const at::Tensor& x, const at::Tensor& qweight,
+                                     at::ScalarType wtype, const at::Tensor& scales,
+                                     const c10::optional<at::Tensor>& bias, F32 f32, BF16 bf) {
+  const int64_t k = qweight.size(1), n = qweight.size(0);
+  check_linear_args(op, x, qweight, wtype, scales, k, bias);
+  TORCH_CHECK(scales.dim() == 1, "kiln::", op, ": scales must be [out]");
+  return run_linear(x, k, n, bias, f32, bf, static_cast<const W*>(qweight.data_ptr()), scales.data_ptr<float>());
+}
+
 at::Tensor linear_w8(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
                      const c10::optional<at::Tensor>& bias) {
-  const int64_t k = qweight.size(1), n = qweight.size(0);
-  check_linear_args("linear_w8", x, qweight, at::kChar, scales, k, bias);
-  TORCH_CHECK(scales.dim() == 1, "kiln::linear_w8: scales must be [out]");
-  return run_linear(x, k, n, bias, active().linear_w8_f32, active().linear_w8_bf16,
-                    static_cast<const int8_t*>(qweight.data_ptr()), scales.data_ptr<float>());
+  return per_channel_linear<int8_t>("linear_w8", x, qweight, at::kChar, scales, bias, active().linear_w8_f32,
+                            active().linear_w8_bf16);
 }
 
 static int64_t check_int4(const char* op, const at::Tensor& qweight, const at::Tensor& scales, int64_t group) {
@@ -458,11 +466,8 @@ at::Tensor linear_w8a8(const at::Tensor& x, const at::Tensor& qweight, const at:
 
 at::Tensor linear_fp8(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
                       const c10::optional<at::Tensor>& bias) {
-  const int64_t k = qweight.size(1), n = qweight.size(0);
-  check_linear_args("linear_fp8", x, qweight, at::kFloat8_e4m3fn, scales, k, bias);
-  TORCH_CHECK(scales.dim() == 1, "kiln::linear_fp8: scales must be [out]");
-  return run_linear(x, k, n, bias, active().linear_fp8_f32, active().linear_fp8_bf16,
-                    static_cast<const uint8_t*>(qweight.data_ptr()), scales.data_ptr<float>());
+  return per_channel_linear<uint8_t>("linear_fp8", x, qweight, at::kFloat8_e4m3fn, scales, bias, active().linear_fp8_f32,
+                            active().linear_fp8_bf16);
 }
 
 at::Tensor dequantize_fp8(const at::Tensor& qweight, at::ScalarType dtype) {

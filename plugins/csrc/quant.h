@@ -29,61 +29,59 @@ inline void with_rows(int64_t mr, F&& f) {
   }
 }
 
-// The float-input GEMV driver (AVX2 / scalar paths): the input rows widened to fp32 once, then
-// each weight row o against them four at a time; dot(R, xr, o, sums) fills sums[0, R) and
-// out = sums + bias.
-template <typename T, typename Dot>
-void gemv_float_rows(const T* x, const T* bias, T* out, int64_t rows, int64_t k, int64_t n, Dot dot) {
-  std::vector<float> xf(rows * k);
-  for (int64_t i = 0; i < rows * k; ++i) xf[i] = to_f32(x[i]);
+// The GEMV driver: each weight row o against the input rows xs (as the kernel reads them) four at
+// a time; dot(R, xs + m0 * k, o, sums) fills sums[0, R) and out = sums + bias.
+template <typename X, typename T, typename Dot>
+void gemv_rows(const X* xs, const T* bias, T* out, int64_t rows, int64_t k, int64_t n, Dot dot) {
   at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
     float sums[4];
     for (int64_t o = begin; o < end; ++o) {
       const float b = bias ? to_f32(bias[o]) : 0.f;
       for (int64_t m0 = 0; m0 < rows; m0 += 4) {
         const int64_t mr = std::min<int64_t>(4, rows - m0);
-        with_rows(mr, [&](auto R) { dot(R, xf.data() + m0 * k, o, sums); });
+        with_rows(mr, [&](auto R) { dot(R, xs + m0 * k, o, sums); });
         for (int64_t r = 0; r < mr; ++r) store_as(out + (m0 + r) * n + o, sums[r] + b);
       }
     }
   });
 }
 
+// The float-input GEMV (AVX2 / scalar paths): the input rows widened to fp32 once first.
+template <typename T, typename Dot>
+void gemv_float_rows(const T* x, const T* bias, T* out, int64_t rows, int64_t k, int64_t n, Dot dot) {
+  std::vector<float> xf(rows * k);
+  for (int64_t i = 0; i < rows * k; ++i) xf[i] = to_f32(x[i]);
+  gemv_rows(xf.data(), bias, out, rows, k, n, dot);
+}
+
 #if defined(KILN_ISA_AVX512)
-inline vfloat vload_i8(const int8_t* p) {  // 16 int8 -> fp32
-  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
-}
 inline vfloat vcvt_i8(__m128i v) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(v)); }
-#elif defined(KILN_ISA_AVX2)
-inline vfloat vload_i8(const int8_t* p) {  // 8 int8 -> fp32
-  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
-}
 #endif
 
-// R input rows against one int8 weight row (R fixed at compile time: the accumulators stay in
-// registers)
-template <int R>
-inline void dot_rows_w8(const float* xf, int64_t k, const int8_t* wrow, float* sums) {
+// R input rows against one weight row of one-byte elements W (int8_t, fp8e4m3: vec.h's vload and
+// to_f32 widen them exactly); R is fixed at compile time so the accumulators stay in registers
+template <int R, typename W>
+inline void dot_rows_bytes(const float* xf, int64_t k, const W* wrow, float* sums) {
   int64_t i = 0;
   for (int r = 0; r < R; ++r) sums[r] = 0.f;
 #if !defined(KILN_ISA_SCALAR)
   vfloat acc[R];
   for (int r = 0; r < R; ++r) acc[r] = vzero();
   for (; i + kLanes <= k; i += kLanes) {
-    const vfloat wv = vload_i8(wrow + i);
+    const vfloat wv = vload(wrow + i);
     for (int r = 0; r < R; ++r) acc[r] = vfma(vload(xf + r * k + i), wv, acc[r]);
   }
   for (int r = 0; r < R; ++r) sums[r] = vsum(acc[r]);
 #endif
   for (; i < k; ++i)
-    for (int r = 0; r < R; ++r) sums[r] += xf[r * k + i] * static_cast<float>(wrow[i]);
+    for (int r = 0; r < R; ++r) sums[r] += xf[r * k + i] * to_f32(wrow[i]);
 }
 
 template <typename T>
 void linear_w8_impl(const T* x, const int8_t* w, const float* scale, const T* bias, T* out, int64_t rows,
                     int64_t k, int64_t n) {
   gemv_float_rows(x, bias, out, rows, k, n, [&](auto R, const float* xr, int64_t o, float* sums) {
-    dot_rows_w8<decltype(R)::value>(xr, k, w + o * k, sums);
+    dot_rows_bytes<decltype(R)::value>(xr, k, w + o * k, sums);
     for (int r = 0; r < R; ++r) sums[r] *= scale[o];
   });
 }
@@ -700,24 +698,6 @@ void quantize_fp8_impl(const T* x, T* out, int64_t count, float inv_scale) {
   });
 }
 
-// R input rows against one E4M3 weight row
-template <int R>
-inline void dot_rows_fp8(const float* xf, int64_t k, const uint8_t* wrow, float* sums) {
-  int64_t i = 0;
-  for (int r = 0; r < R; ++r) sums[r] = 0.f;
-#if !defined(KILN_ISA_SCALAR)
-  vfloat acc[R];
-  for (int r = 0; r < R; ++r) acc[r] = vzero();
-  for (; i + kLanes <= k; i += kLanes) {
-    const vfloat wv = vload(reinterpret_cast<const fp8e4m3*>(wrow + i));
-    for (int r = 0; r < R; ++r) acc[r] = vfma(vload(xf + r * k + i), wv, acc[r]);
-  }
-  for (int r = 0; r < R; ++r) sums[r] = vsum(acc[r]);
-#endif
-  for (; i < k; ++i)
-    for (int r = 0; r < R; ++r) sums[r] += xf[r * k + i] * to_f32(fp8e4m3{wrow[i]});
-}
-
 #if defined(KILN_ISA_AVX512)
 // 32 E4M3 bytes -> 32 bf16, exactly. A normal E4M3 (exponent e, mantissa m) is the bf16 with
 // exponent e + 120 and the same top mantissa bits: (bits & 0x7f) << 4 plus 120 << 7; the eight
@@ -774,16 +754,9 @@ inline void dot_rows_fp8_dp(const bf16* x, int64_t k, const uint8_t* wrow, float
 
 void linear_fp8_dp(const bf16* x, const uint8_t* w, const float* scale, const bf16* bias, bf16* out, int64_t rows,
                    int64_t k, int64_t n) {
-  at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
-    float sums[4];
-    for (int64_t o = begin; o < end; ++o) {
-      const float b = bias ? to_f32(bias[o]) : 0.f;
-      for (int64_t m0 = 0; m0 < rows; m0 += 4) {
-        const int64_t mr = std::min<int64_t>(4, rows - m0);
-        with_rows(mr, [&](auto R) { dot_rows_fp8_dp<decltype(R)::value>(x + m0 * k, k, w + o * k, sums); });
-        for (int64_t r = 0; r < mr; ++r) store_as(out + (m0 + r) * n + o, sums[r] * scale[o] + b);
-      }
-    }
+  gemv_rows(x, bias, out, rows, k, n, [&](auto R, const bf16* xr, int64_t o, float* sums) {
+    dot_rows_fp8_dp<decltype(R)::value>(xr, k, w + o * k, sums);
+    for (int r = 0; r < R; ++r) sums[r] *= scale[o];
   });
 }
 #endif
@@ -792,7 +765,7 @@ template <typename T>
 void linear_fp8_impl(const T* x, const uint8_t* w, const float* scale, const T* bias, T* out, int64_t rows,
                      int64_t k, int64_t n) {
   gemv_float_rows(x, bias, out, rows, k, n, [&](auto R, const float* xr, int64_t o, float* sums) {
-    dot_rows_fp8<decltype(R)::value>(xr, k, w + o * k, sums);
+    dot_rows_bytes<decltype(R)::value>(xr, k, reinterpret_cast<const fp8e4m3*>(w + o * k), sums);
     for (int r = 0; r < R; ++r) sums[r] *= scale[o];
   });
 }
