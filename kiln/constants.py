@@ -238,3 +238,5 @@ MODELOPT_PRE_QUANT_SCALE = "pre_quant_scale"
 MODELOPT_FP8 = "FP8"
 MODELOPT_W4A16_AWQ = "W4A16_AWQ"
 MODELOPT_W8A8_SQ = "W8A8_SQ_PER_CHANNEL"
+MODELOPT_K_SCALE = "self_attn.k_proj.k_scale"  # FP8 KV cache: one scale per layer for K, one for V
+MODELOPT_V_SCALE = "self_attn.v_proj.v_scale"

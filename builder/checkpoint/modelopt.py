@@ -7,6 +7,8 @@ Face folder with `hf_quant_config.json` and, per quantized linear, under the usu
                          pre_quant_scale [in] where AWQ's scale could not be folded into a norm
     W8A8_SQ_PER_CHANNEL  weight int8 [out, in], weight_scale [out], pre_quant_scale [in] (the
                          SmoothQuant scale, on every linear), input_scale (static per tensor)
+    kv_cache_quant_algo FP8: self_attn.k_proj.k_scale and v_proj.v_scale per layer (E4M3 keys
+                         after rotary embedding and values, one scale each)
 
 kiln keeps them as they are (fusing q/k/v and gate/up row-wise) and computes as Model Optimizer's
 fake-quantized model does: FP8 and W4A16 through kiln's own kernels, W8A8 with the static
@@ -46,10 +48,10 @@ def read_quant_config(folder: Path) -> dict | None:
     algo = quant.get("quant_algo")
     if algo not in ALGOS:
         raise CheckpointError(f"{path}: quant_algo {algo!r} is not one kiln reads ({', '.join(ALGOS)})")
-    if quant.get("kv_cache_quant_algo"):
-        raise CheckpointError(f"{path}: kv_cache_quant_algo {quant['kv_cache_quant_algo']!r}: kiln does not read "
-                              f"Model Optimizer's KV-cache scales yet; export without them and set "
-                              f"quantization.kv_cache to have kiln calibrate its own")
+    if quant.get("kv_cache_quant_algo") not in (None, names.MODELOPT_FP8):
+        raise CheckpointError(f"{path}: kv_cache_quant_algo {quant['kv_cache_quant_algo']!r} is not one kiln reads "
+                              f"(none, FP8); export without it and set quantization.kv_cache to have kiln "
+                              f"calibrate its own")
     excluded = [m for m in quant.get("exclude_modules") or [] if m not in UNQUANTIZED_OK]
     if excluded:
         raise CheckpointError(f"{path}: layers left unquantized ({excluded}) are not supported")
@@ -110,7 +112,13 @@ def take_quantized(raw: dict[str, torch.Tensor], spec: ModelSpec, quant: dict,
                 part[names.INPUT_SCALE] = _same([a.float().reshape(1) for a in act], "input_scale", where)
             prefix = names.linear_prefix(names.layer_tensor(i, fused))
             out.update({names.linear_tensor(prefix, k): v for k, v in part.items()})
-    meta = {"algo": kiln_algo, "linear": kind, "kv_cache": "none",
+        if quant.get("kv_cache_quant_algo"):
+            k_scale = pop(f"model.layers.{i}.{names.MODELOPT_K_SCALE}").float().reshape(())
+            v_scale = pop(f"model.layers.{i}.{names.MODELOPT_V_SCALE}").float().reshape(())
+            out[names.layer_tensor(i, names.ATTN_KV_SCALES)] = torch.stack(
+                [k_scale.expand(spec.kv_size), v_scale.expand(spec.kv_size)]).contiguous()
+    kv_cache = names.KV_CACHE_FP8 if quant.get("kv_cache_quant_algo") else "none"
+    meta = {"algo": kiln_algo, "linear": kind, "kv_cache": kv_cache,
             "source": f"Model Optimizer Hugging Face export ({quant['producer']}, {algo})"}
     if kind == names.LINEAR_INT4:
         meta["group_size"] = int(quant["group_size"])

@@ -106,7 +106,15 @@ def test_int8_smoothquant_export_is_read_exactly(modelopt_export, tmp_path):
     torch.testing.assert_close(got, reference["quantized"], rtol=1e-4, atol=1e-4)
 
 
-def test_a_modelopt_kv_cache_export_is_refused_clearly(modelopt_export, tmp_path):
+def test_fp8_with_an_fp8_kv_cache_is_read_exactly(modelopt_export, tmp_path):
+    folder, reference = modelopt_export("fp8_kv")
+    got, meta = kiln_logits(folder, tmp_path, reference["prompt"])
+    assert meta["kv_cache"] == "fp8"
+    # keys (after rotary embedding) and values rounded to E4M3 with Model Optimizer's scales
+    torch.testing.assert_close(got, reference["quantized"], rtol=1e-4, atol=1e-4)
+
+
+def test_an_unknown_kv_cache_algorithm_is_refused_clearly(modelopt_export, tmp_path):
     from kiln.builder.checkpoint import load_checkpoint
     from kiln.errors import CheckpointError
 
@@ -114,7 +122,7 @@ def test_a_modelopt_kv_cache_export_is_refused_clearly(modelopt_export, tmp_path
     copy = tmp_path / "kv"
     shutil.copytree(folder, copy)
     config = json.loads((copy / names.MODELOPT_QUANT_CONFIG).read_text())
-    config["quantization"]["kv_cache_quant_algo"] = "FP8"
+    config["quantization"]["kv_cache_quant_algo"] = "NVFP4"
     (copy / names.MODELOPT_QUANT_CONFIG).write_text(json.dumps(config))
-    with pytest.raises(CheckpointError, match="kv_cache_quant_algo 'FP8'"):
+    with pytest.raises(CheckpointError, match="kv_cache_quant_algo 'NVFP4'"):
         load_checkpoint(copy)
