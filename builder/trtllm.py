@@ -31,7 +31,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
 from kiln import constants as names
-from kiln.builder.checkpoint import Checkpoint
+from kiln.builder.checkpoint import Checkpoint, one_for_fused
 from kiln.errors import CheckpointError, KilnError
 from kiln.quantize.formats import pack_int4, unpack_int4
 from kiln.runtime.spec import ModelSpec, RopeScaling
@@ -238,14 +238,6 @@ def _spec(config: dict, source: Path) -> ModelSpec:
         pad_id=config.get("pad_token_id"))
 
 
-def _same(tensors: list[torch.Tensor], what: str, source: Path) -> torch.Tensor:
-    for t in tensors[1:]:
-        if not torch.allclose(t.float(), tensors[0].float(), rtol=1e-6, atol=0):
-            raise CheckpointError(f"{source}: kiln fuses gate and up into one linear, which needs one {what} "
-                                  f"for both; this checkpoint has two different ones")
-    return tensors[0]
-
-
 def _import_linear(get, layer: int, modules: tuple[str, ...], algo: str, source: Path) -> dict[str, torch.Tensor]:
     """TensorRT-LLM module(s) -> kiln's quantized tensors for one fused linear (under part names)."""
     def part(module: str, tensor: str) -> torch.Tensor:
@@ -255,15 +247,15 @@ def _import_linear(get, layer: int, modules: tuple[str, ...], algo: str, source:
     if algo == names.TRTLLM_FP8:
         scales = torch.cat([part(m, names.TRTLLM_WEIGHTS_SCALE).float().reshape(-1).expand(w.shape[0])
                             for m, w in zip(modules, weights)])
-        act = _same([part(m, names.TRTLLM_ACTIVATION_SCALE).float().reshape(1) for m in modules],
-                    "activation_scaling_factor", source)
+        act = one_for_fused([part(m, names.TRTLLM_ACTIVATION_SCALE).float().reshape(1) for m in modules],
+                            "activation_scaling_factor", f"{source}: layer {layer} {'/'.join(modules)}")
         return {names.QWEIGHT: torch.cat(weights).to(torch.float8_e4m3fn).contiguous(),
                 names.WEIGHT_SCALES: scales.contiguous(), names.INPUT_SCALE: act.contiguous()}
     q = torch.cat([unpack_int4_along_out(w) for w in weights])
     out = {names.QWEIGHT: pack_int4(q),
            names.WEIGHT_SCALES: torch.cat([part(m, names.TRTLLM_WEIGHTS_SCALE).float() for m in modules]).contiguous()}
-    pre = _same([part(m, names.TRTLLM_PREQUANT_SCALE).float().reshape(-1) for m in modules],
-                "prequant_scaling_factor", source)
+    pre = one_for_fused([part(m, names.TRTLLM_PREQUANT_SCALE).float().reshape(-1) for m in modules],
+                        "prequant_scaling_factor", f"{source}: layer {layer} {'/'.join(modules)}")
     if not torch.all(pre == 1):
         out[names.PRE_SCALE] = pre.contiguous()
     return out

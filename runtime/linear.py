@@ -130,11 +130,15 @@ class Fp8Linear(QuantLinear):
 
     kind = names.LINEAR_FP8
 
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.dense_scales = self.scales.to(self.dtype)  # once, not per prefill step
+
     def gemv(self, x):
         return ops.linear_fp8(x, self.qweight, self.scales, self.bias)
 
     def dense(self, x: torch.Tensor) -> torch.Tensor:
-        out = F.linear(x, ops.dequantize_fp8(self.qweight, x.dtype)) * self.scales.to(x.dtype)
+        out = F.linear(x, ops.dequantize_fp8(self.qweight, x.dtype)) * self.dense_scales
         return out if self.bias is None else out + self.bias
 
 

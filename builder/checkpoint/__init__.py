@@ -62,6 +62,15 @@ PACKED_PARTS = {
 }
 
 
+def one_for_fused(tensors: list[torch.Tensor], what: str, where: str) -> torch.Tensor:
+    """The one `what` (scale) that linears kiln fuses into one (q/k/v, gate/up) must share."""
+    for t in tensors[1:]:
+        if not torch.allclose(t.float(), tensors[0].float(), rtol=1e-6, atol=0):
+            raise CheckpointError(f"{where}: kiln fuses these linears into one, which needs one {what} for all "
+                                  f"of them; this checkpoint has different ones")
+    return tensors[0]
+
+
 def detect_format(path: Path) -> str:
     if path.is_file() and path.suffix == ".gguf":
         return "gguf"

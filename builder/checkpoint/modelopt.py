@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from kiln import constants as names
+from kiln.builder.checkpoint import one_for_fused
 from kiln.builder.trtllm import unpack_int4_along_out
 from kiln.errors import CheckpointError
 from kiln.quantize.formats import pack_int4
@@ -60,14 +61,6 @@ def read_quant_config(folder: Path) -> dict | None:
     return quant
 
 
-def _same(tensors: list[torch.Tensor], what: str, where: str) -> torch.Tensor:
-    for t in tensors[1:]:
-        if not torch.equal(t, tensors[0]):
-            raise CheckpointError(f"{where}: kiln fuses these linears into one, which needs one {what} for all "
-                                  f"of them; this checkpoint has different ones")
-    return tensors[0]
-
-
 def take_quantized(raw: dict[str, torch.Tensor], spec: ModelSpec, quant: dict,
                    source: Path) -> tuple[dict[str, torch.Tensor], dict]:
     """Pops the quantized linears' tensors from `raw` (HF name -> tensor); returns them as
@@ -105,11 +98,11 @@ def take_quantized(raw: dict[str, torch.Tensor], spec: ModelSpec, quant: dict,
             if any(p is not None for p in pre):
                 if any(p is None for p in pre):
                     raise CheckpointError(f"{where}: pre_quant_scale on some of the fused linears only")
-                part[names.PRE_SCALE] = _same([p.float().reshape(-1) for p in pre], "pre_quant_scale", where)
+                part[names.PRE_SCALE] = one_for_fused([p.float().reshape(-1) for p in pre], "pre_quant_scale", where)
             if kind in (names.LINEAR_FP8, names.LINEAR_W8A8):
                 if any(a is None for a in act):
                     raise CheckpointError(f"{where}: a {algo} linear lacks its input_scale")
-                part[names.INPUT_SCALE] = _same([a.float().reshape(1) for a in act], "input_scale", where)
+                part[names.INPUT_SCALE] = one_for_fused([a.float().reshape(1) for a in act], "input_scale", where)
             prefix = names.linear_prefix(names.layer_tensor(i, fused))
             out.update({names.linear_tensor(prefix, k): v for k, v in part.items()})
         if quant.get("kv_cache_quant_algo"):

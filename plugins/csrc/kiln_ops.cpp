@@ -417,22 +417,27 @@ static int64_t check_int4(const char* op, const at::Tensor& qweight, const at::T
   return k;
 }
 
+// int4 weights packed two per byte along `in` [out, in / 2], one scale per group of inputs
+template <typename F32, typename BF16>
+static at::Tensor group_linear(const char* op, const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
+                               int64_t group_size, const c10::optional<at::Tensor>& bias, F32 f32, BF16 bf) {
+  TORCH_CHECK(qweight.dim() == 2, "kiln::", op, ": qweight must be [out, in / 2]");
+  const int64_t k = check_int4(op, qweight, scales, group_size), n = qweight.size(0);
+  check_linear_args(op, x, qweight, at::kByte, scales, k, bias);
+  return run_linear(x, k, n, bias, f32, bf, static_cast<const uint8_t*>(qweight.data_ptr()), scales.data_ptr<float>(),
+                    group_size);
+}
+
 at::Tensor linear_w4(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales, int64_t group_size,
                      const c10::optional<at::Tensor>& bias) {
-  TORCH_CHECK(qweight.dim() == 2, "kiln::linear_w4: qweight must be [out, in / 2]");
-  const int64_t k = check_int4("linear_w4", qweight, scales, group_size), n = qweight.size(0);
-  check_linear_args("linear_w4", x, qweight, at::kByte, scales, k, bias);
-  return run_linear(x, k, n, bias, active().linear_w4_f32, active().linear_w4_bf16,
-                    static_cast<const uint8_t*>(qweight.data_ptr()), scales.data_ptr<float>(), group_size);
+  return group_linear("linear_w4", x, qweight, scales, group_size, bias, active().linear_w4_f32,
+                      active().linear_w4_bf16);
 }
 
 at::Tensor linear_w4a8(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales, int64_t group_size,
                        const c10::optional<at::Tensor>& bias) {
-  TORCH_CHECK(qweight.dim() == 2, "kiln::linear_w4a8: qweight must be [out, in / 2]");
-  const int64_t k = check_int4("linear_w4a8", qweight, scales, group_size), n = qweight.size(0);
-  check_linear_args("linear_w4a8", x, qweight, at::kByte, scales, k, bias);
-  return run_linear(x, k, n, bias, active().linear_w4a8_f32, active().linear_w4a8_bf16,
-                    static_cast<const uint8_t*>(qweight.data_ptr()), scales.data_ptr<float>(), group_size);
+  return group_linear("linear_w4a8", x, qweight, scales, group_size, bias, active().linear_w4a8_f32,
+                      active().linear_w4a8_bf16);
 }
 
 at::Tensor dequantize_int4(const at::Tensor& qweight, const at::Tensor& scales, int64_t group_size,

@@ -356,6 +356,28 @@ inline void rows_w8(const int16_t* xq, int64_t kp, const int8_t* w, int64_t k, i
   for (int64_t o = o0; o < o1; ++o) tile_w8<R, 1>(xq, kp, w + o * k, k, sums + (o - o0) * R);
 }
 
+// The int16-activation GEMV driver: weight rows in tiles of 16 against the input rows four at a
+// time; tile(R, m0, o0, o1, sums) fills sums[(o - o0) * R + r] for rows m0 + r, and
+// out = sums * xs[m] * out_scale(o) + bias.
+template <typename T, typename Tile, typename OutScale>
+void tiles_i16(const T* bias, T* out, const float* xs, int64_t rows, int64_t n, Tile tile, OutScale out_scale) {
+  at::parallel_for(0, (n + 15) / 16, 1, [&](int64_t begin, int64_t end) {
+    float sums[16 * 4];
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t o0 = t * 16, o1 = std::min(n, o0 + 16);
+      for (int64_t m0 = 0; m0 < rows; m0 += 4) {
+        const int64_t mr = std::min<int64_t>(4, rows - m0);
+        with_rows(mr, [&](auto R) { tile(R, m0, o0, o1, sums); });
+        for (int64_t o = o0; o < o1; ++o) {
+          const float b = bias ? to_f32(bias[o]) : 0.f, so = out_scale(o);
+          for (int64_t r = 0; r < mr; ++r)
+            store_as(out + (m0 + r) * n + o, sums[(o - o0) * mr + r] * xs[m0 + r] * so + b);
+        }
+      }
+    }
+  });
+}
+
 template <typename T>
 void linear_w8_i16(const T* x, const int8_t* w, const float* scale, const T* bias, T* out, int64_t rows,
                    int64_t k, int64_t n) {
@@ -363,22 +385,9 @@ void linear_w8_i16(const T* x, const int8_t* w, const float* scale, const T* bia
   std::vector<int16_t> xq(rows * kp);
   std::vector<float> xs(rows);
   quantize_rows_i16(x, rows, k, kp, 0, xq.data(), xs.data());
-  at::parallel_for(0, (n + 15) / 16, 1, [&](int64_t begin, int64_t end) {
-    float sums[16 * 4];
-    for (int64_t t = begin; t < end; ++t) {
-      const int64_t o0 = t * 16, o1 = std::min(n, o0 + 16);
-      for (int64_t m0 = 0; m0 < rows; m0 += 4) {
-        const int64_t mr = std::min<int64_t>(4, rows - m0);
-        const int16_t* xr = xq.data() + m0 * kp;
-        with_rows(mr, [&](auto R) { rows_w8<decltype(R)::value>(xr, kp, w, k, o0, o1, sums); });
-        for (int64_t o = o0; o < o1; ++o) {
-          const float b = bias ? to_f32(bias[o]) : 0.f;
-          for (int64_t r = 0; r < mr; ++r)
-            store_as(out + (m0 + r) * n + o, sums[(o - o0) * mr + r] * xs[m0 + r] * scale[o] + b);
-        }
-      }
-    }
-  });
+  tiles_i16(bias, out, xs.data(), rows, n, [&](auto R, int64_t m0, int64_t o0, int64_t o1, float* sums) {
+    rows_w8<decltype(R)::value>(xq.data() + m0 * kp, kp, w, k, o0, o1, sums);
+  }, [&](int64_t o) { return scale[o]; });
 }
 
 // int4: 16 bytes -> 32 int16 in [0, 15]: the 16 even elements (low nibbles), then the 16 odd
@@ -493,26 +502,11 @@ void linear_w4_i16(const T* x, const uint8_t* w, const float* scale, int64_t gro
   std::vector<int32_t> xsum8(rows * groups, 0);  // 8 * sum of each row's group (the nibble offset)
   for (int64_t m = 0; m < rows; ++m)
     for (int64_t i = 0; i < k; ++i) xsum8[m * groups + i / group] += 8 * xq[m * kp + i];
-  at::parallel_for(0, (n + 15) / 16, 1, [&](int64_t begin, int64_t end) {
-    float sums[16 * 4];
-    for (int64_t t = begin; t < end; ++t) {
-      const int64_t o0 = t * 16, o1 = std::min(n, o0 + 16);
-      for (int64_t m0 = 0; m0 < rows; m0 += 4) {
-        const int64_t mr = std::min<int64_t>(4, rows - m0);
-        const int16_t* xr = xq.data() + m0 * kp;
-        const int32_t* xs8 = xsum8.data() + m0 * groups;
-        with_rows(mr, [&](auto R) {
-          constexpr int r = decltype(R)::value;
-          (wide ? rows_w4<r, true> : rows_w4<r, false>)(xr, kp, xs8, w, row_bytes, scale, group, groups, o0, o1,
-                                                          sums);
-        });
-        for (int64_t o = o0; o < o1; ++o) {
-          const float b = bias ? to_f32(bias[o]) : 0.f;
-          for (int64_t r = 0; r < mr; ++r) store_as(out + (m0 + r) * n + o, sums[(o - o0) * mr + r] * xs[m0 + r] + b);
-        }
-      }
-    }
-  });
+  tiles_i16(bias, out, xs.data(), rows, n, [&](auto R, int64_t m0, int64_t o0, int64_t o1, float* sums) {
+    constexpr int r = decltype(R)::value;
+    (wide ? rows_w4<r, true> : rows_w4<r, false>)(xq.data() + m0 * kp, kp, xsum8.data() + m0 * groups, w, row_bytes,
+                                                    scale, group, groups, o0, o1, sums);
+  }, [](int64_t) { return 1.f; });
 }
 #endif
 
