@@ -89,17 +89,19 @@ def quantize(config, spec, tokenizer_files: dict[str, str], weights, dtype, step
     max_positions = max(q.calibration.seq_len, q.accuracy.window, config.build.max_seq_len)
     reference = LlamaModel(spec, weights, max_positions)  # float32, unquantized
     options = QuantOptions(q.algo, q.kv_cache, pick_group_size(q.group_size, spec), q.smoothquant_alpha,
-                           q.lm_head, q.fp8_weight_scales == "per_tensor", q.w4a8_activations)
+                           q.lm_head, q.fp8_weight_scales == "per_tensor", q.w4a8_activations, q.weight_rounding)
     stats = None
     if options.needs_calibration:
         c = q.calibration
         with step(f"Calibrate on {c.samples} x {c.seq_len} tokens of {c.dataset}"):
             sequences = calibration_sequences(tokenizer, c.dataset, c.samples, c.seq_len, base=Path.cwd())
             with progress_bar("sequences", len(sequences)) as advance:
-                stats = calibrate(reference, sequences, progress=advance)
+                stats = calibrate(reference, sequences, progress=advance, gram=options.gptq)
     detail = {"int8_sq": f", alpha {q.smoothquant_alpha}", "fp8": f", weights {q.fp8_weight_scales}",
               "int4_awq": f", group size {options.group_size}", "int4_wo": f", group size {options.group_size}",
               "w4a8_awq": f", group size {options.group_size}, {q.w4a8_activations} activations"}.get(q.algo, "")
+    if options.gptq:
+        detail += ", GPTQ rounding"
     with step(f"Quantize ({q.label}{detail})"):
         with progress_bar("layers", spec.num_layers) as advance:
             quantized = quantize_weights(weights, spec, options, dtype, stats, advance)

@@ -74,6 +74,7 @@ ALGO_OPTIONS = {  # options that mean something for some algorithms only
     "smoothquant_alpha": ("int8_sq",),
     "fp8_weight_scales": ("fp8",),
     "w4a8_activations": ("w4a8_awq",),
+    "weight_rounding": ("int4_awq", "w4a8_awq", "int8_sq", "fp8"),
 }
 
 
@@ -95,6 +96,10 @@ class QuantizationSection(_Section):
     w4a8_activations: Literal["int8", "fp8"] = Field(
         "int8", description="build-time, w4a8_awq: int8 per row and group (dynamic) | fp8 E4M3 per tensor "
                             "(static, calibrated; TensorRT-LLM's W4A8_AWQ)")
+    weight_rounding: Literal["gptq", "nearest"] = Field(
+        "gptq", description="build-time, int4_awq / w4a8_awq / int8_sq / fp8: gptq rounds each weight "
+                            "column with the error of the earlier ones fed forward (GPTQ, on the "
+                            "calibration tokens' x^T x) | nearest (round each weight on its own)")
     lm_head: Literal["int8", "none"] = Field(
         "int8", description="build-time: int8 weights for the output projection too (it is a fifth of "
                             "SmolLM2's weights), or none to keep it in the engine dtype")

