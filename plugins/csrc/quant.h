@@ -390,6 +390,99 @@ void linear_w8_i16(const T* x, const int8_t* w, const float* scale, const T* bia
   }, [&](int64_t o) { return scale[o]; });
 }
 
+#if defined(KILN_ISA_VNNI)
+// W8A16 with VNNI bytes: each input row is quantized to 15 bits (absmax / 16383) and split into
+// two int8 planes, q = 256 * h + l (l in [-128, 127], h in [-64, 64]); the int8 weights, offset
+// to u8 by + 128 (one XOR), meet each plane with vpdpbusd: 64 multiply-adds per instruction and
+// no widening, half the instructions of the int16 path, so the GEMV keeps up with memory. The
+// offset is taken off exactly in the integer domain (128 * sum of the plane). Rows shorter than
+// kVnniBytesMinK keep the int16 path: their per-row reductions (two planes) cost more than the
+// instructions saved (measured one thread: k 576 / 1536 int16 1.2x faster; k 2048 - 8192 this
+// path 1.15-1.5x faster, at memory bandwidth for 8192 x 8192).
+constexpr int64_t kVnniBytesMinK = 2048;
+
+template <typename T>
+void split_rows_i8(const T* x, int64_t rows, int64_t k, int64_t kp, int8_t* hi, int8_t* lo, float* scale,
+                   int32_t* hsum, int32_t* lsum) {
+  for (int64_t m = 0; m < rows; ++m) {
+    const T* xr = x + m * k;
+    float amax = 0.f;
+    for (int64_t i = 0; i < k; ++i) amax = std::max(amax, std::fabs(to_f32(xr[i])));
+    scale[m] = amax / 16383.f;
+    const float inv = amax > 0.f ? 16383.f / amax : 0.f;
+    int32_t hs = 0, ls = 0;
+    for (int64_t i = 0; i < kp; ++i) {
+      const int q = i < k ? static_cast<int>(std::nearbyint(to_f32(xr[i]) * inv)) : 0;
+      const int l = ((q + 128) & 255) - 128;
+      const int h = (q - l) / 256;
+      hi[m * kp + i] = static_cast<int8_t>(h);
+      lo[m * kp + i] = static_cast<int8_t>(l);
+      hs += h;
+      ls += l;
+    }
+    hsum[m] = hs;
+    lsum[m] = ls;
+  }
+}
+
+// R input rows (two planes each) against one int8 weight row; sums[r] = the exact integer dot
+// product of the row with the 15-bit input row r, as float
+template <int R>
+inline void dot_rows_w8_vnni(const int8_t* hi, const int8_t* lo, int64_t kp, const int32_t* hsum,
+                             const int32_t* lsum, const int8_t* w, int64_t k, float* sums) {
+  constexpr int C = R == 1 ? 2 : 1;  // independent chains per plane: vpdpbusd's latency
+  const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
+  __m512i ah[R][C], al[R][C];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) ah[r][c] = al[r][c] = _mm512_setzero_si512();
+  int64_t i = 0;
+  for (; i + 64 * C <= k; i += 64 * C) {
+    for (int c = 0; c < C; ++c) {
+      const __m512i wv = _mm512_xor_si512(_mm512_loadu_si512(w + i + 64 * c), flip);
+      for (int r = 0; r < R; ++r) {
+        ah[r][c] = _mm512_dpbusd_epi32(ah[r][c], wv, _mm512_loadu_si512(hi + r * kp + i + 64 * c));
+        al[r][c] = _mm512_dpbusd_epi32(al[r][c], wv, _mm512_loadu_si512(lo + r * kp + i + 64 * c));
+      }
+    }
+  }
+  for (; i < k; i += 64) {  // the tail: weights past k read as 0 (x planes are zero there)
+    const __mmask64 mask = k - i >= 64 ? ~0ull : (1ull << (k - i)) - 1;
+    const __m512i wv = _mm512_xor_si512(_mm512_maskz_loadu_epi8(mask, w + i), flip);
+    for (int r = 0; r < R; ++r) {
+      ah[r][0] = _mm512_dpbusd_epi32(ah[r][0], wv, _mm512_loadu_si512(hi + r * kp + i));
+      al[r][0] = _mm512_dpbusd_epi32(al[r][0], wv, _mm512_loadu_si512(lo + r * kp + i));
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    __m512i h = ah[r][0], l = al[r][0];
+    for (int c = 1; c < C; ++c) {
+      h = _mm512_add_epi32(h, ah[r][c]);
+      l = _mm512_add_epi32(l, al[r][c]);
+    }
+    const int32_t th = _mm512_reduce_add_epi32(h) - 128 * hsum[r];
+    const int32_t tl = _mm512_reduce_add_epi32(l) - 128 * lsum[r];
+    sums[r] = static_cast<float>(th) * 256.f + static_cast<float>(tl);
+  }
+}
+
+template <typename T>
+void linear_w8_vnni(const T* x, const int8_t* w, const float* scale, const T* bias, T* out, int64_t rows,
+                    int64_t k, int64_t n) {
+  if (k < kVnniBytesMinK) return linear_w8_i16(x, w, scale, bias, out, rows, k, n);
+  const int64_t kp = (k + 63) / 64 * 64;
+  std::vector<int8_t> hi(rows * kp), lo(rows * kp);
+  std::vector<float> xs(rows);
+  std::vector<int32_t> hsum(rows), lsum(rows);
+  split_rows_i8(x, rows, k, kp, hi.data(), lo.data(), xs.data(), hsum.data(), lsum.data());
+  tiles_i16(bias, out, xs.data(), rows, n, [&](auto R, int64_t m0, int64_t o0, int64_t o1, float* sums) {
+    constexpr int r = decltype(R)::value;
+    for (int64_t o = o0; o < o1; ++o)
+      dot_rows_w8_vnni<r>(hi.data() + m0 * kp, lo.data() + m0 * kp, kp, hsum.data() + m0, lsum.data() + m0,
+                          w + o * k, k, sums + (o - o0) * r);
+  }, [&](int64_t o) { return scale[o]; });
+}
+#endif
+
 // int4: 16 bytes -> 32 int16 in [0, 15]: the 16 even elements (low nibbles), then the 16 odd
 // (or, WIDE, 32 bytes -> 64: evens of both halves, then odds; x is stored in the same order).
 // The stored nibbles are value + 8: 8 * sum(x) of the group is taken off in the int domain.
@@ -648,7 +741,10 @@ void linear_w4a8_f32(const float* x, const uint8_t* w, const float* s, int64_t g
 void linear_w4a8_bf16(const bf16* x, const uint8_t* w, const float* s, int64_t g, const bf16* b, bf16* o, int64_t r,
                       int64_t k, int64_t n) { linear_w4a8_impl<bf16>(x, w, s, g, b, o, r, k, n); }
 
-#if defined(KILN_ISA_AVX512)
+#if defined(KILN_ISA_VNNI)
+#define KILN_W8 linear_w8_vnni
+#define KILN_W4_FAST(k, g) ((k) % 32 == 0 && (g) % 32 == 0)
+#elif defined(KILN_ISA_AVX512)
 #define KILN_W8 linear_w8_i16
 #define KILN_W4_FAST(k, g) ((k) % 32 == 0 && (g) % 32 == 0)
 #else
