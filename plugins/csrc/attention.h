@@ -17,6 +17,9 @@
 // channel of K and of V (kv_scales [2, kv_heads * head_dim]): k / k_scale and v / v_scale
 // are stored; K's scales are folded into the query (q . (k_q * s) = (q * s) . k_q) and V's
 // into the output, so the loops over the blocks only widen the stored bytes.
+// With AVX-512 a block's scores are computed sixteen keys at a time (one transposing reduction
+// for the sixteen dot products), exponentiated sixteen at a time, and the weighted values summed
+// in registers: 1.6-2x the scalar-reduction loop with warm caches (190-4,000 cached tokens).
 // Included per ISA inside kiln::<isa> after vec.h.
 
 // x * cos + rotate_half(x) * sin for one head vector, into fp32 (values rounded to T).
@@ -29,6 +32,123 @@ inline void rope_into(float* dst, const T* x, const T* cos, const T* sin, int64_
                          round_as<T>(rotated * to_f32(sin[d])));
   }
 }
+
+#if defined(KILN_ISA_AVX512)
+// Sixteen vectors -> one vector of their sums (lane i = the sum of v[i]), 45 instructions instead
+// of sixteen horizontal reductions: pairs are interleaved and added within 128-bit lanes, then
+// the 128-bit lanes are combined.
+inline __m512 sum16(const __m512* v) {
+  __m512 r[8], s[4], u[2];
+  for (int i = 0; i < 8; ++i)
+    r[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  for (int i = 0; i < 4; ++i)  // lane L of s[i]: the lane-L sums of v[4i .. 4i+3]
+    s[i] = _mm512_add_ps(_mm512_shuffle_ps(r[2 * i], r[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_ps(r[2 * i], r[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  for (int i = 0; i < 2; ++i)
+    u[i] = _mm512_add_ps(_mm512_shuffle_f32x4(s[2 * i], s[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(s[2 * i], s[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_f32x4(u[0], u[1], _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+// exp(x) for 16 lanes (Cephes' expf: x = n ln2 + r, |r| <= ln2 / 2, a degree-7 polynomial for
+// e^r, then 2^n by vscalefps); within 2 ulp of std::exp, 0 below the float range
+inline __m512 exp16(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-104.f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
+  return _mm512_scalef_ps(p, n);
+}
+
+// scores[i] = q . k_i for the n keys of a block (key i at k + i * stride), sixteen at a time
+template <typename P>
+inline void block_scores(const float* q, const P* k, int64_t stride, int64_t n, int64_t head_dim, float* scores) {
+  int64_t i = 0;
+  if (head_dim % 16 == 0) {
+    __m512 acc[16];
+    for (; i + 16 <= n; i += 16) {
+      for (int j = 0; j < 16; ++j) {
+        const P* kj = k + (i + j) * stride;
+        __m512 a = _mm512_mul_ps(vload(q), vload(kj));
+        for (int64_t d = 16; d < head_dim; d += 16) a = _mm512_fmadd_ps(vload(q + d), vload(kj + d), a);
+        acc[j] = a;
+      }
+      _mm512_storeu_ps(scores + i, sum16(acc));
+    }
+  }
+  for (; i < n; ++i) scores[i] = dot(q, k + i * stride, head_dim);
+}
+
+// acc[0, 16 C) += sum_i p[i] * v_i (value i at v + i * stride), the accumulators in registers
+template <int C, typename P>
+inline void block_pv_c(float* acc, const float* p, const P* v, int64_t stride, int64_t n) {
+  __m512 a[C];
+  for (int c = 0; c < C; ++c) a[c] = _mm512_loadu_ps(acc + 16 * c);
+  for (int64_t i = 0; i < n; ++i) {
+    const __m512 pi = _mm512_set1_ps(p[i]);
+    const P* vi = v + i * stride;
+    for (int c = 0; c < C; ++c) a[c] = _mm512_fmadd_ps(pi, vload(vi + 16 * c), a[c]);
+  }
+  for (int c = 0; c < C; ++c) _mm512_storeu_ps(acc + 16 * c, a[c]);
+}
+
+template <typename P>
+inline void block_pv(float* acc, const float* p, const P* v, int64_t stride, int64_t n, int64_t head_dim) {
+  switch (head_dim % 16 == 0 ? head_dim / 16 : 0) {
+    case 2: return block_pv_c<2>(acc, p, v, stride, n);
+    case 3: return block_pv_c<3>(acc, p, v, stride, n);
+    case 4: return block_pv_c<4>(acc, p, v, stride, n);
+    case 6: return block_pv_c<6>(acc, p, v, stride, n);
+    case 8: return block_pv_c<8>(acc, p, v, stride, n);
+    default:
+      for (int64_t i = 0; i < n; ++i) axpy(acc, p[i], v + i * stride, head_dim);
+  }
+}
+
+// scores[i] = exp(scores[i] - shift); returns their sum
+inline float exp_shifted(float* scores, int64_t n, float shift) {
+  __m512 total = _mm512_setzero_ps();
+  const __m512 vs = _mm512_set1_ps(shift);
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(scores + i), vs));
+    _mm512_storeu_ps(scores + i, e);
+    total = _mm512_add_ps(total, e);
+  }
+  if (i < n) {
+    const __mmask16 m = static_cast<__mmask16>((1u << (n - i)) - 1);
+    const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, scores + i), vs));
+    _mm512_mask_storeu_ps(scores + i, m, e);
+    total = _mm512_add_ps(total, _mm512_maskz_mov_ps(m, e));
+  }
+  return _mm512_reduce_add_ps(total);
+}
+#else
+template <typename P>
+inline void block_pv(float* acc, const float* p, const P* v, int64_t stride, int64_t n, int64_t head_dim) {
+  for (int64_t i = 0; i < n; ++i) axpy(acc, p[i], v + i * stride, head_dim);
+}
+
+template <typename P>
+inline void block_scores(const float* q, const P* k, int64_t stride, int64_t n, int64_t head_dim, float* scores) {
+  for (int64_t i = 0; i < n; ++i) scores[i] = dot(q, k + i * stride, head_dim);
+}
+
+inline float exp_shifted(float* scores, int64_t n, float shift) {
+  float total = 0.f;
+  for (int64_t i = 0; i < n; ++i) total += scores[i] = std::exp(scores[i] - shift);
+  return total;
+}
+#endif
 
 template <typename T, typename P>
 void paged_attention_impl(const T* qkv, const T* cos, const T* sin, P* k_pool, P* v_pool, T* out,
@@ -95,22 +215,16 @@ void paged_attention_impl(const T* qkv, const T* cos, const T* sin, P* k_pool, P
         const int64_t n = std::min(bs, context - first);
         const P* kblock = k_pool + table[b] * block_stride + g * head_dim;
         const P* vblock = v_pool + table[b] * block_stride + g * head_dim;
-        float block_max = -std::numeric_limits<float>::infinity();
-        for (int64_t i = 0; i < n; ++i) {
-          scores[i] = dot(qf.data(), kblock + i * row, head_dim);
-          block_max = std::max(block_max, scores[i]);
-        }
+        block_scores(qf.data(), kblock, row, n, head_dim, scores.data());
+        const float block_max = *std::max_element(scores.begin(), scores.begin() + n);
         if (block_max > running_max) {
           const float correction = std::exp(running_max - block_max);
           denom *= correction;
           scale_inplace(acc.data(), correction, head_dim);
           running_max = block_max;
         }
-        for (int64_t i = 0; i < n; ++i) {
-          const float p = std::exp(scores[i] - running_max);
-          denom += p;
-          axpy(acc.data(), p, vblock + i * row, head_dim);
-        }
+        denom += exp_shifted(scores.data(), n, running_max);
+        block_pv(acc.data(), scores.data(), vblock, row, n, head_dim);
       }
       T* orow = out + (t * shape.heads + h) * head_dim;
       const float inv = 1.f / denom;
