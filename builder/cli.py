@@ -79,7 +79,7 @@ def quantize(config, spec, tokenizer_files: dict[str, str], weights, dtype, step
     from tokenizers import Tokenizer
 
     from kiln.quantize.algorithms import QuantOptions, pick_group_size, quantization_meta, quantize_weights
-    from kiln.quantize.calibrate import calibrate
+    from kiln.quantize.calibrate import Grams, calibrate, gram_chunks
     from kiln.quantize.datasets import calibration_sequences, evaluation_ids
     from kiln.quantize.report import apply_gate, measure, report_table
     from kiln.runtime.model import LlamaModel
@@ -96,15 +96,18 @@ def quantize(config, spec, tokenizer_files: dict[str, str], weights, dtype, step
         with step(f"Calibrate on {c.samples} x {c.seq_len} tokens of {c.dataset}"):
             sequences = calibration_sequences(tokenizer, c.dataset, c.samples, c.seq_len, base=Path.cwd())
             with progress_bar("sequences", len(sequences)) as advance:
-                stats = calibrate(reference, sequences, progress=advance, gram=options.gptq)
+                first = gram_chunks(reference)[0] if options.gptq else range(0)
+                stats = calibrate(reference, sequences, progress=advance, gram_layers=first)
     detail = {"int8_sq": f", alpha {q.smoothquant_alpha}", "fp8": f", weights {q.fp8_weight_scales}",
               "int4_awq": f", group size {options.group_size}", "int4_wo": f", group size {options.group_size}",
               "w4a8_awq": f", group size {options.group_size}, {q.w4a8_activations} activations"}.get(q.algo, "")
     if options.gptq:
-        detail += ", GPTQ rounding"
+        chunks = len(gram_chunks(reference))
+        detail += ", GPTQ rounding" + (f", x^T x for {chunks} chunks of layers in turn" if chunks > 1 else "")
     with step(f"Quantize ({q.label}{detail})"):
         with progress_bar("layers", spec.num_layers) as advance:
-            quantized = quantize_weights(weights, spec, options, dtype, stats, advance)
+            grams = Grams(reference, sequences, stats) if options.gptq else None
+            quantized = quantize_weights(weights, spec, options, dtype, stats, advance, grams)
     meta = quantization_meta(options)
     with step(f"Measure accuracy on {q.accuracy.tokens} tokens of {q.accuracy.text}"):
         ids = evaluation_ids(tokenizer, q.accuracy.text, q.accuracy.tokens, base=Path.cwd())

@@ -225,11 +225,18 @@ def gptq(w: torch.Tensor, gram: torch.Tensor, round_column: Callable[[int, torch
     w = w.float().clone()
     in_features = w.shape[1]
     h = gram.double().clone()
-    dead = h.diagonal() == 0  # inputs that were always zero: their weights do not matter
-    h[dead, dead] = 1
-    w[:, dead] = 0
-    h.diagonal().add_(GPTQ_DAMP * h.diagonal().mean())
-    hinv = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(h)), upper=True).float()
+    dead = h.diagonal() == 0  # inputs never seen non-zero: rounded to nearest (GPTQ zeroes them; a
+    h[dead, dead] = 1           # prompt unlike the calibration text may use them)
+    damp = GPTQ_DAMP * float(h.diagonal().mean())
+    for _ in range(6):  # more damping where rounding errors leave x^T x short of positive definite
+        factor, info = torch.linalg.cholesky_ex(h + damp * torch.eye(in_features, dtype=h.dtype))
+        if int(info) == 0:
+            break
+        damp *= 10
+    else:
+        raise ValueError("GPTQ: the calibration inputs' x^T x is not positive definite even with damping "
+                         "(calibrate on more text, or set quantization.weight_rounding: nearest)")
+    hinv = torch.linalg.cholesky(torch.cholesky_inverse(factor), upper=True).float()
     q = torch.zeros_like(w)
     for i1 in range(0, in_features, block):
         i2 = min(i1 + block, in_features)
@@ -274,10 +281,12 @@ def gptq_fp8(w: torch.Tensor, gram: torch.Tensor, scales: torch.Tensor) -> torch
 
 def quantize_weights(weights: dict[str, torch.Tensor], spec: ModelSpec, options: QuantOptions, dtype: torch.dtype,
                      stats: dict[tuple[int, str], LinearStats] | None,
-                     progress: Callable[[], None] = lambda: None) -> dict[str, torch.Tensor]:
+                     progress: Callable[[], None] = lambda: None,
+                     grams: Callable[[int, str], torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
     """Packed float32 weights -> the engine's tensors (quantized linears, the rest in `dtype`).
     lm_head "int8": the output projection gets int8 weights per channel (W8A16) too; with tied
-    embeddings the embedding table stays as it is for the input lookup."""
+    embeddings the embedding table stays as it is for the input lookup. `grams(layer, linear)`:
+    the x^T x sums GPTQ rounding needs (calibrate.Grams), asked for in layer order."""
     out: dict[str, torch.Tensor] = {}
     if options.kv_cache != "none":
         for i in range(spec.num_layers):
@@ -323,7 +332,7 @@ def quantize_weights(weights: dict[str, torch.Tensor], spec: ModelSpec, options:
             gram = None
             if options.gptq:
                 s = scales.get(n)  # the Gram matrix of x / s
-                gram = stats[i, n].gram if s is None else stats[i, n].gram / s[:, None] / s[None, :]
+                gram = grams(i, n) if s is None else grams(i, n) / s[:, None] / s[None, :]
             if kind in INT4_KINDS and gram is not None:
                 w, w_scales = gptq_int4(w, gram, group_size, clips.get(n))
                 qweight, w_scales = quantize_int4(w, group_size, w_scales)

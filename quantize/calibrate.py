@@ -11,7 +11,12 @@ tokens, with and without the `picked[0] = 0` line below): +33% perplexity withou
 Per layer, for a quantized KV cache: the largest |k| and |v| per channel, from the qkv
 projection's output. Keys are stored after rotary embedding, which mixes channel d with
 d + head_dim / 2; |rotated k_d| never exceeds the pair's norm sqrt(k_d^2 + k_{d+half}^2), so
-that norm's maximum is taken for both channels of the pair (no key saturates at any position)."""
+that norm's maximum is taken for both channels of the pair (no key saturates at any position).
+
+GPTQ rounding also needs each linear's x^T x over every token ([in, in] float32: 400 MB for
+SmolLM2, about 22 GB for a 7B Llama). Those sums are held for a chunk of consecutive layers
+within GRAM_BUDGET at a time: the first chunk's during the calibration pass, each later chunk's
+by another pass over the calibration text that stops after the chunk's last layer."""
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -20,6 +25,8 @@ from dataclasses import dataclass, field
 import torch
 
 from kiln.runtime.model import LINEARS, KVPool, LlamaModel, StepContext
+
+GRAM_BUDGET = 2 << 30  # bytes of x^T x sums held at once
 
 
 @dataclass
@@ -83,9 +90,10 @@ def kv_observer(stats: KVStats, q_size: int, kv_size: int, head_dim: int):
 
 
 def calibrate(model: LlamaModel, sequences: list[list[int]], rows: int = 256, block_size: int = 32,
-              progress: Callable[[], None] = lambda: None, gram: bool = False) -> dict[tuple[int, str], LinearStats | KVStats]:
+              progress: Callable[[], None] = lambda: None,
+              gram_layers: range = range(0)) -> dict[tuple[int, str], LinearStats | KVStats]:
     """(layer index, linear name) -> statistics of its input over every calibration token, and
-    (layer index, "kv") -> the layer's K / V ranges."""
+    (layer index, "kv") -> the layer's K / V ranges; x^T x too for the layers in `gram_layers`."""
     generator = torch.Generator().manual_seed(0)
     rows_per_call = max(1, -(-rows // len(sequences)))
     stats: dict[tuple[int, str], LinearStats] = {}
@@ -95,7 +103,8 @@ def calibrate(model: LlamaModel, sequences: list[list[int]], rows: int = 256, bl
             inner = getattr(layer, name)
             in_features = inner.weight.shape[1]
             stats[index, name] = LinearStats(torch.zeros(in_features), torch.zeros(in_features),
-                                             gram=torch.zeros(in_features, in_features) if gram else None)
+                                             gram=torch.zeros(in_features, in_features) if index in gram_layers
+                                             else None)
             kv = None
             if name == "qkv":
                 spec = model.spec
@@ -117,3 +126,86 @@ def calibrate(model: LlamaModel, sequences: list[list[int]], rows: int = 256, bl
             s.rows, s.parts = torch.cat(s.parts)[:rows], []
     return stats
 
+
+
+def gram_chunks(model: LlamaModel, budget: int = GRAM_BUDGET) -> list[range]:
+    """Consecutive layers whose linears' x^T x sums (float32) fit in `budget` together (a layer
+    that alone is over it is a chunk of its own)."""
+    chunks, start, held = [], 0, 0
+    for index, layer in enumerate(model.layers):
+        size = sum(getattr(layer, name).weight.shape[1] ** 2 * 4 for name in LINEARS)
+        if index > start and held + size > budget:
+            chunks.append(range(start, index))
+            start, held = index, 0
+        held += size
+    chunks.append(range(start, len(model.layers)))
+    return chunks
+
+
+class _ChunkDone(Exception):
+    pass
+
+
+class GramObserver:
+    """Stands in for a linear layer: adds x^T x to `gram`, calls it, and ends the forward pass
+    after the chunk's last linear (`last`)."""
+
+    def __init__(self, inner, gram: torch.Tensor, last: bool):
+        self.inner, self.gram, self.last = inner, gram, last
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        self.gram.addmm_(xf.T, xf)
+        if self.last:
+            raise _ChunkDone
+        return self.inner(x)
+
+
+def gram_sums(model: LlamaModel, sequences: list[list[int]], layers: range,
+              block_size: int = 32) -> dict[tuple[int, str], torch.Tensor]:
+    """x^T x of every linear's input in `layers`, over the calibration sequences (one forward
+    pass each, stopped after the last of those layers)."""
+    grams: dict[tuple[int, str], torch.Tensor] = {}
+    originals = []
+    for index in layers:
+        layer = model.layers[index]
+        for name in LINEARS:
+            inner = getattr(layer, name)
+            grams[index, name] = torch.zeros(inner.weight.shape[1], inner.weight.shape[1])
+            last = index == layers[-1] and name == LINEARS[-1]
+            setattr(layer, name, GramObserver(inner, grams[index, name], last))
+            originals.append((layer, name, inner))
+    try:
+        for ids in sequences:
+            blocks = -(-len(ids) // block_size)
+            pool = KVPool(model.spec, blocks, block_size, model.kv_dtype)
+            try:
+                model.forward(torch.tensor(ids), StepContext.single(0, len(ids), list(range(blocks))), pool)
+            except _ChunkDone:
+                pass
+    finally:
+        for layer, name, inner in originals:
+            setattr(layer, name, inner)
+    return grams
+
+
+class Grams:
+    """x^T x per (layer, linear) for GPTQ, one chunk of layers (gram_chunks) held at a time: the
+    chunk the calibration pass summed (taken out of `stats`), later chunks by gram_sums when first
+    asked for. Ask in layer order."""
+
+    def __init__(self, model: LlamaModel, sequences: list[list[int]], stats: dict, budget: int = GRAM_BUDGET):
+        self.model, self.sequences, self.chunks = model, sequences, gram_chunks(model, budget)
+        self.held: dict[tuple[int, str], torch.Tensor] = {}
+        for key, value in stats.items():
+            if isinstance(value, LinearStats) and value.gram is not None:
+                self.held[key], value.gram = value.gram, None
+        self.passes = 0  # extra passes over the calibration text
+
+    def __call__(self, layer: int, name: str) -> torch.Tensor:
+        if (layer, name) not in self.held:
+            self.held = {}  # free the previous chunk first
+            chunk = next(c for c in self.chunks if layer in c)
+            self.held = gram_sums(self.model, self.sequences, chunk)
+            self.passes += 1
+        return self.held[layer, name]

@@ -15,7 +15,7 @@ from kiln.builder.compile import pack_weights
 from kiln.plugins import ops
 from kiln.plugins.build import build_plugins
 import kiln.quantize.algorithms as A
-from kiln.quantize.calibrate import calibrate
+from kiln.quantize.calibrate import Grams, calibrate
 from kiln.quantize.datasets import calibration_sequences, evaluation_ids
 from kiln.quantize.report import measure
 from kiln.runtime.model import LlamaModel
@@ -28,7 +28,9 @@ w = pack_weights(ck, torch.float32)
 tok = Tokenizer.from_str(ck.tokenizer_files[names.TOKENIZER_JSON])
 ref = LlamaModel(spec, w, 2048)
 t = time.time()
-stats = calibrate(ref, calibration_sequences(tok, "builtin", 64, 256, base=Path.cwd()), gram=True)
+sequences = calibration_sequences(tok, "builtin", 64, 256, base=Path.cwd())
+stats = calibrate(ref, sequences, gram_layers=range(spec.num_layers))
+grams = Grams(ref, sequences, stats, budget=1 << 40)  # every layer's sums held
 print("calibrated", round(time.time() - t), "s", flush=True)
 ids = evaluation_ids(tok, "builtin", int(sys.argv[1]), base=Path.cwd())
 
@@ -36,7 +38,7 @@ ids = evaluation_ids(tok, "builtin", int(sys.argv[1]), base=Path.cwd())
 def run(label, algo, rounding):
     options = A.QuantOptions(algo, group_size=64, weight_rounding=rounding)
     t = time.time()
-    q = A.quantize_weights(w, spec, options, torch.bfloat16, stats)
+    q = A.quantize_weights(w, spec, options, torch.bfloat16, stats, grams=grams)
     qt = time.time() - t
     model = LlamaModel(spec, q, 2048, A.quantization_meta(options))
     r = measure(ref, model, ids, 512)

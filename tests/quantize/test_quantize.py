@@ -106,6 +106,18 @@ def test_gptq_with_uncorrelated_inputs_is_round_to_nearest():
     torch.testing.assert_close(q, fake_quant_int4(w, 32))
 
 
+def test_gptq_with_too_few_calibration_rows_still_rounds():
+    """Fewer calibration rows than inputs leave x^T x singular: the damping makes it solvable and
+    the result is still on the grid and no worse than rounding to nearest on those rows."""
+    g = torch.Generator().manual_seed(5)
+    w = torch.randn(16, 64, generator=g) * 0.05
+    x = correlated_inputs(8, 64, g)
+    x[:, 5] = 0  # an input that never fires
+    q, scales = gptq_int4(w, x.T @ x, 32)
+    torch.testing.assert_close(q, fake_quant_int4(q, 32, scales), rtol=0, atol=1e-7)
+    assert (x @ (q - w).T).pow(2).mean() <= (x @ (fake_quant_int4(w, 32) - w).T).pow(2).mean()
+
+
 def test_gptq_result_does_not_depend_on_the_update_block():
     g = torch.Generator().manual_seed(4)
     w = torch.randn(24, 100, generator=g)
@@ -207,6 +219,25 @@ def test_kv_calibration_bounds_the_rotated_keys(tiny_engines):
         values = pool.values[i].reshape(-1, spec.kv_size)[: len(ids)].float().abs().amax(dim=0)
         assert (keys <= stats[i, "kv"].k_absmax * (1 + 1e-5) + 1e-6).all()
         torch.testing.assert_close(values, stats[i, "kv"].v_absmax)
+
+
+def test_gram_sums_held_a_chunk_of_layers_at_a_time_match_one_pass(tiny_engines):
+    """GPTQ's x^T x sums within a small budget (a chunk of layers per pass over the text, each
+    pass stopped after its chunk, GramObserver) equal those the calibration pass sums (Observer)."""
+    from kiln.quantize.calibrate import Grams, calibrate, gram_chunks
+
+    model = Engine(tiny_engines("llama")).model
+    sequences = [list(range(3, 40)), list(range(50, 70))]
+    layers = range(len(model.layers))
+    whole = calibrate(model, sequences, gram_layers=layers)
+    per_layer = gram_chunks(model, budget=1)
+    assert per_layer == [range(i, i + 1) for i in layers]
+    assert gram_chunks(model) == [layers]
+    grams = Grams(model, sequences, calibrate(model, sequences, gram_layers=per_layer[0]), budget=1)
+    for i in layers:
+        for name in ("qkv", "out", "gate_up", "down"):
+            torch.testing.assert_close(grams(i, name), whole[i, name].gram, rtol=1e-5, atol=1e-4)
+    assert grams.passes == len(layers) - 1  # the first chunk came from the calibration pass
 
 
 def test_fp8_linears_match_the_fake_quantized_float_computation():
