@@ -41,7 +41,16 @@ void silu_mul_impl(const T* gate_up, T* out, int64_t rows, int64_t n) {
       const T* gate = gate_up + r * 2 * n;
       const T* up = gate + n;
       T* o = out + r * n;
-      for (int64_t i = 0; i < n; ++i) {
+      int64_t i = 0;
+#if defined(KILN_ISA_AVX512)
+      float silu[16];
+      for (; i + 16 <= n; i += 16) {  // silu in 16 lanes (exp16), then rounded and multiplied as below
+        const __m512 g = vload(gate + i);
+        _mm512_storeu_ps(silu, _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), exp16(_mm512_sub_ps(vzero(), g)))));
+        for (int j = 0; j < 16; ++j) store_as(o + i + j, round_as<T>(silu[j]) * to_f32(up[i + j]));
+      }
+#endif
+      for (; i < n; ++i) {
         const float g = to_f32(gate[i]);
         store_as(o + i, round_as<T>(g / (1.0f + std::exp(-g))) * to_f32(up[i]));
       }
