@@ -32,7 +32,8 @@ import torch
 from kiln import constants as names
 from kiln.quantize.calibrate import KVStats, LinearStats
 from kiln.quantize.formats import (
-    FP8_MAX, fake_quant_fp8, fake_quant_int4, group_view, int4_scales, quantize_fp8, quantize_int4, quantize_int8)
+    FP8_MAX, fake_quant_fp8, fake_quant_int4, group_view, int4_scales, int8_scales, quantize_fp8, quantize_int4,
+    quantize_int8)
 from kiln.runtime.spec import ModelSpec
 
 LINEAR_KIND = {"int8_wo": names.LINEAR_INT8, "int4_wo": names.LINEAR_INT4, "int4_awq": names.LINEAR_INT4,
@@ -268,10 +269,10 @@ def gptq_int4(w: torch.Tensor, gram: torch.Tensor, group: int,
     return gptq(w, gram, round_column, group * max(1, GPTQ_BLOCK // group)), scales
 
 
-def gptq_int8(w: torch.Tensor, gram: torch.Tensor) -> torch.Tensor:
-    """GPTQ on the int8 grid with the per-row scales absmax / 127."""
-    scales = (w.abs().amax(dim=1) / 127).clamp(min=1e-10)
-    return gptq(w, gram, lambda column, pending: torch.round(pending[:, 0] / scales).clamp(-127, 127) * scales)
+def gptq_int8(w: torch.Tensor, gram: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """GPTQ on the int8 grid with the per-row scales absmax / 127. -> (w on its grid, scales)."""
+    scales = int8_scales(w)
+    return gptq(w, gram, lambda column, pending: torch.round(pending[:, 0] / scales).clamp(-127, 127) * scales), scales
 
 
 def gptq_fp8(w: torch.Tensor, gram: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
@@ -343,7 +344,8 @@ def quantize_weights(weights: dict[str, torch.Tensor], spec: ModelSpec, options:
                 w_scales = fp8_weight_scales(w, x2, options.fp8_per_tensor)
                 qweight, w_scales = quantize_fp8(w if gram is None else gptq_fp8(w, gram, w_scales), scales=w_scales)
             else:
-                qweight, w_scales = quantize_int8(w if gram is None else gptq_int8(w, gram))
+                qweight, w_scales = quantize_int8(*((w,) if gram is None else gptq_int8(w, gram)))
+                # (the grid's scales go with it: the rounded row's own absmax may be smaller)
             out[names.linear_tensor(prefix, names.QWEIGHT)] = qweight
             out[names.linear_tensor(prefix, names.WEIGHT_SCALES)] = w_scales
             if kind == names.LINEAR_W8A8:

@@ -11,10 +11,15 @@ from __future__ import annotations
 import torch
 
 
-def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """[out, in] float -> int8 [out, in], float32 scales [out]."""
+def int8_scales(w: torch.Tensor) -> torch.Tensor:
+    """float32 [out]: absmax(row) / 127."""
+    return (w.float().abs().amax(dim=1) / 127).clamp(min=1e-10)
+
+
+def quantize_int8(w: torch.Tensor, scales: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """[out, in] float -> int8 [out, in], float32 scales [out] (by default int8_scales(w))."""
     w = w.float()
-    scales = (w.abs().amax(dim=1) / 127).clamp(min=1e-10)
+    scales = int8_scales(w) if scales is None else scales.float()
     q = torch.round(w / scales[:, None]).clamp(-127, 127).to(torch.int8)
     return q, scales
 

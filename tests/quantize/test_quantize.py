@@ -10,7 +10,7 @@ from kiln import constants as names
 from kiln.builder.cli import main as build_main
 from kiln.quantize.algorithms import (
     LayerWeights, awq_scales, gptq, gptq_fp8, gptq_int4, gptq_int8, pick_group_size, smoothquant_scales)
-from kiln.quantize.formats import fake_quant_fp8, fake_quant_int4, int4_scales
+from kiln.quantize.formats import fake_quant_fp8, fake_quant_int4, int4_scales, quantize_int8
 from kiln.runtime.engine import Engine
 from kiln.runtime.spec import ModelSpec
 from tests.helpers import SMOLLM2_CHECKPOINT, build_engine, forward_logits, write_config
@@ -84,9 +84,12 @@ def test_gptq_lowers_the_output_error_and_stays_on_the_grid(grid):
         nearest = fake_quant_int4(w, 48)
         on_grid = fake_quant_int4(q, 48, scales)
     elif grid == "int8":
-        q = gptq_int8(w, gram)
+        q, scales = gptq_int8(w, gram)
         s = (w.abs().amax(dim=1, keepdim=True) / 127)
+        torch.testing.assert_close(scales, s[:, 0])
         nearest, on_grid = torch.round(w / s) * s, torch.round(q / s) * s
+        packed, stored = quantize_int8(q, scales)  # what the engine stores: the same grid
+        torch.testing.assert_close(packed.float() * stored[:, None], q, rtol=0, atol=1e-7)
     else:
         s = w.abs().amax(dim=1) / 448
         q = gptq_fp8(w, gram, s)
