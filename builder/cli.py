@@ -91,19 +91,18 @@ def quantize(config, spec, tokenizer_files: dict[str, str], weights, dtype, step
     options = QuantOptions(q.algo, q.kv_cache, pick_group_size(q.group_size, spec), q.smoothquant_alpha,
                            q.lm_head, q.fp8_weight_scales == "per_tensor", q.w4a8_activations, q.weight_rounding)
     stats = None
+    chunks = gram_chunks(reference) if options.gptq else [range(0)]  # layers whose x^T x are held together
     if options.needs_calibration:
         c = q.calibration
         with step(f"Calibrate on {c.samples} x {c.seq_len} tokens of {c.dataset}"):
             sequences = calibration_sequences(tokenizer, c.dataset, c.samples, c.seq_len, base=Path.cwd())
             with progress_bar("sequences", len(sequences)) as advance:
-                first = gram_chunks(reference)[0] if options.gptq else range(0)
-                stats = calibrate(reference, sequences, progress=advance, gram_layers=first)
+                stats = calibrate(reference, sequences, progress=advance, gram_layers=chunks[0])
     detail = {"int8_sq": f", alpha {q.smoothquant_alpha}", "fp8": f", weights {q.fp8_weight_scales}",
               "int4_awq": f", group size {options.group_size}", "int4_wo": f", group size {options.group_size}",
               "w4a8_awq": f", group size {options.group_size}, {q.w4a8_activations} activations"}.get(q.algo, "")
     if options.gptq:
-        chunks = len(gram_chunks(reference))
-        detail += ", GPTQ rounding" + (f", x^T x for {chunks} chunks of layers in turn" if chunks > 1 else "")
+        detail += ", GPTQ rounding" + (f", x^T x for {len(chunks)} chunks of layers in turn" if len(chunks) > 1 else "")
     with step(f"Quantize ({q.label}{detail})"):
         with progress_bar("layers", spec.num_layers) as advance:
             grams = Grams(reference, sequences, stats) if options.gptq else None

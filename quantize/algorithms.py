@@ -260,8 +260,7 @@ def gptq_int4(w: torch.Tensor, gram: torch.Tensor, group: int,
     def round_column(column: int, pending: torch.Tensor) -> torch.Tensor:
         g = column // group
         if column % group == 0:
-            amax = pending[:, :group].abs().amax(dim=1)
-            scales[:, g] = (amax * (1 if clip is None else clip[:, g]) / 7).clamp(min=1e-10)
+            scales[:, g] = int4_scales(pending[:, :group], group, None if clip is None else clip[:, g:g + 1])[:, 0]
         s = scales[:, g]
         return torch.round(pending[:, 0] / s).clamp(-8, 7) * s
 
@@ -334,11 +333,10 @@ def quantize_weights(weights: dict[str, torch.Tensor], spec: ModelSpec, options:
             if options.gptq:
                 s = scales.get(n)  # the Gram matrix of x / s
                 gram = grams(i, n) if s is None else grams(i, n) / s[:, None] / s[None, :]
-            if kind in INT4_KINDS and gram is not None:
-                w, w_scales = gptq_int4(w, gram, group_size, clips.get(n))
+            if kind in INT4_KINDS:
+                w, w_scales = ((w, int4_scales(w, group_size, clips.get(n))) if gram is None
+                               else gptq_int4(w, gram, group_size, clips.get(n)))
                 qweight, w_scales = quantize_int4(w, group_size, w_scales)
-            elif kind in INT4_KINDS:
-                qweight, w_scales = quantize_int4(w, group_size, int4_scales(w, group_size, clips.get(n)))
             elif kind == names.LINEAR_FP8:
                 x2 = stats[i, n].rows.pow(2).mean(dim=0)
                 w_scales = fp8_weight_scales(w, x2, options.fp8_per_tensor)

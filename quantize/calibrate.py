@@ -20,6 +20,7 @@ by another pass over the calibration text that stops after the chunk's last laye
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -89,6 +90,27 @@ def kv_observer(stats: KVStats, q_size: int, kv_size: int, head_dim: int):
     return observe
 
 
+@contextmanager
+def observing(model: LlamaModel, observers: dict[tuple[int, str], object]):
+    """(layer index, linear name) -> a callable standing in for that linear while the block runs;
+    the linears are put back however it ends."""
+    originals = {(index, name): getattr(model.layers[index], name) for index, name in observers}
+    for (index, name), observer in observers.items():
+        setattr(model.layers[index], name, observer)
+    try:
+        yield
+    finally:
+        for (index, name), inner in originals.items():
+            setattr(model.layers[index], name, inner)
+
+
+def run_sequence(model: LlamaModel, ids: list[int], block_size: int) -> None:
+    """One calibration sequence through the model, in a KV pool of its own."""
+    blocks = -(-len(ids) // block_size)
+    pool = KVPool(model.spec, blocks, block_size, model.kv_dtype)
+    model.forward(torch.tensor(ids), StepContext.single(0, len(ids), list(range(blocks))), pool)
+
+
 def calibrate(model: LlamaModel, sequences: list[list[int]], rows: int = 256, block_size: int = 32,
               progress: Callable[[], None] = lambda: None,
               gram_layers: range = range(0)) -> dict[tuple[int, str], LinearStats | KVStats]:
@@ -97,7 +119,7 @@ def calibrate(model: LlamaModel, sequences: list[list[int]], rows: int = 256, bl
     generator = torch.Generator().manual_seed(0)
     rows_per_call = max(1, -(-rows // len(sequences)))
     stats: dict[tuple[int, str], LinearStats] = {}
-    originals = []
+    observers = {}
     for index, layer in enumerate(model.layers):
         for name in LINEARS:
             inner = getattr(layer, name)
@@ -110,22 +132,15 @@ def calibrate(model: LlamaModel, sequences: list[list[int]], rows: int = 256, bl
                 spec = model.spec
                 stats[index, "kv"] = KVStats(torch.zeros(spec.kv_size), torch.zeros(spec.kv_size))
                 kv = kv_observer(stats[index, "kv"], spec.q_size, spec.kv_size, spec.head_dim)
-            setattr(layer, name, Observer(inner, stats[index, name], rows_per_call, generator, kv))
-            originals.append((layer, name, inner))
-    try:
+            observers[index, name] = Observer(inner, stats[index, name], rows_per_call, generator, kv)
+    with observing(model, observers):
         for ids in sequences:
-            blocks = -(-len(ids) // block_size)
-            pool = KVPool(model.spec, blocks, block_size, model.kv_dtype)
-            model.forward(torch.tensor(ids), StepContext.single(0, len(ids), list(range(blocks))), pool)
+            run_sequence(model, ids, block_size)
             progress()
-    finally:
-        for layer, name, inner in originals:
-            setattr(layer, name, inner)
     for s in stats.values():
         if isinstance(s, LinearStats):
             s.rows, s.parts = torch.cat(s.parts)[:rows], []
     return stats
-
 
 
 def gram_chunks(model: LlamaModel, budget: int = GRAM_BUDGET) -> list[range]:
@@ -166,26 +181,19 @@ def gram_sums(model: LlamaModel, sequences: list[list[int]], layers: range,
     """x^T x of every linear's input in `layers`, over the calibration sequences (one forward
     pass each, stopped after the last of those layers)."""
     grams: dict[tuple[int, str], torch.Tensor] = {}
-    originals = []
+    observers = {}
     for index in layers:
-        layer = model.layers[index]
         for name in LINEARS:
-            inner = getattr(layer, name)
+            inner = getattr(model.layers[index], name)
             grams[index, name] = torch.zeros(inner.weight.shape[1], inner.weight.shape[1])
             last = index == layers[-1] and name == LINEARS[-1]
-            setattr(layer, name, GramObserver(inner, grams[index, name], last))
-            originals.append((layer, name, inner))
-    try:
+            observers[index, name] = GramObserver(inner, grams[index, name], last)
+    with observing(model, observers):
         for ids in sequences:
-            blocks = -(-len(ids) // block_size)
-            pool = KVPool(model.spec, blocks, block_size, model.kv_dtype)
             try:
-                model.forward(torch.tensor(ids), StepContext.single(0, len(ids), list(range(blocks))), pool)
+                run_sequence(model, ids, block_size)
             except _ChunkDone:
                 pass
-    finally:
-        for layer, name, inner in originals:
-            setattr(layer, name, inner)
     return grams
 
 

@@ -67,29 +67,22 @@ for v in sys.argv[3:]:
     elif v == "grid40":
         A.awq_scales = orig_awq; A.AWQ_GRID = 40; run("awq grid 40"); A.AWQ_GRID = 20
 
-def rel_scales(wt, x, absmean_x, group):
-    reference = x @ wt.T
-    norm = reference.pow(2).sum(dim=1).clamp(min=1e-12)
-    best_error, best = float("inf"), torch.ones_like(absmean_x)
-    for i in range(A.AWQ_GRID):
-        s = absmean_x.clamp(min=1e-4).pow(i / A.AWQ_GRID)
-        s = s / (s.max() * s.min()).sqrt()
-        error = ((x @ (fake_quant_int4(wt * s, group) / s).T - reference).pow(2).sum(dim=1) / norm).mean().item()
-        if error < best_error:
-            best_error, best = error, s
-    return best
+def normalised_scales(power):
+    """AWQ's scale search with each row's output error divided by ||reference row||^(2 power)."""
+    def search(wt, x, absmean_x, group):
+        reference = x @ wt.T
+        norm = reference.pow(2).sum(dim=1).clamp(min=1e-12).pow(power)
+        best_error, best = float("inf"), torch.ones_like(absmean_x)
+        for i in range(A.AWQ_GRID):
+            s = absmean_x.clamp(min=1e-4).pow(i / A.AWQ_GRID)
+            s = s / (s.max() * s.min()).sqrt()
+            error = ((x @ (fake_quant_int4(wt * s, group) / s).T - reference).pow(2).sum(dim=1) / norm).mean().item()
+            if error < best_error:
+                best_error, best = error, s
+        return best
+    return search
 
-def sqrt_scales(wt, x, absmean_x, group):
-    reference = x @ wt.T
-    norm = reference.pow(2).sum(dim=1).clamp(min=1e-12).sqrt()
-    best_error, best = float("inf"), torch.ones_like(absmean_x)
-    for i in range(A.AWQ_GRID):
-        s = absmean_x.clamp(min=1e-4).pow(i / A.AWQ_GRID)
-        s = s / (s.max() * s.min()).sqrt()
-        error = ((x @ (fake_quant_int4(wt * s, group) / s).T - reference).pow(2).sum(dim=1) / norm).mean().item()
-        if error < best_error:
-            best_error, best = error, s
-    return best
+rel_scales, sqrt_scales = normalised_scales(1.0), normalised_scales(0.5)
 
 for v in sys.argv[3:]:
     if v == "rel":

@@ -3,7 +3,7 @@ awq.py (docs/benchmarks.md quotes its output).
 
     PYTHONPATH=. python benchmarks/ablations/gptq.py TOKENS VARIANT...
 
-VARIANT: awq (int4_awq, round to nearest), gptq_awq (int4_awq, GPTQ rounding), gptq_alone (GPTQ
+VARIANT: rtn (int4_wo: no scales, round to nearest), awq (int4_awq, round to nearest), gptq_awq (int4_awq, GPTQ rounding), gptq_alone (GPTQ
 on int4 without AWQ's scales and clipping), fp8 / gptq_fp8, sq / gptq_sq (int8_sq)."""
 import sys, time, torch
 from pathlib import Path
@@ -38,7 +38,7 @@ def run(label, algo, rounding):
 
 awq_scales, awq_clip = A.awq_scales, A.awq_clip
 for v in sys.argv[2:]:
-    algo, rounding = {"awq": ("int4_awq", "nearest"), "gptq_awq": ("int4_awq", "gptq"),
+    algo, rounding = {"rtn": ("int4_wo", "nearest"), "awq": ("int4_awq", "nearest"), "gptq_awq": ("int4_awq", "gptq"),
                       "gptq_alone": ("int4_awq", "gptq"), "fp8": ("fp8", "nearest"), "gptq_fp8": ("fp8", "gptq"),
                       "sq": ("int8_sq", "nearest"), "gptq_sq": ("int8_sq", "gptq")}[v]
     if v == "gptq_alone":  # no AWQ scales, no clipping: GPTQ on int4_wo's grid

@@ -19,7 +19,8 @@
 // into the output, so the loops over the blocks only widen the stored bytes.
 // With AVX-512 a block's scores are computed sixteen keys at a time (one transposing reduction
 // for the sixteen dot products), exponentiated sixteen at a time, and the weighted values summed
-// in registers: 1.6-2x the scalar-reduction loop with warm caches (190-4,000 cached tokens).
+// in registers: 1.6-2x the scalar-reduction loop with warm caches (190-4,000 cached tokens;
+// benchmarks/ablations/attention_context.py).
 // Included per ISA inside kiln::<isa> after vec.h.
 
 // x * cos + rotate_half(x) * sin for one head vector, into fp32 (values rounded to T).

@@ -405,7 +405,7 @@ void linear_w8_i16(const T* x, const int8_t* w, const float* scale, const T* bia
 // offset is taken off exactly in the integer domain (128 * sum of the plane). Rows shorter than
 // kVnniBytesMinK keep the int16 path: their per-row reductions (two planes) cost more than the
 // instructions saved (measured one thread: k 576 / 1536 int16 1.2x faster; k 2048 - 8192 this
-// path 1.15-1.5x faster, at memory bandwidth for 8192 x 8192).
+// path 1.15-1.5x faster, at memory bandwidth for 8192 x 8192; benchmarks/ablations/gemv_shapes.py).
 constexpr int64_t kVnniBytesMinK = 2048;
 
 template <typename T>
@@ -748,12 +748,14 @@ void linear_w4a8_bf16(const bf16* x, const uint8_t* w, const float* s, int64_t g
 
 #if defined(KILN_ISA_VNNI)
 #define KILN_W8 linear_w8_vnni
-#define KILN_W4_FAST(k, g) ((k) % 32 == 0 && (g) % 32 == 0)
 #elif defined(KILN_ISA_AVX512)
 #define KILN_W8 linear_w8_i16
-#define KILN_W4_FAST(k, g) ((k) % 32 == 0 && (g) % 32 == 0)
 #else
 #define KILN_W8 linear_w8_impl
+#endif
+#if defined(KILN_ISA_AVX512)
+#define KILN_W4_FAST(k, g) ((k) % 32 == 0 && (g) % 32 == 0)
+#else
 #define KILN_W4_FAST(k, g) false
 #endif
 void linear_w8_f32(const float* x, const int8_t* w, const float* s, const float* b, float* o, int64_t r, int64_t k,

@@ -83,7 +83,8 @@ inline float vsum(vfloat a) { return _mm512_reduce_add_ps(a); }
 inline void vstore(float* p, vfloat a) { _mm512_storeu_ps(p, a); }
 
 // exp(x) for 16 lanes (Cephes' expf: x = n ln2 + r, |r| <= ln2 / 2, a degree-7 polynomial for
-// e^r, then 2^n by vscalefps); within 2 ulp of std::exp, 0 below the float range
+// e^r, then 2^n by vscalefps); 0 below the float range. SwiGLU through it stays within 4e-7
+// relative of float64 (tests/plugins/test_dense_ops.py), as through std::exp
 inline __m512 exp16(__m512 x) {
   x = _mm512_max_ps(x, _mm512_set1_ps(-104.f));
   const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
