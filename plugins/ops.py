@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 OPS = ("rms_norm", "add_rms_norm", "silu_mul", "linear", "paged_attention", "select_isa", "linear_w8",
-       "linear_w4", "dequantize_int4", "linear_w8a8", "linear_w4a8", "linear_fp8", "quantize_fp8", "dequantize_fp8")
+       "linear_w4", "dequantize_int4", "pack_int4_tiled", "linear_w4_tiled", "dequantize_int4_tiled", "linear_w8a8", "linear_w4a8", "linear_fp8", "quantize_fp8", "dequantize_fp8")
 _loaded: dict[str, str] = {}  # sha256 of the library file -> path it was loaded from
 
 
@@ -71,6 +71,18 @@ def _register_fakes() -> None:
 
     @torch.library.register_fake("kiln::dequantize_int4")
     def _dequantize_int4_fake(qweight, scales, group_size, dtype):
+        return qweight.new_empty((qweight.shape[0], qweight.shape[1] * 2), dtype=dtype)
+
+    @torch.library.register_fake("kiln::pack_int4_tiled")
+    def _pack_int4_tiled_fake(qweight, scales, group_size):
+        return torch.empty_like(qweight), torch.empty_like(scales)
+
+    @torch.library.register_fake("kiln::linear_w4_tiled")
+    def _linear_w4_tiled_fake(x, qweight, scales, group_size, bias):
+        return x.new_empty((*x.shape[:-1], qweight.shape[0]))
+
+    @torch.library.register_fake("kiln::dequantize_int4_tiled")
+    def _dequantize_int4_tiled_fake(qweight, scales, group_size, dtype):
         return qweight.new_empty((qweight.shape[0], qweight.shape[1] * 2), dtype=dtype)
 
     @torch.library.register_fake("kiln::linear_w8a8")
@@ -146,6 +158,32 @@ def linear_w4(x, qweight, scales, group_size: int, bias=None) -> torch.Tensor:
 def dequantize_int4(qweight, scales, group_size: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """[out, in] from int4 packed two per byte along `in` (low nibble first, offset by 8)."""
     return torch.ops.kiln.dequantize_int4(qweight, scales, group_size, dtype)
+
+
+TILE_ROWS, TILED_MAX_GROUP = 16, 8192  # quant.h: kTileRows, kTiledMaxGroup
+
+
+def int4_tiles_fit(out_features: int, in_features: int, group_size: int) -> bool:
+    """Whether an int4 weight of this shape can take the tiled layout (linear_w4_tiled)."""
+    return (out_features % TILE_ROWS == 0 and in_features % 8 == 0 and group_size % 8 == 0
+            and 0 < group_size <= TILED_MAX_GROUP)
+
+
+def pack_int4_tiled(qweight, scales, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The stored int4 weight [out, in / 2] and scales [out, groups] reordered for
+    linear_w4_tiled (same shapes): rows in tiles of 16, four tiles' bytes interleaved per block
+    of 8 inputs (quant.h explains the layout)."""
+    return torch.ops.kiln.pack_int4_tiled(qweight, scales, group_size)
+
+
+def linear_w4_tiled(x, qweight, scales, group_size: int, bias=None) -> torch.Tensor:
+    """linear_w4 on weights and scales from pack_int4_tiled."""
+    return torch.ops.kiln.linear_w4_tiled(x, qweight, scales, group_size, bias)
+
+
+def dequantize_int4_tiled(qweight, scales, group_size: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """[out, in] from weights and scales from pack_int4_tiled."""
+    return torch.ops.kiln.dequantize_int4_tiled(qweight, scales, group_size, dtype)
 
 
 def linear_w8a8(x, qweight, scales, weight_sum, bias=None, input_scale: float = 0.0) -> torch.Tensor:

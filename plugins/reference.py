@@ -158,3 +158,21 @@ def quantize_fp8(x, inv_scale):
 def linear_fp8(x, qweight, scales, bias=None):
     w = qweight.float() * scales[:, None]
     return linear(x.float(), w, None if bias is None else bias.float()).to(x.dtype)
+
+
+def pack_int4_tiled(qweight, scales, group_size):
+    """The tiled int4 layout by reshapes: rows in tiles of 16, tiles in groups of up to four; per
+    block of 8 inputs, each tile's 16 rows x 4 bytes (byte j = q[8b + j] | q[8b + 4 + j] << 4)."""
+    from kiln.quantize.formats import unpack_int4
+
+    q = (unpack_int4(qweight) + 8).to(torch.uint8)  # stored nibbles [n, k]
+    n, k = q.shape
+    words, scale_parts = [], []
+    for t0 in range(0, n // 16, 4):
+        u = min(4, n // 16 - t0)
+        rows = q[t0 * 16:(t0 + u) * 16].reshape(u, 16, k // 8, 8)
+        packed = rows[..., :4] | (rows[..., 4:] << 4)  # [u, 16, blocks, 4]
+        words.append(packed.permute(2, 0, 1, 3).reshape(-1))
+        s = scales[t0 * 16:(t0 + u) * 16].reshape(u, 16, -1)
+        scale_parts.append(s.permute(2, 0, 1).reshape(-1))
+    return torch.cat(words).reshape(qweight.shape), torch.cat(scale_parts).reshape(scales.shape)

@@ -2,7 +2,7 @@
 
     DenseLinear     weight [out, in] in the engine dtype
     Int8Linear      int8 weight, one scale per output channel; activations stay float (W8A16)
-    Int4Linear      int4 weight, one scale per group of `group_size` inputs (W4A16)
+    Int4Linear      int4 weight, one scale per group of `group_size` inputs (W4A16), tiled at load
     W4A8Linear      int4 weight and int8 activations quantized per row and group at run time
     W8A8Linear      int8 weight and int8 activations quantized per token at run time (SmoothQuant),
                     or with a static per-tensor scale (an imported Model Optimizer checkpoint)
@@ -93,13 +93,26 @@ class Int8Linear(QuantLinear):
 
 
 class Int4Linear(QuantLinear):
+    """Weights whose shape allows it are reordered once, at load, into the tiled layout that
+    kiln's decode kernel streams (ops.pack_int4_tiled; the engine file keeps the stored layout)."""
+
     kind = names.LINEAR_INT4
 
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        out_features, in_features = self.qweight.shape[0], self.qweight.shape[1] * 2
+        self.tiled = ops.int4_tiles_fit(out_features, in_features, self.group_size)
+        if self.tiled:
+            self.qweight, self.scales = ops.pack_int4_tiled(self.qweight, self.scales, self.group_size)
+
     def gemv(self, x):
+        if self.tiled:
+            return ops.linear_w4_tiled(x, self.qweight, self.scales, self.group_size, self.bias)
         return ops.linear_w4(x, self.qweight, self.scales, self.group_size, self.bias)
 
     def dequantize(self) -> torch.Tensor:
-        return ops.dequantize_int4(self.qweight, self.scales, self.group_size).to(self.dtype)
+        unpack = ops.dequantize_int4_tiled if self.tiled else ops.dequantize_int4
+        return unpack(self.qweight, self.scales, self.group_size).to(self.dtype)
 
 
 class W4A8Linear(QuantLinear):

@@ -1,4 +1,4 @@
-"""One-thread GEMV speed per weight shape: int4 (kiln::linear_w4, group 64), int8
+"""One-thread GEMV speed per weight shape: int4 (kiln::linear_w4 and linear_w4_tiled, group 64), int8
 (kiln::linear_w8) and bf16 (kiln::linear) on one bf16 input row, weights repeated call after
 call (so small matrices are cache-resident), median of 5. docs/benchmarks.md quotes it.
 
@@ -25,7 +25,9 @@ for n, k in shapes:
     x = torch.randn(1, k).bfloat16()
     reps = max(20, int(2e8 // (n * k)))
     cells = []
+    t4, ts4 = ops.pack_int4_tiled(w4, s4, 64)
     for name, f, nbytes in [("int4", lambda: ops.linear_w4(x, w4, s4, 64), n * k // 2),
+                            ("int4 tiled", lambda: ops.linear_w4_tiled(x, t4, ts4, 64), n * k // 2),
                             ("int8", lambda: ops.linear_w8(x, w8, s8), n * k),
                             ("bf16", lambda: ops.linear(x, wb), n * k * 2)]:
         for _ in range(3):

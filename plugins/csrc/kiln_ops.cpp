@@ -15,6 +15,7 @@
 #include <cstring>
 #include <limits>
 #include <string>
+#include <tuple>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -106,6 +107,12 @@ struct Kernels {
                          int64_t);
   void (*dequantize_int4_f32)(const uint8_t*, const float*, int64_t, float*, int64_t, int64_t);
   void (*dequantize_int4_bf16)(const uint8_t*, const float*, int64_t, bf16*, int64_t, int64_t);
+  void (*linear_w4_tiled_f32)(const float*, const uint8_t*, const float*, int64_t, const float*, float*, int64_t,
+                              int64_t, int64_t);
+  void (*linear_w4_tiled_bf16)(const bf16*, const uint8_t*, const float*, int64_t, const bf16*, bf16*, int64_t,
+                               int64_t, int64_t);
+  void (*dequantize_int4_tiled_f32)(const uint8_t*, const float*, int64_t, float*, int64_t, int64_t);
+  void (*dequantize_int4_tiled_bf16)(const uint8_t*, const float*, int64_t, bf16*, int64_t, int64_t);
   void (*linear_w8a8_f32)(const float*, const int8_t*, const float*, const int32_t*, float, const float*, float*, int64_t,
                           int64_t, int64_t);
   void (*linear_w8a8_bf16)(const bf16*, const int8_t*, const float*, const int32_t*, float, const bf16*, bf16*, int64_t,
@@ -130,6 +137,8 @@ struct Kernels {
         ns::paged_attention_bf16, ns::paged_attention_bf16_i8, ns::paged_attention_bf16_fp8,          \
         ns::linear_w8_f32, ns::linear_w8_bf16,                                                        \
         ns::linear_w4_f32, ns::linear_w4_bf16, ns::dequantize_int4_f32, ns::dequantize_int4_bf16,    \
+        ns::linear_w4_tiled_f32, ns::linear_w4_tiled_bf16, ns::dequantize_int4_tiled_f32,                \
+        ns::dequantize_int4_tiled_bf16,                                                               \
         ns::linear_w8a8_f32, ns::linear_w8a8_bf16, ns::linear_w4a8_f32, ns::linear_w4a8_bf16,      \
         ns::linear_fp8_f32, ns::linear_fp8_bf16, ns::quantize_fp8_f32, ns::quantize_fp8_bf16,        \
         ns::dequantize_fp8_f32, ns::dequantize_fp8_bf16                                              \
@@ -456,6 +465,52 @@ at::Tensor dequantize_int4(const at::Tensor& qweight, const at::Tensor& scales, 
   return out;
 }
 
+// The tiled int4 layout (quant.h, TiledInt4): the same bytes and scales as the stored [out, in / 2]
+// and [out, groups] tensors, reordered for linear_w4_tiled; shapes are kept.
+static void check_tiled(const char* op, const at::Tensor& qweight, const at::Tensor& scales, int64_t group) {
+  TORCH_CHECK(qweight.dim() == 2 && qweight.scalar_type() == at::kByte && qweight.is_contiguous() &&
+                  scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.size(0) == qweight.size(0),
+              "kiln::", op, ": qweight must be contiguous uint8 [out, in / 2], scales float32 [out, groups]");
+  const int64_t k = check_int4(op, qweight, scales, group), n = qweight.size(0);
+  TORCH_CHECK(n % scalar::kTileRows == 0 && k % 8 == 0 && group % 8 == 0 && group <= scalar::kTiledMaxGroup, "kiln::", op,
+              ": the tiled int4 layout needs out % ", scalar::kTileRows, " == 0, in % 8 == 0 and group_size a multiple of 8 "
+              "up to ", scalar::kTiledMaxGroup, ", got out ", n, ", in ", k, ", group_size ", group);
+}
+
+std::tuple<at::Tensor, at::Tensor> pack_int4_tiled(const at::Tensor& qweight, const at::Tensor& scales,
+                                                   int64_t group_size) {
+  check_tiled("pack_int4_tiled", qweight, scales, group_size);
+  auto packed = at::empty_like(qweight);
+  auto packed_scales = at::empty_like(scales);
+  scalar::pack_int4_tiled(static_cast<const uint8_t*>(qweight.data_ptr()), scales.data_ptr<float>(), group_size,
+                          static_cast<uint8_t*>(packed.data_ptr()), packed_scales.data_ptr<float>(),
+                          qweight.size(1) * 2, qweight.size(0));
+  return {packed, packed_scales};
+}
+
+at::Tensor linear_w4_tiled(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
+                           int64_t group_size, const c10::optional<at::Tensor>& bias) {
+  check_tiled("linear_w4_tiled", qweight, scales, group_size);
+  return group_linear("linear_w4_tiled", x, qweight, scales, group_size, bias, active().linear_w4_tiled_f32,
+                      active().linear_w4_tiled_bf16);
+}
+
+at::Tensor dequantize_int4_tiled(const at::Tensor& qweight, const at::Tensor& scales, int64_t group_size,
+                                 at::ScalarType dtype) {
+  check_tiled("dequantize_int4_tiled", qweight, scales, group_size);
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16,
+              "kiln::dequantize_int4_tiled: dtype must be float32 or bfloat16");
+  const int64_t k = qweight.size(1) * 2, n = qweight.size(0);
+  auto out = at::empty({n, k}, qweight.options().dtype(dtype));
+  const auto* w = static_cast<const uint8_t*>(qweight.data_ptr());
+  if (dtype == at::kFloat)
+    active().dequantize_int4_tiled_f32(w, scales.data_ptr<float>(), group_size, out.data_ptr<float>(), k, n);
+  else
+    active().dequantize_int4_tiled_bf16(w, scales.data_ptr<float>(), group_size,
+                                        reinterpret_cast<bf16*>(out.data_ptr()), k, n);
+  return out;
+}
+
 at::Tensor linear_w8a8(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
                        const at::Tensor& weight_sum, const c10::optional<at::Tensor>& bias, double input_scale) {
   const int64_t k = qweight.size(1), n = qweight.size(0);
@@ -519,6 +574,9 @@ TORCH_LIBRARY(kiln, m) {
   m.def("linear_w8(Tensor x, Tensor qweight, Tensor scales, Tensor? bias) -> Tensor");
   m.def("linear_w4(Tensor x, Tensor qweight, Tensor scales, int group_size, Tensor? bias) -> Tensor");
   m.def("dequantize_int4(Tensor qweight, Tensor scales, int group_size, ScalarType dtype) -> Tensor");
+  m.def("pack_int4_tiled(Tensor qweight, Tensor scales, int group_size) -> (Tensor, Tensor)");
+  m.def("linear_w4_tiled(Tensor x, Tensor qweight, Tensor scales, int group_size, Tensor? bias) -> Tensor");
+  m.def("dequantize_int4_tiled(Tensor qweight, Tensor scales, int group_size, ScalarType dtype) -> Tensor");
   m.def("linear_w8a8(Tensor x, Tensor qweight, Tensor scales, Tensor weight_sum, Tensor? bias, float input_scale=0.) "
         "-> Tensor");
   m.def("linear_w4a8(Tensor x, Tensor qweight, Tensor scales, int group_size, Tensor? bias) -> Tensor");
@@ -536,6 +594,9 @@ TORCH_LIBRARY_IMPL(kiln, CPU, m) {
   m.impl("linear_w8", &kiln::linear_w8);
   m.impl("linear_w4", &kiln::linear_w4);
   m.impl("dequantize_int4", &kiln::dequantize_int4);
+  m.impl("pack_int4_tiled", &kiln::pack_int4_tiled);
+  m.impl("linear_w4_tiled", &kiln::linear_w4_tiled);
+  m.impl("dequantize_int4_tiled", &kiln::dequantize_int4_tiled);
   m.impl("linear_w8a8", &kiln::linear_w8a8);
   m.impl("linear_w4a8", &kiln::linear_w4a8);
   m.impl("linear_fp8", &kiln::linear_fp8);

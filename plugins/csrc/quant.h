@@ -1,3 +1,4 @@
+
 // Quantized linear kernels. Included per ISA inside kiln::<isa> after vec.h.
 //
 //   linear_w8   out = x @ (int8 W * scale[n])^T        weights int8 [n, k], x float/bf16 (W8A16)
@@ -290,8 +291,11 @@ inline int64_t permuted(int64_t i, int order) {
 // A row's quantization step absmax / qmax, and its inverse into inv (0 for an all-zero row)
 template <typename T>
 inline float row_step(const T* xr, int64_t k, float qmax, float& inv) {
-  float amax = 0.f;
-  for (int64_t i = 0; i < k; ++i) amax = std::max(amax, std::fabs(to_f32(xr[i])));
+  int64_t i = 0;
+  __m512 vmax = _mm512_setzero_ps();
+  for (; i + 16 <= k; i += 16) vmax = _mm512_max_ps(vmax, _mm512_abs_ps(vload(xr + i)));
+  float amax = _mm512_reduce_max_ps(vmax);
+  for (; i < k; ++i) amax = std::max(amax, std::fabs(to_f32(xr[i])));
   inv = amax > 0.f ? qmax / amax : 0.f;
   return amax / qmax;
 }
@@ -397,9 +401,45 @@ void linear_w8_i16(const T* x, const int8_t* w, const float* scale, const T* bia
   }, [&](int64_t o) { return scale[o]; });
 }
 
+// Each input row quantized to 15 bits (absmax / 16383) and split into two int8 planes,
+// q = 256 * h + l (l in [-128, 127], h in [-64, 64]), for vpdpbusd (u8 x s8) kernels.
+template <typename T>
+void split_rows_i8(const T* x, int64_t rows, int64_t k, int64_t kp, int64_t group, int8_t* hi, int8_t* lo,
+                   float* scale, int32_t* hsum, int32_t* lsum) {
+  const int64_t groups = (kp + group - 1) / group;  // hsum / lsum [rows, groups]: the planes' sums per group
+  for (int64_t m = 0; m < rows; ++m) {
+    const T* xr = x + m * k;
+    float inv;
+    scale[m] = row_step(xr, k, 16383.f, inv);
+    for (int64_t g = 0; g < groups; ++g) hsum[m * groups + g] = lsum[m * groups + g] = 0;
+    int64_t i = 0;
+    if (group % 16 == 0) {  // 16 at a time (nearest-even conversion, as nearbyint); a chunk is in one group
+      const __m512 vinv = _mm512_set1_ps(inv);
+      for (; i + 16 <= k; i += 16) {
+        const __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(vload(xr + i), vinv));
+        const __m512i l = _mm512_sub_epi32(_mm512_and_si512(_mm512_add_epi32(q, _mm512_set1_epi32(128)),
+                                                            _mm512_set1_epi32(255)), _mm512_set1_epi32(128));
+        const __m512i h = _mm512_srai_epi32(_mm512_sub_epi32(q, l), 8);
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(hi + m * kp + i), _mm512_cvtepi32_epi8(h));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(lo + m * kp + i), _mm512_cvtepi32_epi8(l));
+        hsum[m * groups + i / group] += _mm512_reduce_add_epi32(h);
+        lsum[m * groups + i / group] += _mm512_reduce_add_epi32(l);
+      }
+    }
+    for (; i < kp; ++i) {
+      const int q = i < k ? static_cast<int>(std::nearbyint(to_f32(xr[i]) * inv)) : 0;
+      const int l = ((q + 128) & 255) - 128;
+      const int h = (q - l) / 256;
+      hi[m * kp + i] = static_cast<int8_t>(h);
+      lo[m * kp + i] = static_cast<int8_t>(l);
+      hsum[m * groups + i / group] += h;
+      lsum[m * groups + i / group] += l;
+    }
+  }
+}
+
 #if defined(KILN_ISA_VNNI)
-// W8A16 with VNNI bytes: each input row is quantized to 15 bits (absmax / 16383) and split into
-// two int8 planes, q = 256 * h + l (l in [-128, 127], h in [-64, 64]); the int8 weights, offset
+// W8A16 with VNNI bytes: each input row split into two int8 planes (split_rows_i8); the int8 weights, offset
 // to u8 by + 128 (one XOR), meet each plane with vpdpbusd: 64 multiply-adds per instruction and
 // no widening, half the instructions of the int16 path, so the GEMV keeps up with memory. The
 // offset is taken off exactly in the integer domain (128 * sum of the plane). Rows shorter than
@@ -407,28 +447,6 @@ void linear_w8_i16(const T* x, const int8_t* w, const float* scale, const T* bia
 // instructions saved (measured one thread: k 576 / 1536 int16 1.2x faster; k 2048 - 8192 this
 // path 1.15-1.5x faster, at memory bandwidth for 8192 x 8192; benchmarks/ablations/gemv_shapes.py).
 constexpr int64_t kVnniBytesMinK = 2048;
-
-template <typename T>
-void split_rows_i8(const T* x, int64_t rows, int64_t k, int64_t kp, int8_t* hi, int8_t* lo, float* scale,
-                   int32_t* hsum, int32_t* lsum) {
-  for (int64_t m = 0; m < rows; ++m) {
-    const T* xr = x + m * k;
-    float inv;
-    scale[m] = row_step(xr, k, 16383.f, inv);
-    int32_t hs = 0, ls = 0;
-    for (int64_t i = 0; i < kp; ++i) {
-      const int q = i < k ? static_cast<int>(std::nearbyint(to_f32(xr[i]) * inv)) : 0;
-      const int l = ((q + 128) & 255) - 128;
-      const int h = (q - l) / 256;
-      hi[m * kp + i] = static_cast<int8_t>(h);
-      lo[m * kp + i] = static_cast<int8_t>(l);
-      hs += h;
-      ls += l;
-    }
-    hsum[m] = hs;
-    lsum[m] = ls;
-  }
-}
 
 // R input rows (two planes each) against one int8 weight row; sums[r] = the exact integer dot
 // product of the row with the 15-bit input row r, as float
@@ -478,7 +496,7 @@ void linear_w8_vnni(const T* x, const int8_t* w, const float* scale, const T* bi
   std::vector<int8_t> hi(rows * kp), lo(rows * kp);
   std::vector<float> xs(rows);
   std::vector<int32_t> hsum(rows), lsum(rows);
-  split_rows_i8(x, rows, k, kp, hi.data(), lo.data(), xs.data(), hsum.data(), lsum.data());
+  split_rows_i8(x, rows, k, kp, kp, hi.data(), lo.data(), xs.data(), hsum.data(), lsum.data());
   tiles_i16(bias, out, xs.data(), rows, n, [&](auto R, int64_t m0, int64_t o0, int64_t o1, float* sums) {
     constexpr int r = decltype(R)::value;
     for (int64_t o = o0; o < o1; ++o)
@@ -607,6 +625,232 @@ void linear_w4_i16(const T* x, const uint8_t* w, const float* scale, int64_t gro
   }, [](int64_t) { return 1.f; });
 }
 #endif
+
+// --- int4, tiled for decode -------------------------------------------------------------
+// linear_w4_tiled streams the int4 weights in a layout made for it when an engine loads
+// (pack_int4_tiled, from the stored [out, in / 2] rows): output rows in tiles of 16, tiles in
+// groups of up to kTileGroup (the last group may hold fewer), each group's bytes contiguous.
+// For every block b of 8 inputs a group holds one 64-byte vector per tile: 16 rows x 4 bytes,
+// byte j of row r = q[r][8b + j] | q[r][8b + 4 + j] << 4 (q the stored nibbles, value + 8).
+// One vpdpbusd multiplies the 16 rows by four inputs broadcast to every lane, so nothing is
+// reduced across lanes, a group's int32 sums go to float once per 16 rows, and the weights are
+// read as one sequential stream. The scales follow the same order: per group of inputs, 16
+// floats per tile. (Measured one thread, SmolLM2's shapes: 2.5-3.8x the row-layout kernel with
+// the weights in cache, 29 GB/s from memory; benchmarks/ablations/gemv_shapes.py.)
+constexpr int64_t kTileRows = 16, kTileGroup = 4;
+constexpr int64_t kTiledMaxGroup = 8192;  // 15 * 16383 * group stays within int32
+
+struct TiledInt4 {  // where row o's bytes and scales sit
+  int64_t kb, groups, tiles;
+  TiledInt4(int64_t k, int64_t n, int64_t group) : kb(k / 8), groups((k + group - 1) / group), tiles(n / kTileRows) {}
+  int64_t width(int64_t t0) const { return std::min(kTileGroup, tiles - t0); }  // tiles in the group from t0
+  int64_t byte(int64_t o, int64_t b, int64_t j) const {  // row o, block b, byte j
+    const int64_t t = o / kTileRows, t0 = t / kTileGroup * kTileGroup;
+    return ((t0 * kb + b * width(t0) + t - t0) * kTileRows + o % kTileRows) * 4 + j;
+  }
+  int64_t scale(int64_t o, int64_t g) const {  // row o, group g
+    const int64_t t = o / kTileRows, t0 = t / kTileGroup * kTileGroup;
+    return (t0 * groups + g * width(t0) + t - t0) * kTileRows + o % kTileRows;
+  }
+};
+
+inline int stored_nibble(const uint8_t* row, int64_t i) { return (i & 1) ? row[i >> 1] >> 4 : row[i >> 1] & 0x0F; }
+
+inline int tiled_nibble(const uint8_t* w, const TiledInt4& L, int64_t o, int64_t i) {
+  const uint8_t byte = w[L.byte(o, i / 8, i % 4)];
+  return (i % 8) < 4 ? byte & 0x0F : byte >> 4;
+}
+
+inline void pack_int4_tiled(const uint8_t* w, const float* s, int64_t group, uint8_t* pw, float* ps, int64_t k,
+                            int64_t n) {
+  const TiledInt4 L(k, n, group);
+  at::parallel_for(0, n, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t o = begin; o < end; ++o) {
+      const uint8_t* row = w + o * (k / 2);
+      for (int64_t b = 0; b < L.kb; ++b)
+        for (int64_t j = 0; j < 4; ++j)
+          pw[L.byte(o, b, j)] = static_cast<uint8_t>(stored_nibble(row, 8 * b + j) | stored_nibble(row, 8 * b + 4 + j) << 4);
+      for (int64_t g = 0; g < L.groups; ++g) ps[L.scale(o, g)] = s[o * L.groups + g];
+    }
+  });
+}
+
+// The reference path (scalar / AVX2): float inputs, one group at a time, as linear_w4_impl
+template <typename T>
+void linear_w4_tiled_ref(const T* x, const uint8_t* w, const float* s, int64_t group, const T* bias, T* out,
+                         int64_t rows, int64_t k, int64_t n) {
+  const TiledInt4 L(k, n, group);
+  std::vector<float> xf(rows * k);
+  for (int64_t i = 0; i < rows * k; ++i) xf[i] = to_f32(x[i]);
+  at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t o = begin; o < end; ++o)
+      for (int64_t m = 0; m < rows; ++m) {
+        float total = 0.f;
+        for (int64_t g = 0; g < L.groups; ++g) {
+          float acc = 0.f;
+          for (int64_t i = g * group; i < std::min(k, (g + 1) * group); ++i)
+            acc += xf[m * k + i] * static_cast<float>(tiled_nibble(w, L, o, i) - 8);
+          total += acc * s[L.scale(o, g)];
+        }
+        store_as(out + m * n + o, total + (bias ? to_f32(bias[o]) : 0.f));
+      }
+  });
+}
+
+#if defined(KILN_ISA_AVX512)
+// u8 x s8 products summed by fours into int32 lanes (the emulation is exact here: the weights
+// are nibbles, so vpmaddubsw's int16 pairs cannot saturate)
+inline __m512i dpbusd(__m512i acc, __m512i u, __m512i s) {
+#if defined(KILN_ISA_VNNI)
+  return _mm512_dpbusd_epi32(acc, u, s);
+#else
+  return _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(u, s), _mm512_set1_epi16(1)));
+#endif
+}
+
+inline __m512i broadcast4(const int8_t* p) {  // four int8 inputs into every 32-bit lane
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm512_set1_epi32(v);
+}
+
+// V tiles (u0.. of a tile group of width U; w and s at the group's start) x R input rows (two
+// planes each, row stride k); two vpdpbusd chains (one per plane) per tile and row.
+// acc[v * R + r] = sum over groups of (the group's centred integer dot product) * scale.
+template <int R, int V>
+__attribute__((noinline)) void tiles_w4t(const int8_t* hi, const int8_t* lo, const int32_t* xsum8, const uint8_t* w, const float* s,
+                      const TiledInt4& L, int64_t U, int64_t u0, int64_t k, int64_t group, __m512* acc) {
+  constexpr int C = V * R;  // (tile, row) pairs, c = v * R + r; one-dimensional so they stay in registers
+  static_assert(C <= 4, "at most four (tile, row) pairs: 3 * C accumulators");
+  const __m512i nib = _mm512_set1_epi8(0x0F);
+  const int64_t kb = L.kb, groups = L.groups;
+  __m512 facc[C];
+  for (int c = 0; c < C; ++c) facc[c] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    const int64_t b0 = g * group / 8, b1 = std::min(kb, (g + 1) * group / 8);
+    __m512i h[C], l[C];
+    for (int c = 0; c < C; ++c) h[c] = l[c] = _mm512_setzero_si512();
+    for (int64_t b = b0; b < b1; ++b) {
+      __m512i xh0[R], xh1[R], xl0[R], xl1[R];
+      for (int r = 0; r < R; ++r) {
+        xh0[r] = broadcast4(hi + r * k + 8 * b), xh1[r] = broadcast4(hi + r * k + 8 * b + 4);
+        xl0[r] = broadcast4(lo + r * k + 8 * b), xl1[r] = broadcast4(lo + r * k + 8 * b + 4);
+      }
+      for (int v = 0; v < V; ++v) {
+        const __m512i wv = _mm512_loadu_si512(w + (b * U + u0 + v) * 64);
+        const __m512i first = _mm512_and_si512(wv, nib), second = _mm512_and_si512(_mm512_srli_epi16(wv, 4), nib);
+        for (int r = 0; r < R; ++r) {
+          const int c = v * R + r;
+          h[c] = dpbusd(dpbusd(h[c], first, xh0[r]), second, xh1[r]);
+          l[c] = dpbusd(dpbusd(l[c], first, xl0[r]), second, xl1[r]);
+        }
+      }
+    }
+    for (int v = 0; v < V; ++v) {
+      const __m512 vs = _mm512_loadu_ps(s + (g * U + u0 + v) * kTileRows);
+      for (int r = 0; r < R; ++r) {
+        const int c = v * R + r;
+        const __m512i centred = _mm512_sub_epi32(_mm512_add_epi32(_mm512_slli_epi32(h[c], 8), l[c]),
+                                                 _mm512_set1_epi32(xsum8[r * groups + g]));
+        facc[c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(centred), vs, facc[c]);
+      }
+    }
+  }
+  for (int c = 0; c < C; ++c) acc[c] = facc[c];
+}
+
+template <typename T>
+void linear_w4_tiled_avx512(const T* x, const uint8_t* w, const float* s, int64_t group, const T* bias, T* out,
+                            int64_t rows, int64_t k, int64_t n) {
+  const TiledInt4 L(k, n, group);
+  std::vector<int8_t> hi(rows * k), lo(rows * k);
+  std::vector<float> xs(rows);
+  std::vector<int32_t> hsum(rows * L.groups), xsum8(rows * L.groups);
+  split_rows_i8(x, rows, k, k, group, hi.data(), lo.data(), xs.data(), hsum.data(), xsum8.data());
+  for (int64_t i = 0; i < rows * L.groups; ++i) xsum8[i] = 8 * (256 * hsum[i] + xsum8[i]);  // the nibbles' + 8
+  const int64_t tile_groups = (L.tiles + kTileGroup - 1) / kTileGroup;
+  at::parallel_for(0, tile_groups, 1, [&](int64_t begin, int64_t end) {
+    __m512 acc[kTileGroup * 4];
+    float sums[kTileRows];
+    for (int64_t tg = begin; tg < end; ++tg) {
+      const int64_t t0 = tg * kTileGroup, U = L.width(t0);
+      const uint8_t* wg = w + t0 * L.kb * 64;
+      const float* sg = s + t0 * L.groups * kTileRows;
+      for (int64_t m0 = 0; m0 < rows; m0 += 4) {
+        const int64_t mr = std::min<int64_t>(4, rows - m0);
+        const int8_t *h = hi.data() + m0 * k, *l = lo.data() + m0 * k;
+        const int32_t* xsum = xsum8.data() + m0 * L.groups;
+        auto emit = [&](int64_t V, int64_t R, int64_t u0) {
+          for (int64_t v = 0; v < V; ++v)
+            for (int64_t r = 0; r < R; ++r) {
+              _mm512_storeu_ps(sums, _mm512_mul_ps(acc[v * R + r], _mm512_set1_ps(xs[m0 + r])));
+              const int64_t o0 = (t0 + u0 + v) * kTileRows;
+              for (int64_t j = 0; j < kTileRows; ++j)
+                store_as(out + (m0 + r) * n + o0 + j, sums[j] + (bias ? to_f32(bias[o0 + j]) : 0.f));
+            }
+        };
+        if (mr == 1) {  // decode: the group's tiles side by side, one stream, 4 * U chains
+          switch (U) {
+            case 4: tiles_w4t<1, 4>(h, l, xsum, wg, sg, L, U, 0, k, group, acc); break;
+            case 3: tiles_w4t<1, 3>(h, l, xsum, wg, sg, L, U, 0, k, group, acc); break;
+            case 2: tiles_w4t<1, 2>(h, l, xsum, wg, sg, L, U, 0, k, group, acc); break;
+            default: tiles_w4t<1, 1>(h, l, xsum, wg, sg, L, U, 0, k, group, acc);
+          }
+          emit(U, 1, 0);
+        } else {
+          for (int64_t u0 = 0; u0 < U; ++u0)
+            with_rows(mr, [&](auto R) {
+              tiles_w4t<decltype(R)::value, 1>(h, l, xsum, wg, sg, L, U, u0, k, group, acc);
+              emit(1, decltype(R)::value, u0);
+            });
+        }
+      }
+    }
+  });
+}
+#endif
+
+template <typename T>
+void linear_w4_tiled_impl(const T* x, const uint8_t* w, const float* s, int64_t group, const T* bias, T* out,
+                          int64_t rows, int64_t k, int64_t n) {
+#if defined(KILN_ISA_AVX512)
+  linear_w4_tiled_avx512<T>(x, w, s, group, bias, out, rows, k, n);
+#else
+  linear_w4_tiled_ref<T>(x, w, s, group, bias, out, rows, k, n);
+#endif
+}
+
+// The tiled weights back to float, row by row (prefill multiplies them with PyTorch's GEMM)
+template <typename T>
+void dequantize_int4_tiled_impl(const uint8_t* w, const float* s, int64_t group, T* out, int64_t k, int64_t n) {
+  const TiledInt4 L(k, n, group);
+  at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t o = begin; o < end; ++o) {
+      T* orow = out + o * k;
+      for (int64_t b = 0; b < L.kb; ++b) {
+        const float sc = s[L.scale(o, 8 * b / group)];  // group % 8 == 0: one scale per block
+#if !defined(KILN_ISA_SCALAR)
+        int32_t word;
+        std::memcpy(&word, w + L.byte(o, b, 0), 4);
+        const __m128i v = _mm_cvtsi32_si128(word), nib = _mm_set1_epi8(0x0F);
+        const __m128i q = _mm_sub_epi8(_mm_unpacklo_epi32(_mm_and_si128(v, nib), _mm_and_si128(_mm_srli_epi16(v, 4), nib)),
+                                       _mm_set1_epi8(8));  // the block's 8 values in input order
+        const __m256 f = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)), _mm256_set1_ps(sc));
+        if constexpr (std::is_same_v<T, float>) {
+          _mm256_storeu_ps(orow + 8 * b, f);
+        } else {
+          float buf[8];
+          _mm256_storeu_ps(buf, f);
+          for (int j = 0; j < 8; ++j) store_as(orow + 8 * b + j, buf[j]);
+        }
+#else
+        for (int64_t i = 8 * b; i < 8 * b + 8; ++i)
+          store_as(orow + i, static_cast<float>(tiled_nibble(w, L, o, i) - 8) * sc);
+#endif
+      }
+    }
+  });
+}
 
 // --- W4A8 -------------------------------------------------------------------------------
 // int4 weights (as above) x int8 activations quantized per row *and group* at run time (absmax
@@ -776,6 +1020,16 @@ void linear_w4_bf16(const bf16* x, const uint8_t* w, const float* s, int64_t g, 
                     int64_t k, int64_t n) { linear_w4_any<bf16>(x, w, s, g, b, o, r, k, n); }
 #undef KILN_W8
 #undef KILN_W4_FAST
+void linear_w4_tiled_f32(const float* x, const uint8_t* w, const float* s, int64_t g, const float* b, float* o,
+                         int64_t r, int64_t k, int64_t n) { linear_w4_tiled_impl<float>(x, w, s, g, b, o, r, k, n); }
+void linear_w4_tiled_bf16(const bf16* x, const uint8_t* w, const float* s, int64_t g, const bf16* b, bf16* o,
+                          int64_t r, int64_t k, int64_t n) { linear_w4_tiled_impl<bf16>(x, w, s, g, b, o, r, k, n); }
+void dequantize_int4_tiled_f32(const uint8_t* w, const float* s, int64_t g, float* o, int64_t k, int64_t n) {
+  dequantize_int4_tiled_impl<float>(w, s, g, o, k, n);
+}
+void dequantize_int4_tiled_bf16(const uint8_t* w, const float* s, int64_t g, bf16* o, int64_t k, int64_t n) {
+  dequantize_int4_tiled_impl<bf16>(w, s, g, o, k, n);
+}
 void dequantize_int4_f32(const uint8_t* w, const float* s, int64_t g, float* o, int64_t k, int64_t n) {
   dequantize_int4_impl<float>(w, s, g, o, k, n);
 }

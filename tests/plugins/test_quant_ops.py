@@ -81,6 +81,45 @@ def test_linear_w8a8_with_a_static_input_scale(isa, dtype, rows, k, n):
         torch.testing.assert_close(got.float(), want.float(), rtol=1e-2, atol=0.07)
 
 
+TILED_SHAPES = [(1, 576, 64), (3, 64, 48), (5, 1536, 96), (8, 200, 112), (2, 2112, 16), (4, 96, 320), (1, 40, 80)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("group", [8, 32, 64, 128])
+@pytest.mark.parametrize("rows, k, n", TILED_SHAPES)
+def test_linear_w4_tiled_matches_reference(isa, dtype, group, rows, k, n):
+    """The tiled layout: packing equals the reshape-built reference; the GEMV and the
+    dequantization on it equal those of the stored layout. Out features of 80, 112 and 320
+    leave a last tile group narrower than four tiles; 200 / 40 inputs a padded last group."""
+    g = torch.Generator().manual_seed(hash((isa, str(dtype), group, rows, k, n, "tiled")) % 2**31)
+    x = rand(g, rows, k).to(dtype)
+    packed, scales = quantize_int4(rand(g, n, k, scale=0.05), group)
+    bias = rand(g, n).to(dtype)
+    assert ops.int4_tiles_fit(n, k, group)
+    tiled, tiled_scales = ops.pack_int4_tiled(packed, scales, group)
+    want_tiled, want_scales = reference.pack_int4_tiled(packed, scales, group)
+    assert torch.equal(tiled, want_tiled) and torch.equal(tiled_scales, want_scales)
+    got = ops.linear_w4_tiled(x, tiled, tiled_scales, group, bias)
+    want = reference.linear_w4(x, packed, scales, group, bias)
+    assert got.dtype == dtype and got.shape == (rows, n)
+    tol = 5e-4 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
+    for out_dtype in (torch.float32, torch.bfloat16):
+        torch.testing.assert_close(ops.dequantize_int4_tiled(tiled, tiled_scales, group, out_dtype),
+                                   reference.dequantize_int4(packed, scales, group, out_dtype), rtol=0, atol=0)
+
+
+def test_linear_w4_tiled_refuses_shapes_it_cannot_hold(plugin_isas):
+    packed, scales = quantize_int4(torch.randn(24, 64), 32)  # 24 rows: not whole tiles of 16
+    assert not ops.int4_tiles_fit(24, 64, 32)
+    with pytest.raises(RuntimeError, match="tiled int4 layout needs"):
+        ops.pack_int4_tiled(packed, scales, 32)
+    packed, scales = quantize_int4(torch.randn(16, 64), 12)
+    assert not ops.int4_tiles_fit(16, 64, 12)
+    with pytest.raises(RuntimeError, match="tiled int4 layout needs"):
+        ops.linear_w4_tiled(torch.randn(1, 64), packed, scales, 12)
+
+
 def test_int4_packing_round_trips():
     g = torch.Generator().manual_seed(0)
     q = torch.randint(-8, 8, (7, 64), generator=g, dtype=torch.int8)
@@ -122,6 +161,11 @@ def test_quant_ops_opcheck(plugin_isas):
     torch.library.opcheck(torch.ops.kiln.linear_w8.default, (x, q, s, None))
     torch.library.opcheck(torch.ops.kiln.linear_w4.default, (x, packed, scales, 32, None))
     torch.library.opcheck(torch.ops.kiln.dequantize_int4.default, (packed, scales, 32, torch.bfloat16))
+    tiled_in = (torch.cat([packed, packed]), torch.cat([scales, scales]), 32)  # 16 rows: one tile
+    tiled = ops.pack_int4_tiled(*tiled_in)
+    torch.library.opcheck(torch.ops.kiln.pack_int4_tiled.default, tiled_in)
+    torch.library.opcheck(torch.ops.kiln.linear_w4_tiled.default, (x, *tiled, 32, None))
+    torch.library.opcheck(torch.ops.kiln.dequantize_int4_tiled.default, (*tiled, 32, torch.float32))
     torch.library.opcheck(torch.ops.kiln.linear_w8a8.default,
                           (x, q, s, q.to(torch.int32).sum(1, dtype=torch.int32), None))
     q8, s8 = quantize_fp8(torch.randn(8, 64))
