@@ -88,7 +88,8 @@ class QuantizationSection(_Section):
         "none", description="build-time: none (the model dtype) | int8 | fp8 (E4M3): the KV cache stores "
                             "keys and values with calibrated per-channel scales (half of bf16's memory)")
     group_size: Literal["auto", 32, 64, 128] = Field(
-        "auto", description="build-time, int4: auto picks 128 where it divides every in_features, else 64, else 32")
+        "auto", description="build-time, int4 (and an int4 lm_head): auto picks 128 where it divides every "
+                            "in_features, else 64, else 32")
     smoothquant_alpha: float = Field(0.5, ge=0, le=1, description="build-time, int8_sq: migration strength")
     fp8_weight_scales: Literal["per_channel", "per_tensor"] = Field(
         "per_channel", description="build-time, fp8: one weight scale per output channel, or one per tensor "
@@ -100,9 +101,11 @@ class QuantizationSection(_Section):
         "gptq", description="build-time, int4_awq / w4a8_awq / int8_sq / fp8: gptq rounds each weight "
                             "column with the error of the earlier ones fed forward (GPTQ, on the "
                             "calibration tokens' x^T x) | nearest (round each weight on its own)")
-    lm_head: Literal["int8", "none"] = Field(
+    lm_head: Literal["int8", "int4", "none"] = Field(
         "int8", description="build-time: int8 weights for the output projection too (it is a fifth of "
-                            "SmolLM2's weights), or none to keep it in the engine dtype")
+                            "SmolLM2's weights), int4 (group-wise, the build's group size; a third of "
+                            "int8's decode time, at some accuracy: docs/quantization.md), or none to keep "
+                            "it in the engine dtype")
     calibration: CalibrationSection = CalibrationSection()
     accuracy: AccuracySection = AccuracySection()
     accuracy_gate: AccuracyGate | Literal["auto"] | None = Field(
@@ -113,6 +116,8 @@ class QuantizationSection(_Section):
     def _algo_options(self):
         for key, algos in ALGO_OPTIONS.items():
             default = type(self).model_fields[key].default  # (a resolved config lists every default)
+            if key == "group_size" and self.lm_head == "int4":
+                continue  # the int4 output projection's groups
             if key in self.model_fields_set and getattr(self, key) != default and self.algo not in algos:
                 raise ValueError(f"quantization.{key} applies to algo {' / '.join(algos)}, not {self.algo!r}")
         return self

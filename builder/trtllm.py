@@ -33,7 +33,7 @@ from safetensors.torch import load_file, save_file
 from kiln import constants as names
 from kiln.builder.checkpoint import Checkpoint, one_for_fused
 from kiln.errors import CheckpointError, KilnError
-from kiln.quantize.formats import pack_int4, unpack_int4
+from kiln.quantize.formats import dequantize_int4, pack_int4, unpack_int4
 from kiln.runtime.spec import ModelSpec, RopeScaling
 
 DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
@@ -159,9 +159,13 @@ def export_checkpoint(engine_dir: Path, output: Path) -> Path:
     out: dict[str, torch.Tensor] = {names.TRTLLM_EMBED: weights[names.EMBED].to(dtype).contiguous(),
                                     names.TRTLLM_FINAL_NORM: weights[names.FINAL_NORM].to(dtype).contiguous()}
     head_prefix = names.linear_prefix(names.LM_HEAD)
-    if names.linear_tensor(head_prefix, names.QWEIGHT) in weights:  # int8 lm_head: dequantized (float32)
-        q = weights[names.linear_tensor(head_prefix, names.QWEIGHT)].float()
-        out[names.TRTLLM_LM_HEAD] = q * weights[names.linear_tensor(head_prefix, names.WEIGHT_SCALES)][:, None]
+    if names.linear_tensor(head_prefix, names.QWEIGHT) in weights:  # int8 / int4 lm_head: dequantized (float32)
+        q = weights[names.linear_tensor(head_prefix, names.QWEIGHT)]
+        s = weights[names.linear_tensor(head_prefix, names.WEIGHT_SCALES)]
+        if quant.get("lm_head") == names.LINEAR_INT4:
+            out[names.TRTLLM_LM_HEAD] = dequantize_int4(q, s, quant["lm_head_group_size"])
+        else:
+            out[names.TRTLLM_LM_HEAD] = q.float() * s[:, None]
     else:
         out[names.TRTLLM_LM_HEAD] = weights.get(names.LM_HEAD, weights[names.EMBED]).to(dtype).contiguous()
     for i in range(spec.num_layers):

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from kiln import constants as names
-from kiln.quantize.calibrate import KVStats, LinearStats
+from kiln.quantize.calibrate import HEAD_STATS, KVStats, LinearStats
 from kiln.quantize.formats import (
     FP8_MAX, fake_quant_fp8, fake_quant_int4, group_view, int4_scales, int8_scales, quantize_fp8, quantize_int4,
     quantize_int8)
@@ -279,13 +279,38 @@ def gptq_fp8(w: torch.Tensor, gram: torch.Tensor, scales: torch.Tensor) -> torch
     return gptq(w, gram, lambda column, pending: fake_quant_fp8(pending[:, 0], scales))
 
 
+def quantize_head_int4(head: torch.Tensor, final_norm: torch.Tensor, stats: LinearStats | None,
+                       options: QuantOptions) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The output projection in int4 groups -> (qweight, scales, the final norm's weight). With
+    calibration statistics of its input (the final norm's output) it takes the layers' recipe:
+    AWQ scales (for int4_awq / w4a8_awq; folded into the final norm, which feeds nothing else)
+    and clipping, then GPTQ rounding when the build uses it; without, round to nearest."""
+    group = options.group_size
+    w = head.float()
+    if stats is None:
+        return (*quantize_int4(w, group), final_norm)
+    clip = None
+    s = torch.ones(w.shape[1])
+    if options.algo in ("int4_awq", "w4a8_awq"):
+        s = awq_scales(w, stats.rows, stats.absmean, group)
+        w = w * s
+        clip = awq_clip(w, stats.rows / s, group)
+    if options.gptq and stats.gram is not None:
+        w, w_scales = gptq_int4(w, stats.gram / s[:, None] / s[None, :], group, clip)
+    else:
+        w_scales = int4_scales(w, group, clip)
+    qweight, w_scales = quantize_int4(w, group, w_scales)
+    return qweight, w_scales, final_norm.float() / s
+
+
 def quantize_weights(weights: dict[str, torch.Tensor], spec: ModelSpec, options: QuantOptions, dtype: torch.dtype,
                      stats: dict[tuple[int, str], LinearStats] | None,
                      progress: Callable[[], None] = lambda: None,
                      grams: Callable[[int, str], torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
     """Packed float32 weights -> the engine's tensors (quantized linears, the rest in `dtype`).
-    lm_head "int8": the output projection gets int8 weights per channel (W8A16) too; with tied
-    embeddings the embedding table stays as it is for the input lookup. `grams(layer, linear)`:
+    lm_head "int8" / "int4": the output projection gets int8 weights per channel (W8A16) or int4
+    weights per group (W4A16, rounded to nearest) too; with tied embeddings the embedding table
+    stays as it is for the input lookup. `grams(layer, linear)`:
     the x^T x sums GPTQ rounding needs (calibrate.Grams), asked for in layer order."""
     out: dict[str, torch.Tensor] = {}
     if options.kv_cache != "none":
@@ -301,9 +326,14 @@ def quantize_weights(weights: dict[str, torch.Tensor], spec: ModelSpec, options:
     for name, tensor in weights.items():
         if not name.startswith("layers.") or name.endswith(names.ATTN_QKV_BIAS):
             out[name] = tensor.to(dtype).contiguous()
-    if options.lm_head == "int8":
+    if options.lm_head in ("int8", "int4"):
         head = weights[names.EMBED if spec.tie_embeddings else names.LM_HEAD]
-        qweight, scales = quantize_int8(head)
+        if options.lm_head == "int8":
+            qweight, scales = quantize_int8(head)
+        else:
+            qweight, scales, final_norm = quantize_head_int4(head, weights[names.FINAL_NORM],
+                                                             stats and stats.get(HEAD_STATS), options)
+            out[names.FINAL_NORM] = final_norm.to(dtype).contiguous()
         prefix = names.linear_prefix(names.LM_HEAD)
         out.pop(names.LM_HEAD, None)
         out[names.linear_tensor(prefix, names.QWEIGHT)] = qweight
@@ -368,6 +398,9 @@ def quantization_meta(options: QuantOptions) -> dict:
     meta = {"algo": options.algo, "kv_cache": options.kv_cache, "linear": options.kind}
     if options.lm_head == "int8":
         meta["lm_head"] = names.LINEAR_INT8
+    elif options.lm_head == "int4":
+        meta["lm_head"] = names.LINEAR_INT4
+        meta["lm_head_group_size"] = options.group_size
     if options.kind in INT4_KINDS:
         meta["group_size"] = options.group_size
     if options.algo == "int8_sq":

@@ -28,6 +28,7 @@ import torch
 from kiln.runtime.model import LINEARS, KVPool, LlamaModel, StepContext
 
 GRAM_BUDGET = 2 << 30  # bytes of x^T x sums held at once
+HEAD_STATS = (-1, "lm_head")  # calibrate()'s key for the output projection's input (the final norm's output)
 
 
 @dataclass
@@ -58,6 +59,8 @@ class Observer:
         self.kv = kv  # called with the output (the qkv projection: KV-cache statistics)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """-> the inner linear's output (no inner: an empty [rows, 0], for the output projection,
+        whose logits calibration never needs)."""
         xf = x.float()
         a = xf.abs()
         self.stats.absmax = torch.maximum(self.stats.absmax, a.amax(dim=0))
@@ -69,6 +72,8 @@ class Observer:
         picked = torch.randperm(xf.shape[0], generator=self.generator)[:take]
         picked[0] = 0  # the sequence's first token: see the module docstring
         self.stats.parts.append(xf[picked].clone())
+        if self.inner is None:
+            return x[:, :0]
         out = self.inner(x)
         if self.kv is not None:
             self.kv(out)
@@ -92,30 +97,35 @@ def kv_observer(stats: KVStats, q_size: int, kv_size: int, head_dim: int):
 
 @contextmanager
 def observing(model: LlamaModel, observers: dict[tuple[int, str], object]):
-    """(layer index, linear name) -> a callable standing in for that linear while the block runs;
-    the linears are put back however it ends."""
-    originals = {(index, name): getattr(model.layers[index], name) for index, name in observers}
+    """(layer index, linear name) -> a callable standing in for that linear while the block runs
+    (HEAD_STATS: for the output projection); the linears are put back however it ends."""
+    def owner(index: int):
+        return model if index == HEAD_STATS[0] else model.layers[index]
+
+    originals = {(index, name): getattr(owner(index), name) for index, name in observers}
     for (index, name), observer in observers.items():
-        setattr(model.layers[index], name, observer)
+        setattr(owner(index), name, observer)
     try:
         yield
     finally:
         for (index, name), inner in originals.items():
-            setattr(model.layers[index], name, inner)
+            setattr(owner(index), name, inner)
 
 
-def run_sequence(model: LlamaModel, ids: list[int], block_size: int) -> None:
-    """One calibration sequence through the model, in a KV pool of its own."""
+def run_sequence(model: LlamaModel, ids: list[int], block_size: int, all_rows: bool = False) -> None:
+    """One calibration sequence through the model, in a KV pool of its own (all_rows: every
+    position goes to the output projection, not only the last)."""
     blocks = -(-len(ids) // block_size)
     pool = KVPool(model.spec, blocks, block_size, model.kv_dtype)
-    model.forward(torch.tensor(ids), StepContext.single(0, len(ids), list(range(blocks))), pool)
+    model.forward(torch.tensor(ids), StepContext.single(0, len(ids), list(range(blocks)), all_rows), pool)
 
 
 def calibrate(model: LlamaModel, sequences: list[list[int]], rows: int = 256, block_size: int = 32,
               progress: Callable[[], None] = lambda: None,
               gram_layers: range = range(0)) -> dict[tuple[int, str], LinearStats | KVStats]:
     """(layer index, linear name) -> statistics of its input over every calibration token, and
-    (layer index, "kv") -> the layer's K / V ranges; x^T x too for the layers in `gram_layers`."""
+    (layer index, "kv") -> the layer's K / V ranges; x^T x too for the layers in `gram_layers`.
+    HEAD_STATS -> the output projection's input, with its x^T x (small: hidden_size squared)."""
     generator = torch.Generator().manual_seed(0)
     rows_per_call = max(1, -(-rows // len(sequences)))
     stats: dict[tuple[int, str], LinearStats] = {}
@@ -133,9 +143,12 @@ def calibrate(model: LlamaModel, sequences: list[list[int]], rows: int = 256, bl
                 stats[index, "kv"] = KVStats(torch.zeros(spec.kv_size), torch.zeros(spec.kv_size))
                 kv = kv_observer(stats[index, "kv"], spec.q_size, spec.kv_size, spec.head_dim)
             observers[index, name] = Observer(inner, stats[index, name], rows_per_call, generator, kv)
+    hidden = model.spec.hidden_size
+    stats[HEAD_STATS] = LinearStats(torch.zeros(hidden), torch.zeros(hidden), gram=torch.zeros(hidden, hidden))
+    observers[HEAD_STATS] = Observer(None, stats[HEAD_STATS], rows_per_call, generator)
     with observing(model, observers):
         for ids in sequences:
-            run_sequence(model, ids, block_size)
+            run_sequence(model, ids, block_size, all_rows=True)
             progress()
     for s in stats.values():
         if isinstance(s, LinearStats):
@@ -206,7 +219,7 @@ class Grams:
         self.model, self.sequences, self.chunks = model, sequences, gram_chunks(model, budget)
         self.held: dict[tuple[int, str], torch.Tensor] = {}
         for key, value in stats.items():
-            if isinstance(value, LinearStats) and value.gram is not None:
+            if isinstance(value, LinearStats) and value.gram is not None and key != HEAD_STATS:
                 self.held[key], value.gram = value.gram, None
         self.passes = 0  # extra passes over the calibration text
 

@@ -89,7 +89,8 @@ class LlamaModel:
             raise KeyError(f"unknown kv_cache {kv_cache!r}; expected none, {', '.join(KV_DTYPES)}")
         self.kv_dtype = KV_DTYPES.get(kv_cache, self.dtype)  # what KVPool holds
         if quant.get("lm_head"):  # quantized output projection (the embedding table stays for lookups)
-            self.lm_head = load_linear(weights, names.LM_HEAD, self.dtype, {"linear": quant["lm_head"]})
+            self.lm_head = load_linear(weights, names.LM_HEAD, self.dtype,
+                                       {"linear": quant["lm_head"], "group_size": quant.get("lm_head_group_size", 0)})
         else:
             self.lm_head = DenseLinear(self.embed if spec.tie_embeddings else weights[names.LM_HEAD])
         self.layers = [self._layer(weights, i, quant) for i in range(spec.num_layers)]

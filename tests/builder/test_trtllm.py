@@ -30,6 +30,7 @@ def test_int4_packing_along_out_is_tensorrt_llms():
 @pytest.mark.parametrize("quantization, quant_algo, weight_dtype", [
     ({"algo": "none"}, None, torch.float32),
     ({"algo": "int4_awq", "group_size": 32}, "W4A16_AWQ", torch.int8),
+    ({"algo": "int4_awq", "group_size": 32, "lm_head": "int4"}, "W4A16_AWQ", torch.int8),
     ({"algo": "fp8", "fp8_weight_scales": "per_tensor"}, "FP8", torch.float8_e4m3fn),
 ])
 def test_export_and_reimport_reproduce_the_logits(quantization, quant_algo, weight_dtype, tiny_models, tmp_path):
@@ -57,7 +58,8 @@ def test_export_and_reimport_reproduce_the_logits(quantization, quant_algo, weig
     assert meta["algo"] == {None: "none", "W4A16_AWQ": "int4_awq", "FP8": "fp8"}[quant_algo]
     want = forward_logits(engine, PROMPT)
     got = forward_logits(Engine(again), PROMPT)
-    # the same weights and scales; only the int8 lm_head comes back dequantized (float32)
+    # the same weights and scales; only the int8 / int4 lm_head comes back dequantized (float32), with
+    # the final norm that absorbed its AWQ scales
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 

@@ -181,6 +181,50 @@ def test_each_algorithm_builds_runs_and_reports(algo, options, kind, qdtype, tin
     assert [len(o.token_ids) for o in batched] == [4, 4]
 
 
+@pytest.mark.parametrize("algo", ["int4_awq", "int8_wo"])
+def test_an_int4_lm_head_builds_and_runs_on_the_tiled_kernel(algo, tiny_models, tiny_engines, tmp_path, llm_for):
+    """lm_head: int4 on a calibrated build (AWQ scales folded into the final norm, GPTQ) and on
+    one without calibration (round to nearest)."""
+    engine_dir = build_engine(tmp_path / algo, tiny_models["llama"], "bfloat16", quantization={
+        "algo": algo, "lm_head": "int4", "group_size": 32, "calibration": SMALL_CALIBRATION,
+        "accuracy": SMALL_ACCURACY, "accuracy_gate": None})
+    meta = json.loads((engine_dir / names.ENGINE_JSON).read_text())["quantization"]
+    assert meta["lm_head"] == names.LINEAR_INT4 and meta["lm_head_group_size"] == 32
+    engine = Engine(engine_dir)
+    head = engine.model.lm_head
+    assert head.kind == names.LINEAR_INT4 and head.tiled and head.group_size == 32
+    tensors = _weights(engine)
+    assert tensors[names.linear_tensor(names.linear_prefix(names.LM_HEAD), names.QWEIGHT)].dtype == torch.uint8
+    unquantized = _weights(Engine(tiny_engines("llama", "bfloat16")))
+    folded = not torch.equal(tensors[names.FINAL_NORM], unquantized[names.FINAL_NORM])
+    assert folded == (algo == "int4_awq")  # AWQ's scales live in the final norm
+    out = llm_for(engine_dir).generate(PROMPT, max_tokens=8, ignore_eos=True)
+    assert len(out.token_ids) == 8
+
+
+def test_the_calibrated_int4_head_beats_round_to_nearest():
+    """quantize_head_int4 with statistics (AWQ scales into the norm, clipping, GPTQ) against
+    rounding the same head to nearest, on inputs with a few large channels."""
+    from kiln.quantize.algorithms import QuantOptions, quantize_head_int4
+    from kiln.quantize.calibrate import LinearStats
+    from kiln.quantize.formats import dequantize_int4, quantize_int4
+
+    g = torch.Generator().manual_seed(7)
+    x = correlated_inputs(512, 64, g)
+    x[:, :4] *= 20  # outlier channels, as a final norm's output has
+    w = torch.randn(96, 64, generator=g)
+    norm = torch.rand(64, generator=g) + 0.5
+    stats = LinearStats(x.abs().amax(0), x.abs().sum(0), x.shape[0], rows=x[:256], gram=x.T @ x)
+    options = QuantOptions("int4_awq", group_size=32, lm_head="int4")
+    q, scales, folded_norm = quantize_head_int4(w, norm, stats, options)
+    got = (x * folded_norm / norm) @ dequantize_int4(q, scales, 32).T
+    nearest = x @ dequantize_int4(*quantize_int4(w, 32), 32).T
+    want = x @ w.T
+    assert (got - want).pow(2).mean() < 0.5 * (nearest - want).pow(2).mean()
+    q0, s0, norm0 = quantize_head_int4(w, norm, None, options)  # no statistics: round to nearest
+    assert torch.equal(norm0, norm) and torch.equal(dequantize_int4(q0, s0, 32), dequantize_int4(*quantize_int4(w, 32), 32))
+
+
 @pytest.mark.parametrize("algo, kv_cache", [("none", "int8"), ("none", "fp8"), ("int4_awq", "fp8"),
                                             ("int8_sq", "int8")])
 def test_quantized_kv_cache_builds_runs_and_reports(algo, kv_cache, tiny_models, tmp_path, llm_for):
