@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 OPS = ("rms_norm", "add_rms_norm", "silu_mul", "linear", "paged_attention", "select_isa", "linear_w8",
-       "linear_w4", "dequantize_int4", "pack_int4_tiled", "linear_w4_tiled", "dequantize_int4_tiled", "linear_w8a8", "linear_w4a8", "linear_fp8", "quantize_fp8", "dequantize_fp8")
+       "linear_w4", "dequantize_int4", "pack_int4_tiled", "linear_w4_tiled", "linear_w4a8_tiled", "dequantize_int4_tiled", "linear_w8a8", "linear_w4a8", "linear_fp8", "quantize_fp8", "dequantize_fp8")
 _loaded: dict[str, str] = {}  # sha256 of the library file -> path it was loaded from
 
 
@@ -79,6 +79,10 @@ def _register_fakes() -> None:
 
     @torch.library.register_fake("kiln::linear_w4_tiled")
     def _linear_w4_tiled_fake(x, qweight, scales, group_size, bias):
+        return x.new_empty((*x.shape[:-1], qweight.shape[0]))
+
+    @torch.library.register_fake("kiln::linear_w4a8_tiled")
+    def _linear_w4a8_tiled_fake(x, qweight, scales, group_size, bias):
         return x.new_empty((*x.shape[:-1], qweight.shape[0]))
 
     @torch.library.register_fake("kiln::dequantize_int4_tiled")
@@ -179,6 +183,11 @@ def pack_int4_tiled(qweight, scales, group_size: int) -> tuple[torch.Tensor, tor
 def linear_w4_tiled(x, qweight, scales, group_size: int, bias=None) -> torch.Tensor:
     """linear_w4 on weights and scales from pack_int4_tiled."""
     return torch.ops.kiln.linear_w4_tiled(x, qweight, scales, group_size, bias)
+
+
+def linear_w4a8_tiled(x, qweight, scales, group_size: int, bias=None) -> torch.Tensor:
+    """linear_w4a8 on weights and scales from pack_int4_tiled."""
+    return torch.ops.kiln.linear_w4a8_tiled(x, qweight, scales, group_size, bias)
 
 
 def dequantize_int4_tiled(qweight, scales, group_size: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:

@@ -92,18 +92,23 @@ class Int8Linear(QuantLinear):
         return self.qweight.to(self.dtype) * self.scales[:, None].to(self.dtype)
 
 
-class Int4Linear(QuantLinear):
-    """Weights whose shape allows it are reordered once, at load, into the tiled layout that
-    kiln's decode kernel streams (ops.pack_int4_tiled; the engine file keeps the stored layout)."""
+class TiledInt4:
+    """Int4 weights whose shape allows it are reordered once, at load, into the tiled layout
+    kiln's int4 kernels stream (ops.pack_int4_tiled; the engine file keeps the stored layout)."""
 
-    kind = names.LINEAR_INT4
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
+    def tile(self) -> None:
         out_features, in_features = self.qweight.shape[0], self.qweight.shape[1] * 2
         self.tiled = ops.int4_tiles_fit(out_features, in_features, self.group_size)
         if self.tiled:
             self.qweight, self.scales = ops.pack_int4_tiled(self.qweight, self.scales, self.group_size)
+
+
+class Int4Linear(TiledInt4, QuantLinear):
+    kind = names.LINEAR_INT4
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.tile()
 
     def gemv(self, x):
         if self.tiled:
@@ -115,15 +120,20 @@ class Int4Linear(QuantLinear):
         return unpack(self.qweight, self.scales, self.group_size).to(self.dtype)
 
 
-class W4A8Linear(QuantLinear):
+class W4A8Linear(TiledInt4, QuantLinear):
     """int4 weights, int8 activations per row and group: every row count takes the kernel, so
     decode and prefill compute the same way."""
 
     kind = names.LINEAR_W4A8
     gemv_rows = float("inf")
 
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.tile()
+
     def gemv(self, x):
-        return ops.linear_w4a8(x, self.qweight, self.scales, self.group_size, self.bias)
+        op = ops.linear_w4a8_tiled if self.tiled else ops.linear_w4a8
+        return op(x, self.qweight, self.scales, self.group_size, self.bias)
 
 
 class W8A8Linear(QuantLinear):

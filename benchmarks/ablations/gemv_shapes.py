@@ -1,5 +1,6 @@
-"""One-thread GEMV speed per weight shape: int4 (kiln::linear_w4 and linear_w4_tiled, group 64), int8
-(kiln::linear_w8) and bf16 (kiln::linear) on one bf16 input row, weights repeated call after
+"""One-thread GEMV speed per weight shape: int4 (kiln::linear_w4 and linear_w4_tiled, group 64), W4A8
+(linear_w4a8 and linear_w4a8_tiled), int8 (kiln::linear_w8) and bf16 (kiln::linear) on one bf16
+input row, weights repeated call after
 call (so small matrices are cache-resident), median of 5. docs/benchmarks.md quotes it.
 
     PYTHONPATH=. python benchmarks/ablations/gemv_shapes.py [N K ...]   (default: SmolLM2's and 7B shapes)"""
@@ -28,6 +29,8 @@ for n, k in shapes:
     t4, ts4 = ops.pack_int4_tiled(w4, s4, 64)
     for name, f, nbytes in [("int4", lambda: ops.linear_w4(x, w4, s4, 64), n * k // 2),
                             ("int4 tiled", lambda: ops.linear_w4_tiled(x, t4, ts4, 64), n * k // 2),
+                            ("w4a8", lambda: ops.linear_w4a8(x, w4, s4, 64), n * k // 2),
+                            ("w4a8 tiled", lambda: ops.linear_w4a8_tiled(x, t4, ts4, 64), n * k // 2),
                             ("int8", lambda: ops.linear_w8(x, w8, s8), n * k),
                             ("bf16", lambda: ops.linear(x, wb), n * k * 2)]:
         for _ in range(3):

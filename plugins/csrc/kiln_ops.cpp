@@ -111,6 +111,10 @@ struct Kernels {
                               int64_t, int64_t);
   void (*linear_w4_tiled_bf16)(const bf16*, const uint8_t*, const float*, int64_t, const bf16*, bf16*, int64_t,
                                int64_t, int64_t);
+  void (*linear_w4a8_tiled_f32)(const float*, const uint8_t*, const float*, int64_t, const float*, float*, int64_t,
+                                int64_t, int64_t);
+  void (*linear_w4a8_tiled_bf16)(const bf16*, const uint8_t*, const float*, int64_t, const bf16*, bf16*, int64_t,
+                                 int64_t, int64_t);
   void (*dequantize_int4_tiled_f32)(const uint8_t*, const float*, int64_t, float*, int64_t, int64_t);
   void (*dequantize_int4_tiled_bf16)(const uint8_t*, const float*, int64_t, bf16*, int64_t, int64_t);
   void (*linear_w8a8_f32)(const float*, const int8_t*, const float*, const int32_t*, float, const float*, float*, int64_t,
@@ -137,7 +141,8 @@ struct Kernels {
         ns::paged_attention_bf16, ns::paged_attention_bf16_i8, ns::paged_attention_bf16_fp8,          \
         ns::linear_w8_f32, ns::linear_w8_bf16,                                                        \
         ns::linear_w4_f32, ns::linear_w4_bf16, ns::dequantize_int4_f32, ns::dequantize_int4_bf16,    \
-        ns::linear_w4_tiled_f32, ns::linear_w4_tiled_bf16, ns::dequantize_int4_tiled_f32,                \
+        ns::linear_w4_tiled_f32, ns::linear_w4_tiled_bf16, ns::linear_w4a8_tiled_f32,                    \
+        ns::linear_w4a8_tiled_bf16, ns::dequantize_int4_tiled_f32,                                      \
         ns::dequantize_int4_tiled_bf16,                                                               \
         ns::linear_w8a8_f32, ns::linear_w8a8_bf16, ns::linear_w4a8_f32, ns::linear_w4a8_bf16,      \
         ns::linear_fp8_f32, ns::linear_fp8_bf16, ns::quantize_fp8_f32, ns::quantize_fp8_bf16,        \
@@ -495,6 +500,13 @@ at::Tensor linear_w4_tiled(const at::Tensor& x, const at::Tensor& qweight, const
                       active().linear_w4_tiled_bf16);
 }
 
+at::Tensor linear_w4a8_tiled(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
+                             int64_t group_size, const c10::optional<at::Tensor>& bias) {
+  check_tiled("linear_w4a8_tiled", qweight, scales, group_size);
+  return group_linear("linear_w4a8_tiled", x, qweight, scales, group_size, bias, active().linear_w4a8_tiled_f32,
+                      active().linear_w4a8_tiled_bf16);
+}
+
 at::Tensor dequantize_int4_tiled(const at::Tensor& qweight, const at::Tensor& scales, int64_t group_size,
                                  at::ScalarType dtype) {
   check_tiled("dequantize_int4_tiled", qweight, scales, group_size);
@@ -576,6 +588,7 @@ TORCH_LIBRARY(kiln, m) {
   m.def("dequantize_int4(Tensor qweight, Tensor scales, int group_size, ScalarType dtype) -> Tensor");
   m.def("pack_int4_tiled(Tensor qweight, Tensor scales, int group_size) -> (Tensor, Tensor)");
   m.def("linear_w4_tiled(Tensor x, Tensor qweight, Tensor scales, int group_size, Tensor? bias) -> Tensor");
+  m.def("linear_w4a8_tiled(Tensor x, Tensor qweight, Tensor scales, int group_size, Tensor? bias) -> Tensor");
   m.def("dequantize_int4_tiled(Tensor qweight, Tensor scales, int group_size, ScalarType dtype) -> Tensor");
   m.def("linear_w8a8(Tensor x, Tensor qweight, Tensor scales, Tensor weight_sum, Tensor? bias, float input_scale=0.) "
         "-> Tensor");
@@ -596,6 +609,7 @@ TORCH_LIBRARY_IMPL(kiln, CPU, m) {
   m.impl("dequantize_int4", &kiln::dequantize_int4);
   m.impl("pack_int4_tiled", &kiln::pack_int4_tiled);
   m.impl("linear_w4_tiled", &kiln::linear_w4_tiled);
+  m.impl("linear_w4a8_tiled", &kiln::linear_w4a8_tiled);
   m.impl("dequantize_int4_tiled", &kiln::dequantize_int4_tiled);
   m.impl("linear_w8a8", &kiln::linear_w8a8);
   m.impl("linear_w4a8", &kiln::linear_w4a8);

@@ -714,12 +714,15 @@ inline __m512i broadcast4(const int8_t* p) {  // four int8 inputs into every 32-
   return _mm512_set1_epi32(v);
 }
 
-// V tiles (u0.. of a tile group of width U; w and s at the group's start) x R input rows (two
-// planes each, row stride k); two vpdpbusd chains (one per plane) per tile and row.
-// acc[v * R + r] = sum over groups of (the group's centred integer dot product) * scale.
-template <int R, int V>
-__attribute__((noinline)) void tiles_w4t(const int8_t* hi, const int8_t* lo, const int32_t* xsum8, const uint8_t* w, const float* s,
-                      const TiledInt4& L, int64_t U, int64_t u0, int64_t k, int64_t group, __m512* acc) {
+// V tiles (u0.. of a tile group of width U; w and s at the group's start) x R input rows (row
+// stride k); acc[v * R + r] = sum over groups of (the group's centred integer dot product) *
+// scale. W4A16 (A8 false): two int8 planes per row (hi, lo), one vpdpbusd chain per plane, tile
+// and row. W4A8 (A8 true): one int8 plane `lo` quantized per group, whose scales xs [R, groups]
+// multiply the weight scales. (noinline: inlined into its callers the accumulators spilled.)
+template <int R, int V, bool A8>
+__attribute__((noinline)) void tiles_w4t(const int8_t* hi, const int8_t* lo, const int32_t* xsum8, const float* xs,
+                                         const uint8_t* w, const float* s, const TiledInt4& L, int64_t U, int64_t u0,
+                                         int64_t k, int64_t group, __m512* acc) {
   constexpr int C = V * R;  // (tile, row) pairs, c = v * R + r; one-dimensional so they stay in registers
   static_assert(C <= 4, "at most four (tile, row) pairs: 3 * C accumulators");
   const __m512i nib = _mm512_set1_epi8(0x0F);
@@ -733,7 +736,7 @@ __attribute__((noinline)) void tiles_w4t(const int8_t* hi, const int8_t* lo, con
     for (int64_t b = b0; b < b1; ++b) {
       __m512i xh0[R], xh1[R], xl0[R], xl1[R];
       for (int r = 0; r < R; ++r) {
-        xh0[r] = broadcast4(hi + r * k + 8 * b), xh1[r] = broadcast4(hi + r * k + 8 * b + 4);
+        if (!A8) xh0[r] = broadcast4(hi + r * k + 8 * b), xh1[r] = broadcast4(hi + r * k + 8 * b + 4);
         xl0[r] = broadcast4(lo + r * k + 8 * b), xl1[r] = broadcast4(lo + r * k + 8 * b + 4);
       }
       for (int v = 0; v < V; ++v) {
@@ -741,7 +744,7 @@ __attribute__((noinline)) void tiles_w4t(const int8_t* hi, const int8_t* lo, con
         const __m512i first = _mm512_and_si512(wv, nib), second = _mm512_and_si512(_mm512_srli_epi16(wv, 4), nib);
         for (int r = 0; r < R; ++r) {
           const int c = v * R + r;
-          h[c] = dpbusd(dpbusd(h[c], first, xh0[r]), second, xh1[r]);
+          if (!A8) h[c] = dpbusd(dpbusd(h[c], first, xh0[r]), second, xh1[r]);
           l[c] = dpbusd(dpbusd(l[c], first, xl0[r]), second, xl1[r]);
         }
       }
@@ -750,24 +753,23 @@ __attribute__((noinline)) void tiles_w4t(const int8_t* hi, const int8_t* lo, con
       const __m512 vs = _mm512_loadu_ps(s + (g * U + u0 + v) * kTileRows);
       for (int r = 0; r < R; ++r) {
         const int c = v * R + r;
-        const __m512i centred = _mm512_sub_epi32(_mm512_add_epi32(_mm512_slli_epi32(h[c], 8), l[c]),
-                                                 _mm512_set1_epi32(xsum8[r * groups + g]));
-        facc[c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(centred), vs, facc[c]);
+        const __m512i sum = A8 ? l[c] : _mm512_add_epi32(_mm512_slli_epi32(h[c], 8), l[c]);
+        const __m512i centred = _mm512_sub_epi32(sum, _mm512_set1_epi32(xsum8[r * groups + g]));
+        const __m512 scales = A8 ? _mm512_mul_ps(vs, _mm512_set1_ps(xs[r * groups + g])) : vs;
+        facc[c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(centred), scales, facc[c]);
       }
     }
   }
   for (int c = 0; c < C; ++c) acc[c] = facc[c];
 }
 
-template <typename T>
-void linear_w4_tiled_avx512(const T* x, const uint8_t* w, const float* s, int64_t group, const T* bias, T* out,
-                            int64_t rows, int64_t k, int64_t n) {
+// The tiled GEMV driver: tile groups in parallel, input rows four at a time. xs_row: each row's
+// scale applied to its outputs (W4A16; W4A8's scales are per group, inside the tiles).
+template <bool A8, typename T>
+void tiled_w4_rows(const int8_t* hi, const int8_t* lo, const int32_t* xsum8, const float* xs_group,
+                   const float* xs_row, const uint8_t* w, const float* s, int64_t group, const T* bias, T* out,
+                   int64_t rows, int64_t k, int64_t n) {
   const TiledInt4 L(k, n, group);
-  std::vector<int8_t> hi(rows * k), lo(rows * k);
-  std::vector<float> xs(rows);
-  std::vector<int32_t> hsum(rows * L.groups), xsum8(rows * L.groups);
-  split_rows_i8(x, rows, k, k, group, hi.data(), lo.data(), xs.data(), hsum.data(), xsum8.data());
-  for (int64_t i = 0; i < rows * L.groups; ++i) xsum8[i] = 8 * (256 * hsum[i] + xsum8[i]);  // the nibbles' + 8
   const int64_t tile_groups = (L.tiles + kTileGroup - 1) / kTileGroup;
   at::parallel_for(0, tile_groups, 1, [&](int64_t begin, int64_t end) {
     __m512 acc[kTileGroup * 4];
@@ -778,35 +780,49 @@ void linear_w4_tiled_avx512(const T* x, const uint8_t* w, const float* s, int64_
       const float* sg = s + t0 * L.groups * kTileRows;
       for (int64_t m0 = 0; m0 < rows; m0 += 4) {
         const int64_t mr = std::min<int64_t>(4, rows - m0);
-        const int8_t *h = hi.data() + m0 * k, *l = lo.data() + m0 * k;
-        const int32_t* xsum = xsum8.data() + m0 * L.groups;
+        const int8_t *h = A8 ? nullptr : hi + m0 * k, *l = lo + m0 * k;
+        const int32_t* xsum = xsum8 + m0 * L.groups;
+        const float* xs = A8 ? xs_group + m0 * L.groups : nullptr;
         auto emit = [&](int64_t V, int64_t R, int64_t u0) {
           for (int64_t v = 0; v < V; ++v)
             for (int64_t r = 0; r < R; ++r) {
-              _mm512_storeu_ps(sums, _mm512_mul_ps(acc[v * R + r], _mm512_set1_ps(xs[m0 + r])));
+              const float row_scale = A8 ? 1.f : xs_row[m0 + r];
+              _mm512_storeu_ps(sums, _mm512_mul_ps(acc[v * R + r], _mm512_set1_ps(row_scale)));
               const int64_t o0 = (t0 + u0 + v) * kTileRows;
               for (int64_t j = 0; j < kTileRows; ++j)
                 store_as(out + (m0 + r) * n + o0 + j, sums[j] + (bias ? to_f32(bias[o0 + j]) : 0.f));
             }
         };
-        if (mr == 1) {  // decode: the group's tiles side by side, one stream, 4 * U chains
+        if (mr == 1) {  // decode: the group's tiles side by side, one stream
           switch (U) {
-            case 4: tiles_w4t<1, 4>(h, l, xsum, wg, sg, L, U, 0, k, group, acc); break;
-            case 3: tiles_w4t<1, 3>(h, l, xsum, wg, sg, L, U, 0, k, group, acc); break;
-            case 2: tiles_w4t<1, 2>(h, l, xsum, wg, sg, L, U, 0, k, group, acc); break;
-            default: tiles_w4t<1, 1>(h, l, xsum, wg, sg, L, U, 0, k, group, acc);
+            case 4: tiles_w4t<1, 4, A8>(h, l, xsum, xs, wg, sg, L, U, 0, k, group, acc); break;
+            case 3: tiles_w4t<1, 3, A8>(h, l, xsum, xs, wg, sg, L, U, 0, k, group, acc); break;
+            case 2: tiles_w4t<1, 2, A8>(h, l, xsum, xs, wg, sg, L, U, 0, k, group, acc); break;
+            default: tiles_w4t<1, 1, A8>(h, l, xsum, xs, wg, sg, L, U, 0, k, group, acc);
           }
           emit(U, 1, 0);
         } else {
           for (int64_t u0 = 0; u0 < U; ++u0)
             with_rows(mr, [&](auto R) {
-              tiles_w4t<decltype(R)::value, 1>(h, l, xsum, wg, sg, L, U, u0, k, group, acc);
+              tiles_w4t<decltype(R)::value, 1, A8>(h, l, xsum, xs, wg, sg, L, U, u0, k, group, acc);
               emit(1, decltype(R)::value, u0);
             });
         }
       }
     }
   });
+}
+
+template <typename T>
+void linear_w4_tiled_avx512(const T* x, const uint8_t* w, const float* s, int64_t group, const T* bias, T* out,
+                            int64_t rows, int64_t k, int64_t n) {
+  const int64_t groups = (k + group - 1) / group;
+  std::vector<int8_t> hi(rows * k), lo(rows * k);
+  std::vector<float> xs(rows);
+  std::vector<int32_t> hsum(rows * groups), xsum8(rows * groups);
+  split_rows_i8(x, rows, k, k, group, hi.data(), lo.data(), xs.data(), hsum.data(), xsum8.data());
+  for (int64_t i = 0; i < rows * groups; ++i) xsum8[i] = 8 * (256 * hsum[i] + xsum8[i]);  // the nibbles' + 8
+  tiled_w4_rows<false>(hi.data(), lo.data(), xsum8.data(), nullptr, xs.data(), w, s, group, bias, out, rows, k, n);
 }
 #endif
 
@@ -985,6 +1001,42 @@ void linear_w4a8_impl(const T* x, const uint8_t* w, const float* scale, int64_t 
   });
 }
 
+// W4A8 on the tiled int4 layout: the input quantized per row and group (as above), one int8
+// plane against the nibbles (tiles_w4t<.., true>), the group's input scale times the weight
+// scales per group.
+template <typename T>
+void linear_w4a8_tiled_impl(const T* x, const uint8_t* w, const float* s, int64_t group, const T* bias, T* out,
+                            int64_t rows, int64_t k, int64_t n) {
+  const int64_t groups = (k + group - 1) / group;
+  std::vector<int8_t> xq(rows * k);
+  std::vector<float> xs(rows * groups);
+  std::vector<int32_t> xsum(rows * groups);
+  quantize_groups_i8(x, rows, k, group, false, xq.data(), xs.data(), xsum.data());
+#if defined(KILN_ISA_AVX512)
+  for (auto& v : xsum) v *= 8;  // the nibbles' + 8
+  tiled_w4_rows<true>(nullptr, xq.data(), xsum.data(), xs.data(), nullptr, w, s, group, bias, out, rows, k, n);
+#else
+  const TiledInt4 L(k, n, group);
+  at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t o = begin; o < end; ++o)
+      for (int64_t m = 0; m < rows; ++m) {
+        float total = 0.f;
+        for (int64_t g = 0; g < groups; ++g) {
+          int32_t acc = 0;
+          for (int64_t i = g * group; i < std::min(k, (g + 1) * group); ++i)
+            acc += (tiled_nibble(w, L, o, i) - 8) * static_cast<int32_t>(xq[m * k + i]);
+          total += static_cast<float>(acc) * (s[L.scale(o, g)] * xs[m * groups + g]);
+        }
+        store_as(out + m * n + o, total + (bias ? to_f32(bias[o]) : 0.f));
+      }
+  });
+#endif
+}
+
+void linear_w4a8_tiled_f32(const float* x, const uint8_t* w, const float* s, int64_t g, const float* b, float* o,
+                           int64_t r, int64_t k, int64_t n) { linear_w4a8_tiled_impl<float>(x, w, s, g, b, o, r, k, n); }
+void linear_w4a8_tiled_bf16(const bf16* x, const uint8_t* w, const float* s, int64_t g, const bf16* b, bf16* o,
+                            int64_t r, int64_t k, int64_t n) { linear_w4a8_tiled_impl<bf16>(x, w, s, g, b, o, r, k, n); }
 void linear_w4a8_f32(const float* x, const uint8_t* w, const float* s, int64_t g, const float* b, float* o, int64_t r,
                      int64_t k, int64_t n) { linear_w4a8_impl<float>(x, w, s, g, b, o, r, k, n); }
 void linear_w4a8_bf16(const bf16* x, const uint8_t* w, const float* s, int64_t g, const bf16* b, bf16* o, int64_t r,

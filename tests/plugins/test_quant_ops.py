@@ -165,6 +165,7 @@ def test_quant_ops_opcheck(plugin_isas):
     tiled = ops.pack_int4_tiled(*tiled_in)
     torch.library.opcheck(torch.ops.kiln.pack_int4_tiled.default, tiled_in)
     torch.library.opcheck(torch.ops.kiln.linear_w4_tiled.default, (x, *tiled, 32, None))
+    torch.library.opcheck(torch.ops.kiln.linear_w4a8_tiled.default, (x, *tiled, 32, None))
     torch.library.opcheck(torch.ops.kiln.dequantize_int4_tiled.default, (*tiled, 32, torch.float32))
     torch.library.opcheck(torch.ops.kiln.linear_w8a8.default,
                           (x, q, s, q.to(torch.int32).sum(1, dtype=torch.int32), None))
@@ -175,6 +176,23 @@ def test_quant_ops_opcheck(plugin_isas):
     torch.library.opcheck(torch.ops.kiln.quantize_fp8.default, (x, 2.0))
     torch.library.opcheck(torch.ops.kiln.dequantize_fp8.default, (q8, torch.bfloat16),
                           test_utils=("test_faketensor", "test_autograd_registration"))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("group", [8, 32, 64, 128])
+@pytest.mark.parametrize("rows, k, n", TILED_SHAPES + [(40, 576, 48)])
+def test_linear_w4a8_tiled_matches_exact_integer_reference(isa, dtype, group, rows, k, n):
+    g = torch.Generator().manual_seed(hash((isa, str(dtype), group, rows, k, n, "w4a8 tiled")) % 2**31)
+    x = rand(g, rows, k, scale=3).to(dtype)
+    x[0, : min(k, 40)] = 0  # an all-zero group must not divide by zero
+    packed, scales = quantize_int4(rand(g, n, k, scale=0.05), group)
+    bias = rand(g, n).to(dtype)
+    got = ops.linear_w4a8_tiled(x, *ops.pack_int4_tiled(packed, scales, group), group, bias)
+    want = reference.linear_w4a8(x, packed, scales, group, bias)
+    if dtype == torch.float32:  # the same integers; float sums in another order
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    else:
+        torch.testing.assert_close(got.float(), want.float(), rtol=1e-2, atol=0.07)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
