@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 OPS = ("rms_norm", "add_rms_norm", "silu_mul", "linear", "paged_attention", "select_isa", "linear_w8",
-       "linear_w4", "dequantize_int4", "pack_int4_tiled", "linear_w4_tiled", "linear_w4a8_tiled", "dequantize_int4_tiled", "linear_w8a8", "linear_w4a8", "linear_fp8", "quantize_fp8", "dequantize_fp8")
+       "linear_w4", "dequantize_int4", "pack_int4_tiled", "linear_w4_tiled", "linear_w4a8_tiled", "dequantize_int4_tiled", "decode_layers", "linear_w8a8", "linear_w4a8", "linear_fp8", "quantize_fp8", "dequantize_fp8")
 _loaded: dict[str, str] = {}  # sha256 of the library file -> path it was loaded from
 
 
@@ -84,6 +84,11 @@ def _register_fakes() -> None:
     @torch.library.register_fake("kiln::linear_w4a8_tiled")
     def _linear_w4a8_tiled_fake(x, qweight, scales, group_size, bias):
         return x.new_empty((*x.shape[:-1], qweight.shape[0]))
+
+    @torch.library.register_fake("kiln::decode_layers")
+    def _decode_layers_fake(h, x, tensors, ints, floats, kv, block_tables, query_start, context_lens, cos, sin,
+                            heads, scale, eps):
+        return torch.empty_like(x, memory_format=torch.contiguous_format)
 
     @torch.library.register_fake("kiln::dequantize_int4_tiled")
     def _dequantize_int4_tiled_fake(qweight, scales, group_size, dtype):
@@ -165,6 +170,24 @@ def dequantize_int4(qweight, scales, group_size: int, dtype: torch.dtype = torch
 
 
 TILE_ROWS, TILED_MAX_GROUP = 16, 8192  # quant.h: kTileRows, kTiledMaxGroup
+
+# decode_layers' linear kinds (kiln_ops.cpp LinearKind) and the tensors each linear brings
+(KIND_DENSE, KIND_INT8, KIND_INT4, KIND_INT4_TILED, KIND_W4A8, KIND_W4A8_TILED, KIND_W8A8,
+ KIND_FP8) = range(8)
+LINEAR_SLOTS = 5  # weight or qweight, scales, bias, pre_scale, weight_sum (None where unused)
+LAYER_SLOTS = 4 * LINEAR_SLOTS + 3  # qkv, out, gate_up, down; post-attention norm, next norm, kv_scales
+
+
+def decode_layers(h, x, plan: tuple, kv, block_tables, query_start, context_lens, cos, sin, heads: int,
+                  scale: float, eps: float) -> torch.Tensor:
+    """Every decoder layer of a step of a few rows in one call (LlamaModel.forward's loop with
+    the same kernels in the same order): h, the residual stream, is updated in place; returns
+    the last layer's output after the next norm. plan: (tensors, ints, floats), LAYER_SLOTS
+    tensors, 8 ints (kind, group_size per linear) and 8 floats (the W8A8 static input scale and
+    the FP8 activations' 1 / input_scale per linear) per layer. kv: the KV pool's storage
+    [layers, 2, blocks, block_size, kv_heads, head_dim]."""
+    return torch.ops.kiln.decode_layers(h, x, *plan, kv, block_tables, query_start, context_lens, cos, sin,
+                                        heads, scale, eps)
 
 
 def int4_tiles_fit(out_features: int, in_features: int, group_size: int) -> bool:

@@ -105,9 +105,11 @@ def observing(model: LlamaModel, observers: dict[tuple[int, str], object]):
     originals = {(index, name): getattr(owner(index), name) for index, name in observers}
     for (index, name), observer in observers.items():
         setattr(owner(index), name, observer)
+    fused, model.fused_decode = model.fused_decode, False  # the observers run only in the Python loop
     try:
         yield
     finally:
+        model.fused_decode = fused
         for (index, name), inner in originals.items():
             setattr(owner(index), name, inner)
 

@@ -30,6 +30,11 @@ class DenseLinear:
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
         self.weight, self.bias = weight, bias
 
+    def plan(self) -> tuple[int, list, int, float, float]:
+        """This linear as a record of ops.decode_layers' plan: (kind, LINEAR_SLOTS tensors,
+        group_size, W8A8 static input scale, FP8 1 / input_scale)."""
+        return ops.KIND_DENSE, [self.weight, None, self.bias, None, None], 0, 0.0, 0.0
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """A few bf16 rows go to kiln's GEMV, which streams the weights once at memory bandwidth
         (2-3x PyTorch's at one row here); float32 always uses PyTorch's GEMM, whose results do
@@ -44,6 +49,7 @@ class QuantLinear:
     weight once and PyTorch's GEMM."""
 
     kind = ""
+    code = -1  # ops.KIND_*: how decode_layers runs it
     gemv_rows = SKINNY_ROWS
 
     def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None,
@@ -64,6 +70,11 @@ class QuantLinear:
     def gemv(self, x: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
+    def plan(self) -> tuple[int, list, int, float, float]:
+        """As DenseLinear.plan; decode_layers does what __call__ does for a few rows."""
+        tensors = [self.qweight, self.scales, self.bias, self.pre_scale, self.weight_sum]
+        return self.code, tensors, self.group_size, self.input_scale or 0.0, self.inv_input_scale or 0.0
+
     def dequantize(self) -> torch.Tensor:
         raise NotImplementedError
 
@@ -82,6 +93,7 @@ class QuantLinear:
 
 class Int8Linear(QuantLinear):
     kind = names.LINEAR_INT8
+    code = ops.KIND_INT8
 
     def gemv(self, x):
         return ops.linear_w8(x, self.qweight, self.scales, self.bias)
@@ -101,10 +113,12 @@ class TiledInt4:
         self.tiled = ops.int4_tiles_fit(out_features, in_features, self.group_size)
         if self.tiled:
             self.qweight, self.scales = ops.pack_int4_tiled(self.qweight, self.scales, self.group_size)
+            self.code = self.tiled_code
 
 
 class Int4Linear(TiledInt4, QuantLinear):
     kind = names.LINEAR_INT4
+    code, tiled_code = ops.KIND_INT4, ops.KIND_INT4_TILED
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -125,6 +139,7 @@ class W4A8Linear(TiledInt4, QuantLinear):
     decode and prefill compute the same way."""
 
     kind = names.LINEAR_W4A8
+    code, tiled_code = ops.KIND_W4A8, ops.KIND_W4A8_TILED
     gemv_rows = float("inf")
 
     def __init__(self, *args, **kwargs):
@@ -141,6 +156,7 @@ class W8A8Linear(QuantLinear):
     one (Model Optimizer's W8A8_SQ_PER_CHANNEL checkpoints)."""
 
     kind = names.LINEAR_W8A8
+    code = ops.KIND_W8A8
     gemv_rows = float("inf")
 
     def gemv(self, x):
@@ -152,6 +168,7 @@ class Fp8Linear(QuantLinear):
     every product is exact as in the decode kernel."""
 
     kind = names.LINEAR_FP8
+    code = ops.KIND_FP8
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)

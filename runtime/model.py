@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from kiln import constants as names
 from kiln.plugins import ops
-from kiln.runtime.linear import DenseLinear, load_linear
+from kiln.runtime.linear import SKINNY_ROWS, DenseLinear, load_linear
 from kiln.runtime.rope import cos_sin_tables
 from kiln.runtime.spec import ModelSpec
 
@@ -96,6 +96,22 @@ class LlamaModel:
         self.layers = [self._layer(weights, i, quant) for i in range(spec.num_layers)]
         self.cos, self.sin = cos_sin_tables(spec, max_positions, self.dtype)
         self.scale = spec.head_dim**-0.5
+        self.fused_decode = True  # steps of a few rows run every layer in one plugin call (decode_layers)
+        self._plan = None  # built on first use, from the layers as they are then
+
+    def decode_plan(self) -> tuple[list, list[int], list[float]]:
+        """The layers as ops.decode_layers takes them (LAYER_SLOTS tensors, 8 ints and 8 floats
+        per layer)."""
+        tensors, ints, floats = [], [], []
+        for index, layer in enumerate(self.layers):
+            for name in LINEARS:
+                code, slots, group_size, input_scale, inv_input_scale = getattr(layer, name).plan()
+                tensors += slots
+                ints += [code, group_size]
+                floats += [input_scale, inv_input_scale]
+            following = self.layers[index + 1].input_norm if index + 1 < len(self.layers) else self.final_norm
+            tensors += [layer.post_attention_norm, following, layer.kv_scales]
+        return tensors, ints, floats
 
     def _layer(self, weights: dict[str, torch.Tensor], i: int, quant: dict) -> Layer:
         def get(name: str) -> torch.Tensor:
@@ -126,11 +142,19 @@ class LlamaModel:
         """Run a packed batch of tokens (1-D); float32 logits [len(ctx.logits_rows), vocab].
 
         Per layer: 4 GEMMs and 3 plugin ops: the residual add fused into RMSNorm,
-        rotary embedding + KV write + attention in one, SwiGLU in one."""
+        rotary embedding + KV write + attention in one, SwiGLU in one. Steps of up to
+        SKINNY_ROWS tokens (decode) run the same loop inside the plugin library (decode_layers),
+        bit for bit the same numbers without the interpreter between the ~240 kernel calls."""
         spec = self.spec
         eps = spec.norm_eps
         h = F.embedding(tokens, self.embed)
         x = ops.rms_norm(h, self.layers[0].input_norm, eps)
+        if self.fused_decode and tokens.shape[0] <= SKINNY_ROWS:  # the same kernels, without Python between
+            if self._plan is None:
+                self._plan = self.decode_plan()
+            x = ops.decode_layers(h, x, self._plan, pool.storage, ctx.block_tables, ctx.query_start,
+                                  ctx.context_lens, self.cos, self.sin, spec.num_heads, self.scale, eps)
+            return self.lm_head(x[ctx.logits_rows]).float()
         for index, layer in enumerate(self.layers):
             qkv = layer.qkv(x)
             attn = ops.paged_attention(qkv, pool.keys[index], pool.values[index], ctx.block_tables,

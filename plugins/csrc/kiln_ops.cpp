@@ -571,6 +571,74 @@ at::Tensor quantize_fp8(const at::Tensor& x, double inv_scale) {
   return out;
 }
 
+// --- every decoder layer of a decode step in one call -----------------------------------
+// LlamaModel.forward's layer loop for a few rows (kiln/runtime/model.py), run here instead of
+// op by op from Python: the same functions in the same order, so the numbers are bit for bit
+// those of the Python loop, without the interpreter and the dispatcher between the ~240 kernel
+// calls of a step. Each linear is kLinearSlots tensors (weight or qweight, scales, bias,
+// pre_scale, weight_sum; None where unused), two ints (kind, group_size) and two floats (the
+// W8A8 static input scale, FP8 activations' 1 / input_scale), as runtime/linear.py's plan()
+// describes it; a layer adds its post-attention norm, the next norm and its KV scales.
+enum LinearKind : int64_t { kDense, kInt8, kInt4, kInt4Tiled, kW4A8, kW4A8Tiled, kW8A8, kFp8 };
+constexpr int64_t kLinearSlots = 5, kLayerSlots = 4 * kLinearSlots + 3;
+
+using OptionalTensors = c10::List<c10::optional<at::Tensor>>;
+
+static at::Tensor planned_linear(const at::Tensor& x, const OptionalTensors& t, int64_t base, int64_t kind,
+                                 int64_t group, double input_scale, double inv_input_scale) {
+  const c10::optional<at::Tensor> weight = t.get(base), scales = t.get(base + 1), bias = t.get(base + 2),
+                                  pre_scale = t.get(base + 3), weight_sum = t.get(base + 4);
+  TORCH_CHECK(weight.has_value() && (kind == kDense || scales.has_value()),
+              "kiln::decode_layers: a linear's plan lacks its weight or scales");
+  at::Tensor in = pre_scale.has_value() ? x * *pre_scale : x;  // as QuantLinear.__call__
+  if (inv_input_scale > 0) in = quantize_fp8(in, inv_input_scale);
+  switch (kind) {
+    case kDense: return in.scalar_type() == at::kBFloat16 ? kiln::linear(in, *weight, bias) : at::linear(in, *weight, bias);
+    case kInt8: return linear_w8(in, *weight, *scales, bias);
+    case kInt4: return linear_w4(in, *weight, *scales, group, bias);
+    case kInt4Tiled: return linear_w4_tiled(in, *weight, *scales, group, bias);
+    case kW4A8: return linear_w4a8(in, *weight, *scales, group, bias);
+    case kW4A8Tiled: return linear_w4a8_tiled(in, *weight, *scales, group, bias);
+    case kW8A8:
+      TORCH_CHECK(weight_sum.has_value(), "kiln::decode_layers: a W8A8 linear's plan lacks weight_sum");
+      return linear_w8a8(in, *weight, *scales, *weight_sum, bias, input_scale);
+    case kFp8: return linear_fp8(in, *weight, *scales, bias);
+  }
+  TORCH_CHECK(false, "kiln::decode_layers: unknown linear kind ", kind);
+}
+
+at::Tensor decode_layers(at::Tensor& h, const at::Tensor& x0, const OptionalTensors& tensors, at::IntArrayRef ints,
+                         at::ArrayRef<double> floats, at::Tensor& kv, const at::Tensor& block_tables,
+                         const at::Tensor& query_start, const at::Tensor& context_lens, const at::Tensor& cos,
+                         const at::Tensor& sin, int64_t heads, double scale, double eps) {
+  const int64_t layers = kv.dim() == 6 ? kv.size(0) : -1;
+  TORCH_CHECK(layers > 0 && kv.size(1) == 2 && kv.is_contiguous(),
+              "kiln::decode_layers: kv must be the pool's contiguous [layers, 2, blocks, block_size, kv_heads, "
+              "head_dim] storage, got ", kv.sizes());
+  TORCH_CHECK(static_cast<int64_t>(tensors.size()) == layers * kLayerSlots &&
+                  static_cast<int64_t>(ints.size()) == layers * 8 && static_cast<int64_t>(floats.size()) == layers * 8,
+              "kiln::decode_layers: the plan has ", tensors.size(), " tensors, ", ints.size(), " ints and ",
+              floats.size(), " floats; ", layers, " layers need ", layers * kLayerSlots, ", ", layers * 8, " and ",
+              layers * 8);
+  at::Tensor x = x0;
+  for (int64_t i = 0; i < layers; ++i) {
+    const int64_t t0 = i * kLayerSlots;
+    const int64_t* k = ints.data() + i * 8;
+    const double* f = floats.data() + i * 8;
+    auto run = [&](const at::Tensor& in, int64_t j) {  // linear j of the layer (qkv, out, gate_up, down)
+      return planned_linear(in, tensors, t0 + j * kLinearSlots, k[2 * j], k[2 * j + 1], f[2 * j], f[2 * j + 1]);
+    };
+    const at::Tensor post_norm = *tensors.get(t0 + 4 * kLinearSlots), next_norm = *tensors.get(t0 + 4 * kLinearSlots + 1);
+    const c10::optional<at::Tensor> kv_scales = tensors.get(t0 + 4 * kLinearSlots + 2);
+    at::Tensor k_pool = kv.select(0, i).select(0, 0), v_pool = kv.select(0, i).select(0, 1);
+    const at::Tensor attn = paged_attention(run(x, 0), k_pool, v_pool, block_tables, query_start, context_lens, cos,
+                                            sin, heads, scale, kv_scales);
+    x = add_rms_norm(h, run(attn, 1), post_norm, eps);
+    x = add_rms_norm(h, run(silu_mul(run(x, 2)), 3), next_norm, eps);
+  }
+  return x;
+}
+
 }  // namespace kiln
 
 TORCH_LIBRARY(kiln, m) {
@@ -589,6 +657,9 @@ TORCH_LIBRARY(kiln, m) {
   m.def("pack_int4_tiled(Tensor qweight, Tensor scales, int group_size) -> (Tensor, Tensor)");
   m.def("linear_w4_tiled(Tensor x, Tensor qweight, Tensor scales, int group_size, Tensor? bias) -> Tensor");
   m.def("linear_w4a8_tiled(Tensor x, Tensor qweight, Tensor scales, int group_size, Tensor? bias) -> Tensor");
+  m.def("decode_layers(Tensor(a!) h, Tensor x, Tensor?[] tensors, int[] ints, float[] floats, Tensor(b!) kv, "
+        "Tensor block_tables, Tensor query_start, Tensor context_lens, Tensor cos, Tensor sin, int heads, "
+        "float scale, float eps) -> Tensor");
   m.def("dequantize_int4_tiled(Tensor qweight, Tensor scales, int group_size, ScalarType dtype) -> Tensor");
   m.def("linear_w8a8(Tensor x, Tensor qweight, Tensor scales, Tensor weight_sum, Tensor? bias, float input_scale=0.) "
         "-> Tensor");
@@ -610,6 +681,7 @@ TORCH_LIBRARY_IMPL(kiln, CPU, m) {
   m.impl("pack_int4_tiled", &kiln::pack_int4_tiled);
   m.impl("linear_w4_tiled", &kiln::linear_w4_tiled);
   m.impl("linear_w4a8_tiled", &kiln::linear_w4a8_tiled);
+  m.impl("decode_layers", &kiln::decode_layers);
   m.impl("dequantize_int4_tiled", &kiln::dequantize_int4_tiled);
   m.impl("linear_w8a8", &kiln::linear_w8a8);
   m.impl("linear_w4a8", &kiln::linear_w4a8);

@@ -1,0 +1,72 @@
+"""The fused decode step (kiln::decode_layers: every layer of a step of a few rows in one
+plugin call) against LlamaModel's Python loop over the same kernels: the same logits and the
+same KV cache, bit for bit, for every kind of linear an engine holds."""
+import pytest
+import torch
+
+from kiln.plugins import ops
+from kiln.runtime.engine import Engine
+from kiln.runtime.model import KVPool, StepContext
+from tests.helpers import build_engine
+
+SMALL = {"calibration": {"samples": 8, "seq_len": 64}, "accuracy": {"tokens": 512, "window": 128},
+         "accuracy_gate": None}
+PROMPT = [1, 17, 250, 33, 99, 5, 201, 64, 300, 12]
+
+
+def decode(model, spec, fused: bool, steps: int, rows: int):
+    """A prompt per sequence, then `steps` decode steps of `rows` sequences at once; the logits
+    of every step and the pool."""
+    model.fused_decode = fused
+    block = 8
+    blocks = -(-(len(PROMPT) + steps) // block)
+    pool = KVPool(spec, rows * blocks, block, model.kv_dtype)
+    pool.storage.view(torch.uint8).zero_()  # (the pool is left uninitialized: compare written slots only)
+    tables = [list(range(r * blocks, (r + 1) * blocks)) for r in range(rows)]
+    for r in range(rows):
+        model.forward(torch.tensor(PROMPT[r:]), StepContext.single(0, len(PROMPT) - r, tables[r]), pool)
+    out = []
+    for i in range(steps):
+        lens = [len(PROMPT) - r + i for r in range(rows)]
+        ctx = StepContext(positions=torch.tensor(lens), query_start=torch.arange(rows + 1, dtype=torch.int32),
+                          context_lens=torch.tensor(lens, dtype=torch.int32),
+                          block_tables=torch.tensor(tables, dtype=torch.int32), logits_rows=torch.arange(rows))
+        out.append(model.forward(torch.tensor([40 + i] * rows), ctx, pool))
+    model.fused_decode = True
+    return torch.stack(out), pool.storage
+
+
+@pytest.mark.parametrize("dtype, quantization", [
+    ("bfloat16", {"algo": "none"}),
+    ("float32", {"algo": "none"}),
+    ("bfloat16", {"algo": "int8_wo"}),
+    ("bfloat16", {"algo": "int4_awq", "group_size": 32, "lm_head": "int4"}),
+    ("bfloat16", {"algo": "int4_wo", "group_size": 32}),
+    ("bfloat16", {"algo": "w4a8_awq", "group_size": 32}),
+    ("bfloat16", {"algo": "w4a8_awq", "group_size": 32, "w4a8_activations": "fp8"}),
+    ("bfloat16", {"algo": "int8_sq", "kv_cache": "int8"}),
+    ("bfloat16", {"algo": "fp8", "kv_cache": "fp8"}),
+])
+def test_fused_decode_equals_the_python_loop(dtype, quantization, tiny_models, tmp_path):
+    engine = Engine(build_engine(tmp_path / "e", tiny_models["llama"], dtype, quantization={**quantization, **SMALL}))
+    model = engine.model
+    assert (model.layers[0].qkv.plan()[0] != ops.KIND_DENSE) == (quantization["algo"] != "none")
+    for rows in (1, 3):
+        fused_logits, fused_pool = decode(model, engine.spec, True, 4, rows)
+        assert model._plan is not None  # the fused path ran
+        loop_logits, loop_pool = decode(model, engine.spec, False, 4, rows)
+        assert torch.equal(fused_logits, loop_logits)
+        assert torch.equal(fused_pool.view(torch.uint8), loop_pool.view(torch.uint8))
+
+
+def test_decode_layers_refuses_a_plan_of_the_wrong_size(tiny_engines):
+    engine = Engine(tiny_engines("llama", "bfloat16"))
+    model = engine.model
+    tensors, ints, floats = model.decode_plan()
+    pool = KVPool(engine.spec, 2, 8, model.kv_dtype)
+    h = torch.zeros(1, engine.spec.hidden_size, dtype=model.dtype)
+    ctx = StepContext.single(0, 1, [0])
+    with pytest.raises(RuntimeError, match="the plan has"):
+        ops.decode_layers(h, h.clone(), (tensors[:-1], ints, floats), pool.storage, ctx.block_tables,
+                          ctx.query_start, ctx.context_lens, model.cos, model.sin, engine.spec.num_heads,
+                          model.scale, engine.spec.norm_eps)
