@@ -11,7 +11,8 @@ from pathlib import Path
 import torch
 
 OPS = ("rms_norm", "add_rms_norm", "silu_mul", "linear", "paged_attention", "select_isa", "linear_w8",
-       "linear_w4", "dequantize_int4", "pack_int4_tiled", "linear_w4_tiled", "linear_w4a8_tiled", "dequantize_int4_tiled", "decode_layers", "linear_w8a8", "linear_w4a8", "linear_fp8", "quantize_fp8", "dequantize_fp8")
+       "linear_w4", "dequantize_int4", "pack_int4_tiled", "linear_w4_tiled", "linear_w4a8_tiled", "pack_int8_tiled", "linear_w8_tiled", "dequantize_int8_tiled",
+       "active_isa", "dequantize_int4_tiled", "decode_layers", "linear_w8a8", "linear_w4a8", "linear_fp8", "quantize_fp8", "dequantize_fp8")
 _loaded: dict[str, str] = {}  # sha256 of the library file -> path it was loaded from
 
 
@@ -80,6 +81,18 @@ def _register_fakes() -> None:
     @torch.library.register_fake("kiln::linear_w4_tiled")
     def _linear_w4_tiled_fake(x, qweight, scales, group_size, bias):
         return x.new_empty((*x.shape[:-1], qweight.shape[0]))
+
+    @torch.library.register_fake("kiln::pack_int8_tiled")
+    def _pack_int8_tiled_fake(qweight):
+        return torch.empty_like(qweight, dtype=torch.uint8)
+
+    @torch.library.register_fake("kiln::linear_w8_tiled")
+    def _linear_w8_tiled_fake(x, qweight, scales, bias):
+        return x.new_empty((*x.shape[:-1], qweight.shape[0]))
+
+    @torch.library.register_fake("kiln::dequantize_int8_tiled")
+    def _dequantize_int8_tiled_fake(qweight, scales):
+        return qweight.new_empty(qweight.shape, dtype=torch.float32)
 
     @torch.library.register_fake("kiln::linear_w4a8_tiled")
     def _linear_w4a8_tiled_fake(x, qweight, scales, group_size, bias):
@@ -173,7 +186,8 @@ TILE_ROWS, TILED_MAX_GROUP = 16, 8192  # quant.h: kTileRows, kTiledMaxGroup
 
 # decode_layers' linear kinds (kiln_ops.cpp LinearKind) and the tensors each linear brings
 (KIND_DENSE, KIND_INT8, KIND_INT4, KIND_INT4_TILED, KIND_W4A8, KIND_W4A8_TILED, KIND_W8A8,
- KIND_FP8) = range(8)
+ KIND_FP8, KIND_INT8_TILED) = range(9)
+TILED_INT8_ISAS = ("avx512", "avx512bf16")  # where linear_w8_tiled beats the row layout (elsewhere: a plain loop)
 LINEAR_SLOTS = 5  # weight or qweight, scales, bias, pre_scale, weight_sum (None where unused)
 LAYER_SLOTS = 4 * LINEAR_SLOTS + 3  # qkv, out, gate_up, down; post-attention norm, next norm, kv_scales
 
@@ -206,6 +220,32 @@ def pack_int4_tiled(qweight, scales, group_size: int) -> tuple[torch.Tensor, tor
 def linear_w4_tiled(x, qweight, scales, group_size: int, bias=None) -> torch.Tensor:
     """linear_w4 on weights and scales from pack_int4_tiled."""
     return torch.ops.kiln.linear_w4_tiled(x, qweight, scales, group_size, bias)
+
+
+def active_isa() -> str:
+    """The instruction set the kernels run now (select_isa / KILN_ISA)."""
+    return torch.ops.kiln.active_isa()
+
+
+def int8_tiles_fit(out_features: int, in_features: int) -> bool:
+    """Whether an int8 weight of this shape can take the tiled layout (linear_w8_tiled)."""
+    return out_features % TILE_ROWS == 0 and in_features % 4 == 0 and in_features > 0
+
+
+def pack_int8_tiled(qweight) -> torch.Tensor:
+    """int8 [out, in] -> the tiled layout linear_w8_tiled streams: uint8 (value + 128), rows in
+    tiles of 16, four tiles interleaved per block of 4 inputs; the scales stay as they are."""
+    return torch.ops.kiln.pack_int8_tiled(qweight)
+
+
+def linear_w8_tiled(x, qweight, scales, bias=None) -> torch.Tensor:
+    """linear_w8 on weights from pack_int8_tiled."""
+    return torch.ops.kiln.linear_w8_tiled(x, qweight, scales, bias)
+
+
+def dequantize_int8_tiled(qweight, scales) -> torch.Tensor:
+    """float32 [out, in] (qweight * scales[:, None]) from weights from pack_int8_tiled."""
+    return torch.ops.kiln.dequantize_int8_tiled(qweight, scales)
 
 
 def linear_w4a8_tiled(x, qweight, scales, group_size: int, bias=None) -> torch.Tensor:

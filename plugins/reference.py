@@ -160,6 +160,18 @@ def linear_fp8(x, qweight, scales, bias=None):
     return linear(x.float(), w, None if bias is None else bias.float()).to(x.dtype)
 
 
+def pack_int8_tiled(qweight):
+    """The tiled int8 layout by reshapes: per group of up to four tiles of 16 rows, per block of
+    4 inputs, each tile's 16 rows x 4 bytes, stored + 128."""
+    n, k = qweight.shape
+    q = (qweight.to(torch.int16) + 128).to(torch.uint8)
+    parts = []
+    for t0 in range(0, n // 16, 4):
+        u = min(4, n // 16 - t0)
+        parts.append(q[t0 * 16:(t0 + u) * 16].reshape(u, 16, k // 4, 4).permute(2, 0, 1, 3).reshape(-1))
+    return torch.cat(parts).reshape(n, k)
+
+
 def pack_int4_tiled(qweight, scales, group_size):
     """The tiled int4 layout by reshapes: rows in tiles of 16, tiles in groups of up to four; per
     block of 8 inputs, each tile's 16 rows x 4 bytes (byte j = q[8b + j] | q[8b + 4 + j] << 4)."""

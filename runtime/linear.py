@@ -92,13 +92,27 @@ class QuantLinear:
 
 
 class Int8Linear(QuantLinear):
+    """On AVX-512 hosts the weights are reordered once, at load, into the tiled layout of
+    linear_w8_tiled (ops.pack_int8_tiled; the engine file keeps [out, in])."""
+
     kind = names.LINEAR_INT8
     code = ops.KIND_INT8
 
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        out_features, in_features = self.qweight.shape
+        self.tiled = ops.active_isa() in ops.TILED_INT8_ISAS and ops.int8_tiles_fit(out_features, in_features)
+        if self.tiled:
+            self.qweight, self.code = ops.pack_int8_tiled(self.qweight), ops.KIND_INT8_TILED
+
     def gemv(self, x):
+        if self.tiled:
+            return ops.linear_w8_tiled(x, self.qweight, self.scales, self.bias)
         return ops.linear_w8(x, self.qweight, self.scales, self.bias)
 
     def dequantize(self) -> torch.Tensor:
+        if self.tiled:
+            return ops.dequantize_int8_tiled(self.qweight, self.scales).to(self.dtype)
         if self.dtype == torch.bfloat16:  # one bf16 pass (int8 is exact in bf16): 3x the float32 route
             return self.qweight.to(torch.bfloat16) * self.scales.to(torch.bfloat16)[:, None]
         return self.qweight.to(self.dtype) * self.scales[:, None].to(self.dtype)

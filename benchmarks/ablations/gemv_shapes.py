@@ -1,5 +1,5 @@
 """One-thread GEMV speed per weight shape: int4 (kiln::linear_w4 and linear_w4_tiled, group 64), W4A8
-(linear_w4a8 and linear_w4a8_tiled), int8 (kiln::linear_w8) and bf16 (kiln::linear) on one bf16
+(linear_w4a8 and linear_w4a8_tiled), int8 (kiln::linear_w8 and linear_w8_tiled) and bf16 (kiln::linear) on one bf16
 input row, weights repeated call after
 call (so small matrices are cache-resident), median of 5. docs/benchmarks.md quotes it.
 
@@ -27,11 +27,13 @@ for n, k in shapes:
     reps = max(20, int(2e8 // (n * k)))
     cells = []
     t4, ts4 = ops.pack_int4_tiled(w4, s4, 64)
+    t8 = ops.pack_int8_tiled(w8)
     for name, f, nbytes in [("int4", lambda: ops.linear_w4(x, w4, s4, 64), n * k // 2),
                             ("int4 tiled", lambda: ops.linear_w4_tiled(x, t4, ts4, 64), n * k // 2),
                             ("w4a8", lambda: ops.linear_w4a8(x, w4, s4, 64), n * k // 2),
                             ("w4a8 tiled", lambda: ops.linear_w4a8_tiled(x, t4, ts4, 64), n * k // 2),
                             ("int8", lambda: ops.linear_w8(x, w8, s8), n * k),
+                            ("int8 tiled", lambda: ops.linear_w8_tiled(x, t8, s8), n * k),
                             ("bf16", lambda: ops.linear(x, wb), n * k * 2)]:
         for _ in range(3):
             f()

@@ -111,6 +111,11 @@ struct Kernels {
                               int64_t, int64_t);
   void (*linear_w4_tiled_bf16)(const bf16*, const uint8_t*, const float*, int64_t, const bf16*, bf16*, int64_t,
                                int64_t, int64_t);
+  void (*linear_w8_tiled_f32)(const float*, const uint8_t*, const float*, const float*, float*, int64_t, int64_t,
+                              int64_t);
+  void (*linear_w8_tiled_bf16)(const bf16*, const uint8_t*, const float*, const bf16*, bf16*, int64_t, int64_t,
+                               int64_t);
+  void (*dequantize_int8_tiled)(const uint8_t*, const float*, float*, int64_t, int64_t);
   void (*linear_w4a8_tiled_f32)(const float*, const uint8_t*, const float*, int64_t, const float*, float*, int64_t,
                                 int64_t, int64_t);
   void (*linear_w4a8_tiled_bf16)(const bf16*, const uint8_t*, const float*, int64_t, const bf16*, bf16*, int64_t,
@@ -141,7 +146,8 @@ struct Kernels {
         ns::paged_attention_bf16, ns::paged_attention_bf16_i8, ns::paged_attention_bf16_fp8,          \
         ns::linear_w8_f32, ns::linear_w8_bf16,                                                        \
         ns::linear_w4_f32, ns::linear_w4_bf16, ns::dequantize_int4_f32, ns::dequantize_int4_bf16,    \
-        ns::linear_w4_tiled_f32, ns::linear_w4_tiled_bf16, ns::linear_w4a8_tiled_f32,                    \
+        ns::linear_w4_tiled_f32, ns::linear_w4_tiled_bf16, ns::linear_w8_tiled_f32, ns::linear_w8_tiled_bf16,\
+        ns::dequantize_int8_tiled_impl, ns::linear_w4a8_tiled_f32,                                       \
         ns::linear_w4a8_tiled_bf16, ns::dequantize_int4_tiled_f32,                                      \
         ns::dequantize_int4_tiled_bf16,                                                               \
         ns::linear_w8a8_f32, ns::linear_w8a8_bf16, ns::linear_w4a8_f32, ns::linear_w4a8_bf16,      \
@@ -500,6 +506,45 @@ at::Tensor linear_w4_tiled(const at::Tensor& x, const at::Tensor& qweight, const
                       active().linear_w4_tiled_bf16);
 }
 
+// The tiled int8 layout: [out, in] bytes (value + 128 as uint8) in the int4 tiling's order with
+// blocks of 4 inputs; the scales stay [out].
+static void check_tiled8(const char* op, const at::Tensor& qweight, at::ScalarType wtype) {
+  TORCH_CHECK(qweight.dim() == 2 && qweight.scalar_type() == wtype && qweight.is_contiguous(), "kiln::", op,
+              ": qweight must be a contiguous 2-d ", wtype, " tensor, got ", qweight.scalar_type(), " ",
+              qweight.sizes());
+  TORCH_CHECK(qweight.size(0) % scalar::kTileRows == 0 && qweight.size(1) % 4 == 0, "kiln::", op,
+              ": the tiled int8 layout needs out % ", scalar::kTileRows, " == 0 and in % 4 == 0, got ",
+              qweight.sizes());
+}
+
+at::Tensor pack_int8_tiled(const at::Tensor& qweight) {
+  check_tiled8("pack_int8_tiled", qweight, at::kChar);
+  auto packed = at::empty(qweight.sizes(), qweight.options().dtype(at::kByte));
+  scalar::pack_int8_tiled(static_cast<const int8_t*>(qweight.data_ptr()), static_cast<uint8_t*>(packed.data_ptr()),
+                          qweight.size(1), qweight.size(0));
+  return packed;
+}
+
+at::Tensor linear_w8_tiled(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
+                           const c10::optional<at::Tensor>& bias) {
+  check_tiled8("linear_w8_tiled", qweight, at::kByte);
+  return per_channel_linear<uint8_t>("linear_w8_tiled", x, qweight, at::kByte, scales, bias,
+                                     active().linear_w8_tiled_f32, active().linear_w8_tiled_bf16);
+}
+
+at::Tensor dequantize_int8_tiled(const at::Tensor& qweight, const at::Tensor& scales) {
+  check_tiled8("dequantize_int8_tiled", qweight, at::kByte);
+  TORCH_CHECK(scales.dim() == 1 && scales.scalar_type() == at::kFloat && scales.is_contiguous() &&
+                  scales.size(0) == qweight.size(0),
+              "kiln::dequantize_int8_tiled: scales must be contiguous float32 [", qweight.size(0), "]");
+  auto out = at::empty(qweight.sizes(), qweight.options().dtype(at::kFloat));
+  active().dequantize_int8_tiled(static_cast<const uint8_t*>(qweight.data_ptr()), scales.data_ptr<float>(),
+                                 out.data_ptr<float>(), qweight.size(1), qweight.size(0));
+  return out;
+}
+
+std::string active_isa() { return active().isa; }
+
 at::Tensor linear_w4a8_tiled(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
                              int64_t group_size, const c10::optional<at::Tensor>& bias) {
   check_tiled("linear_w4a8_tiled", qweight, scales, group_size);
@@ -579,7 +624,7 @@ at::Tensor quantize_fp8(const at::Tensor& x, double inv_scale) {
 // pre_scale, weight_sum; None where unused), two ints (kind, group_size) and two floats (the
 // W8A8 static input scale, FP8 activations' 1 / input_scale), as runtime/linear.py's plan()
 // describes it; a layer adds its post-attention norm, the next norm and its KV scales.
-enum LinearKind : int64_t { kDense, kInt8, kInt4, kInt4Tiled, kW4A8, kW4A8Tiled, kW8A8, kFp8 };
+enum LinearKind : int64_t { kDense, kInt8, kInt4, kInt4Tiled, kW4A8, kW4A8Tiled, kW8A8, kFp8, kInt8Tiled };
 constexpr int64_t kLinearSlots = 5, kLayerSlots = 4 * kLinearSlots + 3;
 
 using OptionalTensors = c10::List<c10::optional<at::Tensor>>;
@@ -595,6 +640,7 @@ static at::Tensor planned_linear(const at::Tensor& x, const OptionalTensors& t, 
   switch (kind) {
     case kDense: return in.scalar_type() == at::kBFloat16 ? kiln::linear(in, *weight, bias) : at::linear(in, *weight, bias);
     case kInt8: return linear_w8(in, *weight, *scales, bias);
+    case kInt8Tiled: return linear_w8_tiled(in, *weight, *scales, bias);
     case kInt4: return linear_w4(in, *weight, *scales, group, bias);
     case kInt4Tiled: return linear_w4_tiled(in, *weight, *scales, group, bias);
     case kW4A8: return linear_w4a8(in, *weight, *scales, group, bias);
@@ -656,6 +702,10 @@ TORCH_LIBRARY(kiln, m) {
   m.def("dequantize_int4(Tensor qweight, Tensor scales, int group_size, ScalarType dtype) -> Tensor");
   m.def("pack_int4_tiled(Tensor qweight, Tensor scales, int group_size) -> (Tensor, Tensor)");
   m.def("linear_w4_tiled(Tensor x, Tensor qweight, Tensor scales, int group_size, Tensor? bias) -> Tensor");
+  m.def("active_isa() -> str", &kiln::active_isa);
+  m.def("pack_int8_tiled(Tensor qweight) -> Tensor");
+  m.def("linear_w8_tiled(Tensor x, Tensor qweight, Tensor scales, Tensor? bias) -> Tensor");
+  m.def("dequantize_int8_tiled(Tensor qweight, Tensor scales) -> Tensor");
   m.def("linear_w4a8_tiled(Tensor x, Tensor qweight, Tensor scales, int group_size, Tensor? bias) -> Tensor");
   m.def("decode_layers(Tensor(a!) h, Tensor x, Tensor?[] tensors, int[] ints, float[] floats, Tensor(b!) kv, "
         "Tensor block_tables, Tensor query_start, Tensor context_lens, Tensor cos, Tensor sin, int heads, "
@@ -680,6 +730,9 @@ TORCH_LIBRARY_IMPL(kiln, CPU, m) {
   m.impl("dequantize_int4", &kiln::dequantize_int4);
   m.impl("pack_int4_tiled", &kiln::pack_int4_tiled);
   m.impl("linear_w4_tiled", &kiln::linear_w4_tiled);
+  m.impl("pack_int8_tiled", &kiln::pack_int8_tiled);
+  m.impl("linear_w8_tiled", &kiln::linear_w8_tiled);
+  m.impl("dequantize_int8_tiled", &kiln::dequantize_int8_tiled);
   m.impl("linear_w4a8_tiled", &kiln::linear_w4a8_tiled);
   m.impl("decode_layers", &kiln::decode_layers);
   m.impl("dequantize_int4_tiled", &kiln::dequantize_int4_tiled);

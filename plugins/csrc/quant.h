@@ -868,6 +868,176 @@ void dequantize_int4_tiled_impl(const uint8_t* w, const float* s, int64_t group,
   });
 }
 
+// --- int8, tiled for decode -------------------------------------------------------------
+// The int4 tiling for int8 weights (pack_int8_tiled at load): blocks of 4 inputs, one 64-byte
+// vector per tile (16 rows x 4 bytes, stored + 128 so that vpdpbusd reads them as unsigned),
+// tiles in groups of four, the per-row scales as stored. Each of the input's two 15-bit planes
+// meets a vector with one vpdpbusd (64 multiply-adds); the + 128 comes off once per row as
+// 128 * sum(q). int32 sums go to float every kTiled8Flush blocks (4,096 inputs).
+constexpr int64_t kTiled8Flush = 1024;
+
+inline TiledInt4 tiled_int8_layout(int64_t k, int64_t n) {
+  TiledInt4 L(8, n, 8);  // (the int4 layout's formulas with blocks of 4 inputs and one group)
+  L.kb = k / 4;
+  return L;
+}
+
+inline void pack_int8_tiled(const int8_t* w, uint8_t* pw, int64_t k, int64_t n) {
+  const TiledInt4 L = tiled_int8_layout(k, n);
+  at::parallel_for(0, n, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t o = begin; o < end; ++o)
+      for (int64_t b = 0; b < L.kb; ++b)
+        for (int64_t j = 0; j < 4; ++j) pw[L.byte(o, b, j)] = static_cast<uint8_t>(w[o * k + 4 * b + j] + 128);
+  });
+}
+
+inline int tiled_int8_at(const uint8_t* w, const TiledInt4& L, int64_t o, int64_t i) {
+  return static_cast<int>(w[L.byte(o, i / 4, i % 4)]) - 128;
+}
+
+template <typename T>
+void linear_w8_tiled_ref(const T* x, const uint8_t* w, const float* scale, const T* bias, T* out, int64_t rows,
+                         int64_t k, int64_t n) {
+  const TiledInt4 L = tiled_int8_layout(k, n);
+  at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t o = begin; o < end; ++o)
+      for (int64_t m = 0; m < rows; ++m) {
+        float acc = 0.f;
+        for (int64_t i = 0; i < k; ++i) acc += to_f32(x[m * k + i]) * static_cast<float>(tiled_int8_at(w, L, o, i));
+        store_as(out + m * n + o, acc * scale[o] + (bias ? to_f32(bias[o]) : 0.f));
+      }
+  });
+}
+
+#if defined(KILN_ISA_AVX512)
+// vpdpbusd for any u8 (without VNNI exactly: the bytes split into nibbles, as vpmaddubsw's int16
+// pairs would saturate on 255 * 128 * 2)
+inline __m512i dpbusd_u8(__m512i acc, __m512i u, __m512i s) {
+#if defined(KILN_ISA_VNNI)
+  return _mm512_dpbusd_epi32(acc, u, s);
+#else
+  const __m512i nib = _mm512_set1_epi8(0x0F);
+  const __m512i low = dpbusd(_mm512_setzero_si512(), _mm512_and_si512(u, nib), s);
+  const __m512i high = dpbusd(_mm512_setzero_si512(), _mm512_and_si512(_mm512_srli_epi16(u, 4), nib), s);
+  return _mm512_add_epi32(acc, _mm512_add_epi32(low, _mm512_slli_epi32(high, 4)));
+#endif
+}
+
+// V tiles x R input rows (two planes each, row stride k) of the int8 tiling; acc[v * R + r] =
+// the integer dot products (weights still + 128) as float
+template <int R, int V>
+__attribute__((noinline)) void tiles_w8t(const int8_t* hi, const int8_t* lo, const uint8_t* w, const TiledInt4& L,
+                                         int64_t U, int64_t u0, int64_t k, __m512* acc) {
+  constexpr int C = V * R;
+  static_assert(C <= 4, "at most four (tile, row) pairs");
+  __m512 fh[C], fl[C];
+  for (int c = 0; c < C; ++c) fh[c] = fl[c] = _mm512_setzero_ps();
+  for (int64_t b0 = 0; b0 < L.kb; b0 += kTiled8Flush) {
+    const int64_t b1 = std::min(L.kb, b0 + kTiled8Flush);
+    __m512i h[C], l[C];
+    for (int c = 0; c < C; ++c) h[c] = l[c] = _mm512_setzero_si512();
+    for (int64_t b = b0; b < b1; ++b) {
+      __m512i xh[R], xl[R];
+      for (int r = 0; r < R; ++r) xh[r] = broadcast4(hi + r * k + 4 * b), xl[r] = broadcast4(lo + r * k + 4 * b);
+      for (int v = 0; v < V; ++v) {
+        const __m512i wv = _mm512_loadu_si512(w + (b * U + u0 + v) * 64);
+        for (int r = 0; r < R; ++r) {
+          h[v * R + r] = dpbusd_u8(h[v * R + r], wv, xh[r]);
+          l[v * R + r] = dpbusd_u8(l[v * R + r], wv, xl[r]);
+        }
+      }
+    }
+    for (int c = 0; c < C; ++c) {
+      fh[c] = _mm512_add_ps(fh[c], _mm512_cvtepi32_ps(h[c]));
+      fl[c] = _mm512_add_ps(fl[c], _mm512_cvtepi32_ps(l[c]));
+    }
+  }
+  for (int c = 0; c < C; ++c) acc[c] = _mm512_fmadd_ps(fh[c], _mm512_set1_ps(256.f), fl[c]);
+}
+
+template <typename T>
+void linear_w8_tiled_avx512(const T* x, const uint8_t* w, const float* scale, const T* bias, T* out, int64_t rows,
+                            int64_t k, int64_t n) {
+  const TiledInt4 L = tiled_int8_layout(k, n);
+  std::vector<int8_t> hi(rows * k), lo(rows * k);
+  std::vector<float> xs(rows), offset(rows);
+  std::vector<int32_t> hsum(rows), lsum(rows);
+  split_rows_i8(x, rows, k, k, k, hi.data(), lo.data(), xs.data(), hsum.data(), lsum.data());
+  for (int64_t m = 0; m < rows; ++m)  // 128 * sum(q): the weights' + 128
+    offset[m] = 128.f * (256.f * static_cast<float>(hsum[m]) + static_cast<float>(lsum[m]));
+  const int64_t tile_groups = (L.tiles + kTileGroup - 1) / kTileGroup;
+  at::parallel_for(0, tile_groups, 1, [&](int64_t begin, int64_t end) {
+    __m512 acc[kTileGroup * 4];
+    float sums[kTileRows];
+    for (int64_t tg = begin; tg < end; ++tg) {
+      const int64_t t0 = tg * kTileGroup, U = L.width(t0);
+      const uint8_t* wg = w + t0 * L.kb * 64;
+      for (int64_t m0 = 0; m0 < rows; m0 += 4) {
+        const int64_t mr = std::min<int64_t>(4, rows - m0);
+        const int8_t *h = hi.data() + m0 * k, *l = lo.data() + m0 * k;
+        auto emit = [&](int64_t V, int64_t R, int64_t u0) {
+          for (int64_t v = 0; v < V; ++v)
+            for (int64_t r = 0; r < R; ++r) {
+              const int64_t o0 = (t0 + u0 + v) * kTileRows;
+              const __m512 centred = _mm512_sub_ps(acc[v * R + r], _mm512_set1_ps(offset[m0 + r]));
+              _mm512_storeu_ps(sums, _mm512_mul_ps(_mm512_mul_ps(centred, _mm512_set1_ps(xs[m0 + r])),
+                                                   _mm512_loadu_ps(scale + o0)));
+              for (int64_t j = 0; j < kTileRows; ++j)
+                store_as(out + (m0 + r) * n + o0 + j, sums[j] + (bias ? to_f32(bias[o0 + j]) : 0.f));
+            }
+        };
+        if (mr == 1) {
+          switch (U) {
+            case 4: tiles_w8t<1, 4>(h, l, wg, L, U, 0, k, acc); break;
+            case 3: tiles_w8t<1, 3>(h, l, wg, L, U, 0, k, acc); break;
+            case 2: tiles_w8t<1, 2>(h, l, wg, L, U, 0, k, acc); break;
+            default: tiles_w8t<1, 1>(h, l, wg, L, U, 0, k, acc);
+          }
+          emit(U, 1, 0);
+        } else {
+          for (int64_t u0 = 0; u0 < U; ++u0)
+            with_rows(mr, [&](auto R) {
+              tiles_w8t<decltype(R)::value, 1>(h, l, wg, L, U, u0, k, acc);
+              emit(1, decltype(R)::value, u0);
+            });
+        }
+      }
+    }
+  });
+}
+#endif
+
+template <typename T>
+void linear_w8_tiled_impl(const T* x, const uint8_t* w, const float* scale, const T* bias, T* out, int64_t rows,
+                          int64_t k, int64_t n) {
+#if defined(KILN_ISA_AVX512)
+  linear_w8_tiled_avx512<T>(x, w, scale, bias, out, rows, k, n);
+#else
+  linear_w8_tiled_ref<T>(x, w, scale, bias, out, rows, k, n);
+#endif
+}
+
+// The tiled int8 weights back to float (prefill)
+inline void dequantize_int8_tiled_impl(const uint8_t* w, const float* scale, float* out, int64_t k, int64_t n) {
+  const TiledInt4 L = tiled_int8_layout(k, n);
+  at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t o = begin; o < end; ++o) {
+      float* orow = out + o * k;
+      const float s = scale[o];
+      for (int64_t b = 0; b < L.kb; ++b) {
+#if !defined(KILN_ISA_SCALAR)
+        int32_t word;
+        std::memcpy(&word, w + L.byte(o, b, 0), 4);
+        const __m128i v = _mm_sub_epi32(_mm_cvtepu8_epi32(_mm_cvtsi32_si128(word)), _mm_set1_epi32(128));
+        _mm_storeu_ps(orow + 4 * b, _mm_mul_ps(_mm_cvtepi32_ps(v), _mm_set1_ps(s)));
+#else
+        for (int64_t j = 0; j < 4; ++j) orow[4 * b + j] = static_cast<float>(tiled_int8_at(w, L, o, 4 * b + j)) * s;
+#endif
+      }
+    }
+  });
+}
+
 // --- W4A8 -------------------------------------------------------------------------------
 // int4 weights (as above) x int8 activations quantized per row *and group* at run time (absmax
 // / 127 of each group of the row: an outlier only coarsens its own group). With VNNI the
@@ -1076,6 +1246,10 @@ void linear_w4_tiled_f32(const float* x, const uint8_t* w, const float* s, int64
                          int64_t r, int64_t k, int64_t n) { linear_w4_tiled_impl<float>(x, w, s, g, b, o, r, k, n); }
 void linear_w4_tiled_bf16(const bf16* x, const uint8_t* w, const float* s, int64_t g, const bf16* b, bf16* o,
                           int64_t r, int64_t k, int64_t n) { linear_w4_tiled_impl<bf16>(x, w, s, g, b, o, r, k, n); }
+void linear_w8_tiled_f32(const float* x, const uint8_t* w, const float* s, const float* b, float* o, int64_t r,
+                         int64_t k, int64_t n) { linear_w8_tiled_impl<float>(x, w, s, b, o, r, k, n); }
+void linear_w8_tiled_bf16(const bf16* x, const uint8_t* w, const float* s, const bf16* b, bf16* o, int64_t r,
+                          int64_t k, int64_t n) { linear_w8_tiled_impl<bf16>(x, w, s, b, o, r, k, n); }
 void dequantize_int4_tiled_f32(const uint8_t* w, const float* s, int64_t g, float* o, int64_t k, int64_t n) {
   dequantize_int4_tiled_impl<float>(w, s, g, o, k, n);
 }

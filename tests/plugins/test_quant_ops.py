@@ -120,6 +120,34 @@ def test_linear_w4_tiled_refuses_shapes_it_cannot_hold(plugin_isas):
         ops.linear_w4_tiled(torch.randn(1, 64), packed, scales, 12)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows, k, n", [(1, 576, 64), (3, 64, 48), (5, 1536, 96), (8, 200, 112), (2, 2112, 16),
+                                        (4, 96, 320), (1, 36, 80), (2, 4100, 32)])
+def test_linear_w8_tiled_matches_reference(isa, dtype, rows, k, n):
+    """The tiled int8 layout: packing equals the reshape-built reference; the GEMV and the
+    dequantization on it equal the stored layout's references. 80 / 112 / 320 outputs leave a
+    narrower last tile group; 4,100 inputs cross the int32 flush (4,096)."""
+    g = torch.Generator().manual_seed(hash((isa, str(dtype), rows, k, n, "tiled8")) % 2**31)
+    x = rand(g, rows, k).to(dtype)
+    q, s = quantize_int8(rand(g, n, k, scale=0.05))
+    bias = rand(g, n).to(dtype)
+    assert ops.int8_tiles_fit(n, k)
+    tiled = ops.pack_int8_tiled(q)
+    assert torch.equal(tiled, reference.pack_int8_tiled(q))
+    got, want = ops.linear_w8_tiled(x, tiled, s, bias), reference.linear_w8(x, q, s, bias)
+    assert got.dtype == dtype and got.shape == (rows, n)
+    tol = 5e-4 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
+    torch.testing.assert_close(ops.dequantize_int8_tiled(tiled, s), q.float() * s[:, None], rtol=0, atol=0)
+
+
+def test_linear_w8_tiled_refuses_shapes_it_cannot_hold(plugin_isas):
+    q, s = quantize_int8(torch.randn(24, 64))
+    assert not ops.int8_tiles_fit(24, 64) and not ops.int8_tiles_fit(16, 66)
+    with pytest.raises(RuntimeError, match="tiled int8 layout needs"):
+        ops.pack_int8_tiled(q)
+
+
 def test_int4_packing_round_trips():
     g = torch.Generator().manual_seed(0)
     q = torch.randint(-8, 8, (7, 64), generator=g, dtype=torch.int8)
@@ -166,6 +194,10 @@ def test_quant_ops_opcheck(plugin_isas):
     torch.library.opcheck(torch.ops.kiln.pack_int4_tiled.default, tiled_in)
     torch.library.opcheck(torch.ops.kiln.linear_w4_tiled.default, (x, *tiled, 32, None))
     torch.library.opcheck(torch.ops.kiln.linear_w4a8_tiled.default, (x, *tiled, 32, None))
+    q16, s16 = quantize_int8(torch.randn(16, 64))
+    torch.library.opcheck(torch.ops.kiln.pack_int8_tiled.default, (q16,))
+    torch.library.opcheck(torch.ops.kiln.linear_w8_tiled.default, (x, ops.pack_int8_tiled(q16), s16, None))
+    torch.library.opcheck(torch.ops.kiln.dequantize_int8_tiled.default, (ops.pack_int8_tiled(q16), s16))
     torch.library.opcheck(torch.ops.kiln.dequantize_int4_tiled.default, (*tiled, 32, torch.float32))
     torch.library.opcheck(torch.ops.kiln.linear_w8a8.default,
                           (x, q, s, q.to(torch.int32).sum(1, dtype=torch.int32), None))

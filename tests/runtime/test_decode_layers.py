@@ -51,6 +51,10 @@ def test_fused_decode_equals_the_python_loop(dtype, quantization, tiny_models, t
     engine = Engine(build_engine(tmp_path / "e", tiny_models["llama"], dtype, quantization={**quantization, **SMALL}))
     model = engine.model
     assert (model.layers[0].qkv.plan()[0] != ops.KIND_DENSE) == (quantization["algo"] != "none")
+    if quantization["algo"] == "int8_wo":  # tiled where the kernels are AVX-512 ones
+        assert model.layers[0].qkv.tiled == (ops.active_isa() in ops.TILED_INT8_ISAS)
+    if quantization["algo"] in ("int4_awq", "int4_wo", "w4a8_awq"):
+        assert model.layers[0].qkv.tiled
     for rows in (1, 3):
         fused_logits, fused_pool = decode(model, engine.spec, True, 4, rows)
         assert model._plan is not None  # the fused path ran
