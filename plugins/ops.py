@@ -12,7 +12,7 @@ import torch
 
 OPS = ("rms_norm", "add_rms_norm", "silu_mul", "linear", "paged_attention", "select_isa", "linear_w8",
        "linear_w4", "dequantize_int4", "pack_int4_tiled", "linear_w4_tiled", "linear_w4a8_tiled", "pack_int8_tiled", "linear_w8_tiled", "dequantize_int8_tiled",
-       "active_isa", "dequantize_int4_tiled", "decode_layers", "linear_w8a8", "linear_w4a8", "linear_fp8", "quantize_fp8", "dequantize_fp8")
+       "active_isa", "to_hugepages", "dequantize_int4_tiled", "decode_layers", "linear_w8a8", "linear_w4a8", "linear_fp8", "quantize_fp8", "dequantize_fp8")
 _loaded: dict[str, str] = {}  # sha256 of the library file -> path it was loaded from
 
 
@@ -81,6 +81,10 @@ def _register_fakes() -> None:
     @torch.library.register_fake("kiln::linear_w4_tiled")
     def _linear_w4_tiled_fake(x, qweight, scales, group_size, bias):
         return x.new_empty((*x.shape[:-1], qweight.shape[0]))
+
+    @torch.library.register_fake("kiln::to_hugepages")
+    def _to_hugepages_fake(t):
+        return torch.empty_like(t, memory_format=torch.contiguous_format)
 
     @torch.library.register_fake("kiln::pack_int8_tiled")
     def _pack_int8_tiled_fake(qweight):
@@ -220,6 +224,12 @@ def pack_int4_tiled(qweight, scales, group_size: int) -> tuple[torch.Tensor, tor
 def linear_w4_tiled(x, qweight, scales, group_size: int, bias=None) -> torch.Tensor:
     """linear_w4 on weights and scales from pack_int4_tiled."""
     return torch.ops.kiln.linear_w4_tiled(x, qweight, scales, group_size, bias)
+
+
+def to_hugepages(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous copy of t in memory advised for 2 MB transparent huge pages: streamed weights
+    take far fewer TLB misses (kiln_ops.cpp has the measurements)."""
+    return torch.ops.kiln.to_hugepages(t)
 
 
 def active_isa() -> str:

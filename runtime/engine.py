@@ -18,6 +18,7 @@ from kiln.runtime.model import LlamaModel
 from kiln.runtime.spec import ModelSpec
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+HUGEPAGE_MIN_BYTES = 1 << 20  # smaller tensors (norms, scales) stay where safetensors put them
 
 
 @dataclass(frozen=True)
@@ -89,6 +90,9 @@ class Engine:
             weights = load_file(self.dir / names.WEIGHTS_FILE)
         except (SafetensorError, OSError) as exc:
             raise EngineError(f"{self.dir}: cannot read weights ({exc}); rebuild the engine") from exc
+        # every large tensor in 2 MB pages: decode streams them all each step (ops.to_hugepages)
+        weights = {name: ops.to_hugepages(t) if t.numel() * t.element_size() >= HUGEPAGE_MIN_BYTES else t
+                   for name, t in weights.items()}
         self.model = LlamaModel(self.spec, weights, self.limits.max_seq_len, self.meta.get("quantization"))
         self.tokenizer = Tokenizer.from_file(
             str(self.dir / names.TOKENIZER_DIR / names.TOKENIZER_JSON)

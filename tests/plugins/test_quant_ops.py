@@ -148,6 +148,15 @@ def test_linear_w8_tiled_refuses_shapes_it_cannot_hold(plugin_isas):
         ops.pack_int8_tiled(q)
 
 
+def test_to_hugepages_copies_exactly(plugin_isas):
+    for t in (torch.randn(300, 7000), torch.randint(-128, 127, (5, 3), dtype=torch.int8),
+              torch.randn(64, 32).bfloat16().T, torch.empty(0, 4)):  # a large, a small, a transposed, an empty
+        copy = ops.to_hugepages(t)
+        assert copy.is_contiguous() and copy.dtype == t.dtype and copy.shape == t.shape
+        assert torch.equal(copy, t) and (t.numel() == 0 or copy.data_ptr() != t.data_ptr())
+        assert copy.data_ptr() % (2 << 20) == 0  # aligned to a 2 MB page
+
+
 def test_int4_packing_round_trips():
     g = torch.Generator().manual_seed(0)
     q = torch.randint(-8, 8, (7, 64), generator=g, dtype=torch.int8)
@@ -194,6 +203,7 @@ def test_quant_ops_opcheck(plugin_isas):
     torch.library.opcheck(torch.ops.kiln.pack_int4_tiled.default, tiled_in)
     torch.library.opcheck(torch.ops.kiln.linear_w4_tiled.default, (x, *tiled, 32, None))
     torch.library.opcheck(torch.ops.kiln.linear_w4a8_tiled.default, (x, *tiled, 32, None))
+    torch.library.opcheck(torch.ops.kiln.to_hugepages.default, (x,))
     q16, s16 = quantize_int8(torch.randn(16, 64))
     torch.library.opcheck(torch.ops.kiln.pack_int8_tiled.default, (q16,))
     torch.library.opcheck(torch.ops.kiln.linear_w8_tiled.default, (x, ops.pack_int8_tiled(q16), s16, None))
