@@ -95,8 +95,8 @@ def _register_fakes() -> None:
         return x.new_empty((*x.shape[:-1], qweight.shape[0]))
 
     @torch.library.register_fake("kiln::dequantize_int8_tiled")
-    def _dequantize_int8_tiled_fake(qweight, scales):
-        return qweight.new_empty(qweight.shape, dtype=torch.float32)
+    def _dequantize_int8_tiled_fake(qweight, scales, dtype):
+        return qweight.new_empty(qweight.shape, dtype=dtype)
 
     @torch.library.register_fake("kiln::linear_w4a8_tiled")
     def _linear_w4a8_tiled_fake(x, qweight, scales, group_size, bias):
@@ -253,9 +253,9 @@ def linear_w8_tiled(x, qweight, scales, bias=None) -> torch.Tensor:
     return torch.ops.kiln.linear_w8_tiled(x, qweight, scales, bias)
 
 
-def dequantize_int8_tiled(qweight, scales) -> torch.Tensor:
-    """float32 [out, in] (qweight * scales[:, None]) from weights from pack_int8_tiled."""
-    return torch.ops.kiln.dequantize_int8_tiled(qweight, scales)
+def dequantize_int8_tiled(qweight, scales, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """[out, in] = qweight * scales[:, None] (rounded once to dtype) from weights from pack_int8_tiled."""
+    return torch.ops.kiln.dequantize_int8_tiled(qweight, scales, dtype)
 
 
 def linear_w4a8_tiled(x, qweight, scales, group_size: int, bias=None) -> torch.Tensor:

@@ -112,7 +112,7 @@ class Int8Linear(QuantLinear):
 
     def dequantize(self) -> torch.Tensor:
         if self.tiled:
-            return ops.dequantize_int8_tiled(self.qweight, self.scales).to(self.dtype)
+            return ops.dequantize_int8_tiled(self.qweight, self.scales, self.dtype)
         if self.dtype == torch.bfloat16:  # one bf16 pass (int8 is exact in bf16): 3x the float32 route
             return self.qweight.to(torch.bfloat16) * self.scales.to(torch.bfloat16)[:, None]
         return self.qweight.to(self.dtype) * self.scales[:, None].to(self.dtype)
@@ -144,8 +144,9 @@ class Int4Linear(TiledInt4, QuantLinear):
         return ops.linear_w4(x, self.qweight, self.scales, self.group_size, self.bias)
 
     def dequantize(self) -> torch.Tensor:
-        unpack = ops.dequantize_int4_tiled if self.tiled else ops.dequantize_int4
-        return unpack(self.qweight, self.scales, self.group_size).to(self.dtype)
+        if self.tiled:  # straight into the model dtype, one rounding
+            return ops.dequantize_int4_tiled(self.qweight, self.scales, self.group_size, self.dtype)
+        return ops.dequantize_int4(self.qweight, self.scales, self.group_size).to(self.dtype)
 
 
 class W4A8Linear(TiledInt4, QuantLinear):

@@ -116,7 +116,8 @@ struct Kernels {
                               int64_t);
   void (*linear_w8_tiled_bf16)(const bf16*, const uint8_t*, const float*, const bf16*, bf16*, int64_t, int64_t,
                                int64_t);
-  void (*dequantize_int8_tiled)(const uint8_t*, const float*, float*, int64_t, int64_t);
+  void (*dequantize_int8_tiled_f32)(const uint8_t*, const float*, float*, int64_t, int64_t);
+  void (*dequantize_int8_tiled_bf16)(const uint8_t*, const float*, bf16*, int64_t, int64_t);
   void (*linear_w4a8_tiled_f32)(const float*, const uint8_t*, const float*, int64_t, const float*, float*, int64_t,
                                 int64_t, int64_t);
   void (*linear_w4a8_tiled_bf16)(const bf16*, const uint8_t*, const float*, int64_t, const bf16*, bf16*, int64_t,
@@ -148,7 +149,7 @@ struct Kernels {
         ns::linear_w8_f32, ns::linear_w8_bf16,                                                        \
         ns::linear_w4_f32, ns::linear_w4_bf16, ns::dequantize_int4_f32, ns::dequantize_int4_bf16,    \
         ns::linear_w4_tiled_f32, ns::linear_w4_tiled_bf16, ns::linear_w8_tiled_f32, ns::linear_w8_tiled_bf16,\
-        ns::dequantize_int8_tiled_impl, ns::linear_w4a8_tiled_f32,                                       \
+        ns::dequantize_int8_tiled_f32, ns::dequantize_int8_tiled_bf16, ns::linear_w4a8_tiled_f32,                                       \
         ns::linear_w4a8_tiled_bf16, ns::dequantize_int4_tiled_f32,                                      \
         ns::dequantize_int4_tiled_bf16,                                                               \
         ns::linear_w8a8_f32, ns::linear_w8a8_bf16, ns::linear_w4a8_f32, ns::linear_w4a8_bf16,      \
@@ -560,14 +561,21 @@ at::Tensor linear_w8_tiled(const at::Tensor& x, const at::Tensor& qweight, const
                                      active().linear_w8_tiled_f32, active().linear_w8_tiled_bf16);
 }
 
-at::Tensor dequantize_int8_tiled(const at::Tensor& qweight, const at::Tensor& scales) {
+at::Tensor dequantize_int8_tiled(const at::Tensor& qweight, const at::Tensor& scales, at::ScalarType dtype) {
   check_tiled8("dequantize_int8_tiled", qweight, at::kByte);
   TORCH_CHECK(scales.dim() == 1 && scales.scalar_type() == at::kFloat && scales.is_contiguous() &&
                   scales.size(0) == qweight.size(0),
               "kiln::dequantize_int8_tiled: scales must be contiguous float32 [", qweight.size(0), "]");
-  auto out = at::empty(qweight.sizes(), qweight.options().dtype(at::kFloat));
-  active().dequantize_int8_tiled(static_cast<const uint8_t*>(qweight.data_ptr()), scales.data_ptr<float>(),
-                                 out.data_ptr<float>(), qweight.size(1), qweight.size(0));
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16,
+              "kiln::dequantize_int8_tiled: dtype must be float32 or bfloat16");
+  auto out = at::empty(qweight.sizes(), qweight.options().dtype(dtype));
+  const auto* w = static_cast<const uint8_t*>(qweight.data_ptr());
+  if (dtype == at::kFloat)
+    active().dequantize_int8_tiled_f32(w, scales.data_ptr<float>(), out.data_ptr<float>(), qweight.size(1),
+                                       qweight.size(0));
+  else
+    active().dequantize_int8_tiled_bf16(w, scales.data_ptr<float>(), reinterpret_cast<bf16*>(out.data_ptr()),
+                                        qweight.size(1), qweight.size(0));
   return out;
 }
 
@@ -734,7 +742,7 @@ TORCH_LIBRARY(kiln, m) {
   m.def("to_hugepages(Tensor t) -> Tensor");
   m.def("pack_int8_tiled(Tensor qweight) -> Tensor");
   m.def("linear_w8_tiled(Tensor x, Tensor qweight, Tensor scales, Tensor? bias) -> Tensor");
-  m.def("dequantize_int8_tiled(Tensor qweight, Tensor scales) -> Tensor");
+  m.def("dequantize_int8_tiled(Tensor qweight, Tensor scales, ScalarType dtype) -> Tensor");
   m.def("linear_w4a8_tiled(Tensor x, Tensor qweight, Tensor scales, int group_size, Tensor? bias) -> Tensor");
   m.def("decode_layers(Tensor(a!) h, Tensor x, Tensor?[] tensors, int[] ints, float[] floats, Tensor(b!) kv, "
         "Tensor block_tables, Tensor query_start, Tensor context_lens, Tensor cos, Tensor sin, int heads, "

@@ -836,9 +836,84 @@ void linear_w4_tiled_impl(const T* x, const uint8_t* w, const float* s, int64_t 
 #endif
 }
 
+#if defined(KILN_ISA_AVX512)
+// 16 floats -> 16 bf16, rounded to nearest even (as c10::BFloat16; the values are finite)
+inline __m256i bf16x16(__m512 v) {
+#if defined(KILN_ISA_AVX512BF16)
+  return (__m256i)_mm512_cvtneps_pbh(v);
+#else
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  return _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF))), 16));
+#endif
+}
+
+// lanes [8j, 8j + 8) of v to row j (j = 0, 1) at base + j * stride
+inline void store_rows2(float* base, int64_t stride, __m512 v) {
+  _mm256_storeu_ps(base, _mm512_castps512_ps256(v));
+  _mm256_storeu_ps(base + stride, _mm512_extractf32x8_ps(v, 1));
+}
+inline void store_rows2(bf16* base, int64_t stride, __m512 v) {
+  const __m256i b = bf16x16(v);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(base), _mm256_castsi256_si128(b));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(base + stride), _mm256_extracti128_si256(b, 1));
+}
+// lanes [4j, 4j + 4) of v to row j (j = 0..3)
+inline void store_rows4(float* base, int64_t stride, __m512 v) {
+  _mm_storeu_ps(base, _mm512_castps512_ps128(v));
+  _mm_storeu_ps(base + stride, _mm512_extractf32x4_ps(v, 1));
+  _mm_storeu_ps(base + 2 * stride, _mm512_extractf32x4_ps(v, 2));
+  _mm_storeu_ps(base + 3 * stride, _mm512_extractf32x4_ps(v, 3));
+}
+inline void store_rows4(bf16* base, int64_t stride, __m512 v) {
+  const __m256i b = bf16x16(v);
+  const __m128i lo = _mm256_castsi256_si128(b), hi = _mm256_extracti128_si256(b, 1);
+  _mm_storel_epi64(reinterpret_cast<__m128i*>(base), lo);
+  _mm_storel_epi64(reinterpret_cast<__m128i*>(base + stride), _mm_unpackhi_epi64(lo, lo));
+  _mm_storel_epi64(reinterpret_cast<__m128i*>(base + 2 * stride), hi);
+  _mm_storel_epi64(reinterpret_cast<__m128i*>(base + 3 * stride), _mm_unpackhi_epi64(hi, hi));
+}
+
+// The tiled weights back to rows, in the order they are stored (one stream in, 16 rows out per
+// tile), straight into the model dtype: prefill's one pass over the weights before its GEMM.
+// int4: a vector's low and high nibbles interleaved by dwords give each row's 8 values in order.
+template <typename T>
+void dequantize_int4_tiled_avx512(const uint8_t* w, const float* s, int64_t group, T* out, int64_t k, int64_t n) {
+  const TiledInt4 L(k, n, group);
+  at::parallel_for(0, (L.tiles + kTileGroup - 1) / kTileGroup, 1, [&](int64_t begin, int64_t end) {
+    const __m512i nib = _mm512_set1_epi8(0x0F), eight = _mm512_set1_epi8(8);
+    for (int64_t tg = begin; tg < end; ++tg) {
+      const int64_t t0 = tg * kTileGroup, U = L.width(t0);
+      for (int64_t u = 0; u < U; ++u) {
+        T* rows = out + (t0 + u) * kTileRows * k;
+        for (int64_t b = 0; b < L.kb; ++b) {
+          const __m512i wv = _mm512_loadu_si512(w + (t0 * L.kb + b * U + u) * 64);
+          const __m512i lo = _mm512_sub_epi8(_mm512_and_si512(wv, nib), eight);
+          const __m512i hi = _mm512_sub_epi8(_mm512_and_si512(_mm512_srli_epi16(wv, 4), nib), eight);
+          const __m512i pairs[2] = {_mm512_unpacklo_epi32(lo, hi), _mm512_unpackhi_epi32(lo, hi)};
+          const __m512 s16 = _mm512_loadu_ps(s + (t0 * L.groups + (8 * b / group) * U + u) * kTileRows);
+          for (int h = 0; h < 2; ++h)  // pairs[h]'s 128-bit lane q: rows 4q + 2h and 4q + 2h + 1
+            for (int q = 0; q < 4; ++q) {
+              const int r = 4 * q + 2 * h;
+              const __m512i idx = _mm512_set_epi32(r + 1, r + 1, r + 1, r + 1, r + 1, r + 1, r + 1, r + 1,
+                                                   r, r, r, r, r, r, r, r);
+              const __m512 v = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm512_extracti32x4_epi32(pairs[h], q)));
+              store_rows2(rows + r * k + 8 * b, k, _mm512_mul_ps(v, _mm512_permutexvar_ps(idx, s16)));
+            }
+        }
+      }
+    }
+  });
+}
+
+#endif
+
 // The tiled weights back to float, row by row (prefill multiplies them with PyTorch's GEMM)
 template <typename T>
 void dequantize_int4_tiled_impl(const uint8_t* w, const float* s, int64_t group, T* out, int64_t k, int64_t n) {
+#if defined(KILN_ISA_AVX512)
+  return dequantize_int4_tiled_avx512<T>(w, s, group, out, k, n);
+#endif
   const TiledInt4 L(k, n, group);
   at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
     for (int64_t o = begin; o < end; ++o) {
@@ -1017,23 +1092,49 @@ void linear_w8_tiled_impl(const T* x, const uint8_t* w, const float* scale, cons
 #endif
 }
 
-// The tiled int8 weights back to float (prefill)
-inline void dequantize_int8_tiled_impl(const uint8_t* w, const float* scale, float* out, int64_t k, int64_t n) {
+#if defined(KILN_ISA_AVX512)
+// int8: a vector's 16 bytes q hold rows 4q .. 4q + 3, four inputs each
+template <typename T>
+void dequantize_int8_tiled_avx512(const uint8_t* w, const float* scale, T* out, int64_t k, int64_t n) {
+  const TiledInt4 L = tiled_int8_layout(k, n);
+  at::parallel_for(0, (L.tiles + kTileGroup - 1) / kTileGroup, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t tg = begin; tg < end; ++tg) {
+      const int64_t t0 = tg * kTileGroup, U = L.width(t0);
+      for (int64_t u = 0; u < U; ++u) {
+        T* rows = out + (t0 + u) * kTileRows * k;
+        const __m512 s16 = _mm512_loadu_ps(scale + (t0 + u) * kTileRows);
+        __m512 sq[4];
+        for (int q = 0; q < 4; ++q)
+          sq[q] = _mm512_permutexvar_ps(_mm512_set_epi32(4 * q + 3, 4 * q + 3, 4 * q + 3, 4 * q + 3, 4 * q + 2,
+                                                         4 * q + 2, 4 * q + 2, 4 * q + 2, 4 * q + 1, 4 * q + 1,
+                                                         4 * q + 1, 4 * q + 1, 4 * q, 4 * q, 4 * q, 4 * q), s16);
+        for (int64_t b = 0; b < L.kb; ++b) {
+          const uint8_t* p = w + (t0 * L.kb + b * U + u) * 64;
+          for (int q = 0; q < 4; ++q) {
+            const __m512i v = _mm512_sub_epi32(
+                _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16 * q))),
+                _mm512_set1_epi32(128));
+            store_rows4(rows + 4 * q * k + 4 * b, k, _mm512_mul_ps(_mm512_cvtepi32_ps(v), sq[q]));
+          }
+        }
+      }
+    }
+  });
+}
+#endif
+
+// The tiled int8 weights back to rows of T (prefill)
+template <typename T>
+void dequantize_int8_tiled_impl(const uint8_t* w, const float* scale, T* out, int64_t k, int64_t n) {
+#if defined(KILN_ISA_AVX512)
+  return dequantize_int8_tiled_avx512<T>(w, scale, out, k, n);
+#endif
   const TiledInt4 L = tiled_int8_layout(k, n);
   at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
     for (int64_t o = begin; o < end; ++o) {
-      float* orow = out + o * k;
+      T* orow = out + o * k;
       const float s = scale[o];
-      for (int64_t b = 0; b < L.kb; ++b) {
-#if !defined(KILN_ISA_SCALAR)
-        int32_t word;
-        std::memcpy(&word, w + L.byte(o, b, 0), 4);
-        const __m128i v = _mm_sub_epi32(_mm_cvtepu8_epi32(_mm_cvtsi32_si128(word)), _mm_set1_epi32(128));
-        _mm_storeu_ps(orow + 4 * b, _mm_mul_ps(_mm_cvtepi32_ps(v), _mm_set1_ps(s)));
-#else
-        for (int64_t j = 0; j < 4; ++j) orow[4 * b + j] = static_cast<float>(tiled_int8_at(w, L, o, 4 * b + j)) * s;
-#endif
-      }
+      for (int64_t i = 0; i < k; ++i) store_as(orow + i, static_cast<float>(tiled_int8_at(w, L, o, i)) * s);
     }
   });
 }
@@ -1246,6 +1347,12 @@ void linear_w4_tiled_f32(const float* x, const uint8_t* w, const float* s, int64
                          int64_t r, int64_t k, int64_t n) { linear_w4_tiled_impl<float>(x, w, s, g, b, o, r, k, n); }
 void linear_w4_tiled_bf16(const bf16* x, const uint8_t* w, const float* s, int64_t g, const bf16* b, bf16* o,
                           int64_t r, int64_t k, int64_t n) { linear_w4_tiled_impl<bf16>(x, w, s, g, b, o, r, k, n); }
+void dequantize_int8_tiled_f32(const uint8_t* w, const float* s, float* o, int64_t k, int64_t n) {
+  dequantize_int8_tiled_impl<float>(w, s, o, k, n);
+}
+void dequantize_int8_tiled_bf16(const uint8_t* w, const float* s, bf16* o, int64_t k, int64_t n) {
+  dequantize_int8_tiled_impl<bf16>(w, s, o, k, n);
+}
 void linear_w8_tiled_f32(const float* x, const uint8_t* w, const float* s, const float* b, float* o, int64_t r,
                          int64_t k, int64_t n) { linear_w8_tiled_impl<float>(x, w, s, b, o, r, k, n); }
 void linear_w8_tiled_bf16(const bf16* x, const uint8_t* w, const float* s, const bf16* b, bf16* o, int64_t r,

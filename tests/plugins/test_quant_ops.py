@@ -138,7 +138,9 @@ def test_linear_w8_tiled_matches_reference(isa, dtype, rows, k, n):
     assert got.dtype == dtype and got.shape == (rows, n)
     tol = 5e-4 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
-    torch.testing.assert_close(ops.dequantize_int8_tiled(tiled, s), q.float() * s[:, None], rtol=0, atol=0)
+    for out_dtype in (torch.float32, torch.bfloat16):  # one rounding, to the output dtype
+        torch.testing.assert_close(ops.dequantize_int8_tiled(tiled, s, out_dtype), (q.float() * s[:, None]).to(out_dtype),
+                                   rtol=0, atol=0)
 
 
 def test_linear_w8_tiled_refuses_shapes_it_cannot_hold(plugin_isas):
@@ -207,7 +209,7 @@ def test_quant_ops_opcheck(plugin_isas):
     q16, s16 = quantize_int8(torch.randn(16, 64))
     torch.library.opcheck(torch.ops.kiln.pack_int8_tiled.default, (q16,))
     torch.library.opcheck(torch.ops.kiln.linear_w8_tiled.default, (x, ops.pack_int8_tiled(q16), s16, None))
-    torch.library.opcheck(torch.ops.kiln.dequantize_int8_tiled.default, (ops.pack_int8_tiled(q16), s16))
+    torch.library.opcheck(torch.ops.kiln.dequantize_int8_tiled.default, (ops.pack_int8_tiled(q16), s16, torch.bfloat16))
     torch.library.opcheck(torch.ops.kiln.dequantize_int4_tiled.default, (*tiled, 32, torch.float32))
     torch.library.opcheck(torch.ops.kiln.linear_w8a8.default,
                           (x, q, s, q.to(torch.int32).sum(1, dtype=torch.int32), None))
