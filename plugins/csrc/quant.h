@@ -763,54 +763,67 @@ __attribute__((noinline)) void tiles_w4t(const int8_t* hi, const int8_t* lo, con
   for (int c = 0; c < C; ++c) acc[c] = facc[c];
 }
 
-// The tiled GEMV driver: tile groups in parallel, input rows four at a time. xs_row: each row's
-// scale applied to its outputs (W4A16; W4A8's scales are per group, inside the tiles).
-template <bool A8, typename T>
-void tiled_w4_rows(const int8_t* hi, const int8_t* lo, const int32_t* xsum8, const float* xs_group,
-                   const float* xs_row, const uint8_t* w, const float* s, int64_t group, const T* bias, T* out,
-                   int64_t rows, int64_t k, int64_t n) {
-  const TiledInt4 L(k, n, group);
-  const int64_t tile_groups = (L.tiles + kTileGroup - 1) / kTileGroup;
-  at::parallel_for(0, tile_groups, 1, [&](int64_t begin, int64_t end) {
+// The tiled GEMVs' driver: tile groups in parallel, input rows four at a time. One row (decode):
+// the group's U tiles side by side, one stream (tiles(R = 1, V = U, u0 = 0)); more rows: tile by
+// tile (V = 1). tiles(R, V, t0, U, u0, m0, acc) fills acc[v * R + r] for tiles t0 + u0 + v and
+// input rows m0 + r (R and V as std::integral_constant); row(m, o0, acc, sums) turns one
+// accumulator into the 16 outputs of row m from o0 (before the bias), which is added here.
+template <typename T, typename Tiles, typename Row>
+void tiled_gemv(const TiledInt4& L, const T* bias, T* out, int64_t rows, int64_t n, Tiles tiles, Row row) {
+  at::parallel_for(0, (L.tiles + kTileGroup - 1) / kTileGroup, 1, [&](int64_t begin, int64_t end) {
     __m512 acc[kTileGroup * 4];
     float sums[kTileRows];
     for (int64_t tg = begin; tg < end; ++tg) {
       const int64_t t0 = tg * kTileGroup, U = L.width(t0);
-      const uint8_t* wg = w + t0 * L.kb * 64;
-      const float* sg = s + t0 * L.groups * kTileRows;
       for (int64_t m0 = 0; m0 < rows; m0 += 4) {
         const int64_t mr = std::min<int64_t>(4, rows - m0);
-        const int8_t *h = A8 ? nullptr : hi + m0 * k, *l = lo + m0 * k;
-        const int32_t* xsum = xsum8 + m0 * L.groups;
-        const float* xs = A8 ? xs_group + m0 * L.groups : nullptr;
         auto emit = [&](int64_t V, int64_t R, int64_t u0) {
           for (int64_t v = 0; v < V; ++v)
             for (int64_t r = 0; r < R; ++r) {
-              const float row_scale = A8 ? 1.f : xs_row[m0 + r];
-              _mm512_storeu_ps(sums, _mm512_mul_ps(acc[v * R + r], _mm512_set1_ps(row_scale)));
               const int64_t o0 = (t0 + u0 + v) * kTileRows;
+              row(m0 + r, o0, acc[v * R + r], sums);
               for (int64_t j = 0; j < kTileRows; ++j)
                 store_as(out + (m0 + r) * n + o0 + j, sums[j] + (bias ? to_f32(bias[o0 + j]) : 0.f));
             }
         };
-        if (mr == 1) {  // decode: the group's tiles side by side, one stream
+        using One = std::integral_constant<int, 1>;
+        if (mr == 1) {
           switch (U) {
-            case 4: tiles_w4t<1, 4, A8>(h, l, xsum, xs, wg, sg, L, U, 0, k, group, acc); break;
-            case 3: tiles_w4t<1, 3, A8>(h, l, xsum, xs, wg, sg, L, U, 0, k, group, acc); break;
-            case 2: tiles_w4t<1, 2, A8>(h, l, xsum, xs, wg, sg, L, U, 0, k, group, acc); break;
-            default: tiles_w4t<1, 1, A8>(h, l, xsum, xs, wg, sg, L, U, 0, k, group, acc);
+            case 4: tiles(One{}, std::integral_constant<int, 4>{}, t0, U, 0, m0, acc); break;
+            case 3: tiles(One{}, std::integral_constant<int, 3>{}, t0, U, 0, m0, acc); break;
+            case 2: tiles(One{}, std::integral_constant<int, 2>{}, t0, U, 0, m0, acc); break;
+            default: tiles(One{}, One{}, t0, U, 0, m0, acc);
           }
           emit(U, 1, 0);
         } else {
           for (int64_t u0 = 0; u0 < U; ++u0)
             with_rows(mr, [&](auto R) {
-              tiles_w4t<decltype(R)::value, 1, A8>(h, l, xsum, xs, wg, sg, L, U, u0, k, group, acc);
+              tiles(R, One{}, t0, U, u0, m0, acc);
               emit(1, decltype(R)::value, u0);
             });
         }
       }
     }
   });
+}
+
+// int4 rows: xs_row, each row's scale applied to its outputs (W4A16; W4A8's scales are per
+// group, inside the tiles)
+template <bool A8, typename T>
+void tiled_w4_rows(const int8_t* hi, const int8_t* lo, const int32_t* xsum8, const float* xs_group,
+                   const float* xs_row, const uint8_t* w, const float* s, int64_t group, const T* bias, T* out,
+                   int64_t rows, int64_t k, int64_t n) {
+  const TiledInt4 L(k, n, group);
+  tiled_gemv(L, bias, out, rows, n,
+             [&](auto R, auto V, int64_t t0, int64_t U, int64_t u0, int64_t m0, __m512* acc) {
+               tiles_w4t<decltype(R)::value, decltype(V)::value, A8>(
+                   A8 ? nullptr : hi + m0 * k, lo + m0 * k, xsum8 + m0 * L.groups,
+                   A8 ? xs_group + m0 * L.groups : nullptr, w + t0 * L.kb * 64, s + t0 * L.groups * kTileRows, L, U,
+                   u0, k, group, acc);
+             },
+             [&](int64_t m, int64_t, __m512 acc, float* sums) {
+               _mm512_storeu_ps(sums, _mm512_mul_ps(acc, _mm512_set1_ps(A8 ? 1.f : xs_row[m])));
+             });
 }
 
 template <typename T>
@@ -1040,45 +1053,16 @@ void linear_w8_tiled_avx512(const T* x, const uint8_t* w, const float* scale, co
   split_rows_i8(x, rows, k, k, k, hi.data(), lo.data(), xs.data(), hsum.data(), lsum.data());
   for (int64_t m = 0; m < rows; ++m)  // 128 * sum(q): the weights' + 128
     offset[m] = 128.f * (256.f * static_cast<float>(hsum[m]) + static_cast<float>(lsum[m]));
-  const int64_t tile_groups = (L.tiles + kTileGroup - 1) / kTileGroup;
-  at::parallel_for(0, tile_groups, 1, [&](int64_t begin, int64_t end) {
-    __m512 acc[kTileGroup * 4];
-    float sums[kTileRows];
-    for (int64_t tg = begin; tg < end; ++tg) {
-      const int64_t t0 = tg * kTileGroup, U = L.width(t0);
-      const uint8_t* wg = w + t0 * L.kb * 64;
-      for (int64_t m0 = 0; m0 < rows; m0 += 4) {
-        const int64_t mr = std::min<int64_t>(4, rows - m0);
-        const int8_t *h = hi.data() + m0 * k, *l = lo.data() + m0 * k;
-        auto emit = [&](int64_t V, int64_t R, int64_t u0) {
-          for (int64_t v = 0; v < V; ++v)
-            for (int64_t r = 0; r < R; ++r) {
-              const int64_t o0 = (t0 + u0 + v) * kTileRows;
-              const __m512 centred = _mm512_sub_ps(acc[v * R + r], _mm512_set1_ps(offset[m0 + r]));
-              _mm512_storeu_ps(sums, _mm512_mul_ps(_mm512_mul_ps(centred, _mm512_set1_ps(xs[m0 + r])),
-                                                   _mm512_loadu_ps(scale + o0)));
-              for (int64_t j = 0; j < kTileRows; ++j)
-                store_as(out + (m0 + r) * n + o0 + j, sums[j] + (bias ? to_f32(bias[o0 + j]) : 0.f));
-            }
-        };
-        if (mr == 1) {
-          switch (U) {
-            case 4: tiles_w8t<1, 4>(h, l, wg, L, U, 0, k, acc); break;
-            case 3: tiles_w8t<1, 3>(h, l, wg, L, U, 0, k, acc); break;
-            case 2: tiles_w8t<1, 2>(h, l, wg, L, U, 0, k, acc); break;
-            default: tiles_w8t<1, 1>(h, l, wg, L, U, 0, k, acc);
-          }
-          emit(U, 1, 0);
-        } else {
-          for (int64_t u0 = 0; u0 < U; ++u0)
-            with_rows(mr, [&](auto R) {
-              tiles_w8t<decltype(R)::value, 1>(h, l, wg, L, U, u0, k, acc);
-              emit(1, decltype(R)::value, u0);
-            });
-        }
-      }
-    }
-  });
+  tiled_gemv(L, bias, out, rows, n,
+             [&](auto R, auto V, int64_t t0, int64_t U, int64_t u0, int64_t m0, __m512* acc) {
+               tiles_w8t<decltype(R)::value, decltype(V)::value>(hi.data() + m0 * k, lo.data() + m0 * k,
+                                                                 w + t0 * L.kb * 64, L, U, u0, k, acc);
+             },
+             [&](int64_t m, int64_t o0, __m512 acc, float* sums) {
+               const __m512 centred = _mm512_sub_ps(acc, _mm512_set1_ps(offset[m]));
+               _mm512_storeu_ps(sums, _mm512_mul_ps(_mm512_mul_ps(centred, _mm512_set1_ps(xs[m])),
+                                                    _mm512_loadu_ps(scale + o0)));
+             });
 }
 #endif
 
