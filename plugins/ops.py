@@ -10,9 +10,10 @@ from pathlib import Path
 
 import torch
 
-OPS = ("rms_norm", "add_rms_norm", "silu_mul", "linear", "paged_attention", "select_isa", "linear_w8",
-       "linear_w4", "dequantize_int4", "pack_int4_tiled", "linear_w4_tiled", "linear_w4a8_tiled", "pack_int8_tiled", "linear_w8_tiled", "dequantize_int8_tiled",
-       "active_isa", "to_hugepages", "dequantize_int4_tiled", "decode_layers", "linear_w8a8", "linear_w4a8", "linear_fp8", "quantize_fp8", "dequantize_fp8")
+OPS = ("rms_norm", "add_rms_norm", "silu_mul", "linear", "paged_attention", "select_isa", "active_isa", "linear_w8",
+       "linear_w4", "dequantize_int4", "linear_w8a8", "linear_w4a8", "linear_fp8", "quantize_fp8", "dequantize_fp8",
+       "pack_int4_tiled", "linear_w4_tiled", "linear_w4a8_tiled", "dequantize_int4_tiled", "pack_int8_tiled",
+       "linear_w8_tiled", "dequantize_int8_tiled", "to_hugepages", "decode_layers")
 _loaded: dict[str, str] = {}  # sha256 of the library file -> path it was loaded from
 
 

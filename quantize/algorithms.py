@@ -279,6 +279,14 @@ def gptq_fp8(w: torch.Tensor, gram: torch.Tensor, scales: torch.Tensor) -> torch
     return gptq(w, gram, lambda column, pending: fake_quant_fp8(pending[:, 0], scales))
 
 
+def round_int4(w: torch.Tensor, gram: torch.Tensor | None, group: int,
+               clip: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """int4 groups (scales absmax x clip / 7), GPTQ-rounded when x^T x is given, else to
+    nearest -> (qweight, scales)."""
+    w, scales = (w, int4_scales(w, group, clip)) if gram is None else gptq_int4(w, gram, group, clip)
+    return quantize_int4(w, group, scales)
+
+
 def quantize_head_int4(head: torch.Tensor, final_norm: torch.Tensor, stats: LinearStats | None,
                        options: QuantOptions) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The output projection in int4 groups -> (qweight, scales, the final norm's weight). With
@@ -295,12 +303,8 @@ def quantize_head_int4(head: torch.Tensor, final_norm: torch.Tensor, stats: Line
         s = awq_scales(w, stats.rows, stats.absmean, group)
         w = w * s
         clip = awq_clip(w, stats.rows / s, group)
-    if options.gptq and stats.gram is not None:
-        w, w_scales = gptq_int4(w, stats.gram / s[:, None] / s[None, :], group, clip)
-    else:
-        w_scales = int4_scales(w, group, clip)
-    qweight, w_scales = quantize_int4(w, group, w_scales)
-    return qweight, w_scales, final_norm.float() / s
+    gram = stats.gram / s[:, None] / s[None, :] if options.gptq and stats.gram is not None else None
+    return (*round_int4(w, gram, group, clip), final_norm.float() / s)
 
 
 def quantize_weights(weights: dict[str, torch.Tensor], spec: ModelSpec, options: QuantOptions, dtype: torch.dtype,
@@ -309,7 +313,7 @@ def quantize_weights(weights: dict[str, torch.Tensor], spec: ModelSpec, options:
                      grams: Callable[[int, str], torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
     """Packed float32 weights -> the engine's tensors (quantized linears, the rest in `dtype`).
     lm_head "int8" / "int4": the output projection gets int8 weights per channel (W8A16) or int4
-    weights per group (W4A16, rounded to nearest) too; with tied embeddings the embedding table
+    weights per group (W4A16, quantize_head_int4) too; with tied embeddings the embedding table
     stays as it is for the input lookup. `grams(layer, linear)`:
     the x^T x sums GPTQ rounding needs (calibrate.Grams), asked for in layer order."""
     out: dict[str, torch.Tensor] = {}
@@ -364,9 +368,7 @@ def quantize_weights(weights: dict[str, torch.Tensor], spec: ModelSpec, options:
                 s = scales.get(n)  # the Gram matrix of x / s
                 gram = grams(i, n) if s is None else grams(i, n) / s[:, None] / s[None, :]
             if kind in INT4_KINDS:
-                w, w_scales = ((w, int4_scales(w, group_size, clips.get(n))) if gram is None
-                               else gptq_int4(w, gram, group_size, clips.get(n)))
-                qweight, w_scales = quantize_int4(w, group_size, w_scales)
+                qweight, w_scales = round_int4(w, gram, group_size, clips.get(n))
             elif kind == names.LINEAR_FP8:
                 x2 = stats[i, n].rows.pow(2).mean(dim=0)
                 w_scales = fp8_weight_scales(w, x2, options.fp8_per_tensor)

@@ -109,9 +109,12 @@ class LlamaModel:
                 tensors += slots
                 ints += [code, group_size]
                 floats += [input_scale, inv_input_scale]
-            following = self.layers[index + 1].input_norm if index + 1 < len(self.layers) else self.final_norm
-            tensors += [layer.post_attention_norm, following, layer.kv_scales]
+            tensors += [layer.post_attention_norm, self.next_norm(index), layer.kv_scales]
         return tensors, ints, floats
+
+    def next_norm(self, index: int) -> torch.Tensor:
+        """The norm after layer `index`: the next layer's input norm, or the final norm."""
+        return self.layers[index + 1].input_norm if index + 1 < len(self.layers) else self.final_norm
 
     def _layer(self, weights: dict[str, torch.Tensor], i: int, quant: dict) -> Layer:
         def get(name: str) -> torch.Tensor:
@@ -162,7 +165,6 @@ class LlamaModel:
                                        spec.num_heads, self.scale, layer.kv_scales)
             x = ops.add_rms_norm(h, layer.out(attn), layer.post_attention_norm, eps)
             down = layer.down(ops.silu_mul(layer.gate_up(x)))
-            following = self.layers[index + 1].input_norm if index + 1 < len(self.layers) else self.final_norm
-            x = ops.add_rms_norm(h, down, following, eps)
+            x = ops.add_rms_norm(h, down, self.next_norm(index), eps)
         # x is the final norm of every row; logits only for the rows that sample
         return self.lm_head(x[ctx.logits_rows]).float()

@@ -480,8 +480,9 @@ at::Tensor dequantize_int4(const at::Tensor& qweight, const at::Tensor& scales, 
 
 // --- weights in 2 MB pages ------------------------------------------------------------------
 // Decode streams every weight once per step; with 4 KB pages the walk through a few hundred MB
-// misses the TLB all the way (SmolLM2 int8_wo, one thread, the same weights in ordinary
-// anonymous memory / the safetensors file's pages / 2 MB pages: 9.5 / 7.4 / 7.0 ms a step).
+// misses the TLB often (SmolLM2 int8_wo, one thread, its row-layout weights in ordinary
+// anonymous memory / the safetensors file's pages / 2 MB pages: 6.5 / 6.7 / 6.1 ms a step;
+// benchmarks/ablations/decode_variants.py --memory).
 // The memory is asked for transparent huge pages (madvise; where the kernel has them off it
 // stays ordinary pages and nothing else changes).
 constexpr size_t kHugePage = size_t(2) << 20;
@@ -505,7 +506,7 @@ at::Tensor to_hugepages(const at::Tensor& t) {
   return out;
 }
 
-// The tiled int4 layout (quant.h, TiledInt4): the same bytes and scales as the stored [out, in / 2]
+// The tiled int4 layout (quant.h, TiledLayout): the same bytes and scales as the stored [out, in / 2]
 // and [out, groups] tensors, reordered for linear_w4_tiled; shapes are kept.
 static void check_tiled(const char* op, const at::Tensor& qweight, const at::Tensor& scales, int64_t group) {
   TORCH_CHECK(qweight.dim() == 2 && qweight.scalar_type() == at::kByte && qweight.is_contiguous() &&

@@ -635,14 +635,13 @@ void linear_w4_i16(const T* x, const uint8_t* w, const float* scale, int64_t gro
 // One vpdpbusd multiplies the 16 rows by four inputs broadcast to every lane, so nothing is
 // reduced across lanes, a group's int32 sums go to float once per 16 rows, and the weights are
 // read as one sequential stream. The scales follow the same order: per group of inputs, 16
-// floats per tile. (Measured one thread, SmolLM2's shapes: 2.5-3.8x the row-layout kernel with
-// the weights in cache, 29 GB/s from memory; benchmarks/ablations/gemv_shapes.py.)
+// floats per tile. (One thread, weights in cache: 2.3-2.6x the row-layout kernel on SmolLM2's
+// and 7B shapes, benchmarks/ablations/gemv_shapes.py; docs/benchmarks.md has the in-model steps.)
 constexpr int64_t kTileRows = 16, kTileGroup = 4;
 constexpr int64_t kTiledMaxGroup = 8192;  // 15 * 16383 * group stays within int32
 
-struct TiledInt4 {  // where row o's bytes and scales sit
+struct TiledLayout {  // where row o's bytes and scales sit: kb blocks of inputs, one 64-byte vector each per tile
   int64_t kb, groups, tiles;
-  TiledInt4(int64_t k, int64_t n, int64_t group) : kb(k / 8), groups((k + group - 1) / group), tiles(n / kTileRows) {}
   int64_t width(int64_t t0) const { return std::min(kTileGroup, tiles - t0); }  // tiles in the group from t0
   int64_t byte(int64_t o, int64_t b, int64_t j) const {  // row o, block b, byte j
     const int64_t t = o / kTileRows, t0 = t / kTileGroup * kTileGroup;
@@ -654,16 +653,20 @@ struct TiledInt4 {  // where row o's bytes and scales sit
   }
 };
 
+inline TiledLayout tiled_int4_layout(int64_t k, int64_t n, int64_t group) {  // blocks of 8 inputs
+  return {k / 8, (k + group - 1) / group, n / kTileRows};
+}
+
 inline int stored_nibble(const uint8_t* row, int64_t i) { return (i & 1) ? row[i >> 1] >> 4 : row[i >> 1] & 0x0F; }
 
-inline int tiled_nibble(const uint8_t* w, const TiledInt4& L, int64_t o, int64_t i) {
+inline int tiled_nibble(const uint8_t* w, const TiledLayout& L, int64_t o, int64_t i) {
   const uint8_t byte = w[L.byte(o, i / 8, i % 4)];
   return (i % 8) < 4 ? byte & 0x0F : byte >> 4;
 }
 
 inline void pack_int4_tiled(const uint8_t* w, const float* s, int64_t group, uint8_t* pw, float* ps, int64_t k,
                             int64_t n) {
-  const TiledInt4 L(k, n, group);
+  const TiledLayout L = tiled_int4_layout(k, n, group);
   at::parallel_for(0, n, 64, [&](int64_t begin, int64_t end) {
     for (int64_t o = begin; o < end; ++o) {
       const uint8_t* row = w + o * (k / 2);
@@ -679,7 +682,7 @@ inline void pack_int4_tiled(const uint8_t* w, const float* s, int64_t group, uin
 template <typename T>
 void linear_w4_tiled_ref(const T* x, const uint8_t* w, const float* s, int64_t group, const T* bias, T* out,
                          int64_t rows, int64_t k, int64_t n) {
-  const TiledInt4 L(k, n, group);
+  const TiledLayout L = tiled_int4_layout(k, n, group);
   std::vector<float> xf(rows * k);
   for (int64_t i = 0; i < rows * k; ++i) xf[i] = to_f32(x[i]);
   at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
@@ -721,7 +724,7 @@ inline __m512i broadcast4(const int8_t* p) {  // four int8 inputs into every 32-
 // multiply the weight scales. (noinline: inlined into its callers the accumulators spilled.)
 template <int R, int V, bool A8>
 __attribute__((noinline)) void tiles_w4t(const int8_t* hi, const int8_t* lo, const int32_t* xsum8, const float* xs,
-                                         const uint8_t* w, const float* s, const TiledInt4& L, int64_t U, int64_t u0,
+                                         const uint8_t* w, const float* s, const TiledLayout& L, int64_t U, int64_t u0,
                                          int64_t k, int64_t group, __m512* acc) {
   constexpr int C = V * R;  // (tile, row) pairs, c = v * R + r; one-dimensional so they stay in registers
   static_assert(C <= 4, "at most four (tile, row) pairs: 3 * C accumulators");
@@ -769,7 +772,7 @@ __attribute__((noinline)) void tiles_w4t(const int8_t* hi, const int8_t* lo, con
 // input rows m0 + r (R and V as std::integral_constant); row(m, o0, acc, sums) turns one
 // accumulator into the 16 outputs of row m from o0 (before the bias), which is added here.
 template <typename T, typename Tiles, typename Row>
-void tiled_gemv(const TiledInt4& L, const T* bias, T* out, int64_t rows, int64_t n, Tiles tiles, Row row) {
+void tiled_gemv(const TiledLayout& L, const T* bias, T* out, int64_t rows, int64_t n, Tiles tiles, Row row) {
   at::parallel_for(0, (L.tiles + kTileGroup - 1) / kTileGroup, 1, [&](int64_t begin, int64_t end) {
     __m512 acc[kTileGroup * 4];
     float sums[kTileRows];
@@ -813,7 +816,7 @@ template <bool A8, typename T>
 void tiled_w4_rows(const int8_t* hi, const int8_t* lo, const int32_t* xsum8, const float* xs_group,
                    const float* xs_row, const uint8_t* w, const float* s, int64_t group, const T* bias, T* out,
                    int64_t rows, int64_t k, int64_t n) {
-  const TiledInt4 L(k, n, group);
+  const TiledLayout L = tiled_int4_layout(k, n, group);
   tiled_gemv(L, bias, out, rows, n,
              [&](auto R, auto V, int64_t t0, int64_t U, int64_t u0, int64_t m0, __m512* acc) {
                tiles_w4t<decltype(R)::value, decltype(V)::value, A8>(
@@ -892,7 +895,7 @@ inline void store_rows4(bf16* base, int64_t stride, __m512 v) {
 // int4: a vector's low and high nibbles interleaved by dwords give each row's 8 values in order.
 template <typename T>
 void dequantize_int4_tiled_avx512(const uint8_t* w, const float* s, int64_t group, T* out, int64_t k, int64_t n) {
-  const TiledInt4 L(k, n, group);
+  const TiledLayout L = tiled_int4_layout(k, n, group);
   at::parallel_for(0, (L.tiles + kTileGroup - 1) / kTileGroup, 1, [&](int64_t begin, int64_t end) {
     const __m512i nib = _mm512_set1_epi8(0x0F), eight = _mm512_set1_epi8(8);
     for (int64_t tg = begin; tg < end; ++tg) {
@@ -921,13 +924,13 @@ void dequantize_int4_tiled_avx512(const uint8_t* w, const float* s, int64_t grou
 
 #endif
 
-// The tiled weights back to float, row by row (prefill multiplies them with PyTorch's GEMM)
+// The tiled int4 weights back to rows of T (prefill multiplies them with PyTorch's GEMM)
 template <typename T>
 void dequantize_int4_tiled_impl(const uint8_t* w, const float* s, int64_t group, T* out, int64_t k, int64_t n) {
 #if defined(KILN_ISA_AVX512)
-  return dequantize_int4_tiled_avx512<T>(w, s, group, out, k, n);
-#endif
-  const TiledInt4 L(k, n, group);
+  dequantize_int4_tiled_avx512<T>(w, s, group, out, k, n);
+#else
+  const TiledLayout L = tiled_int4_layout(k, n, group);
   at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
     for (int64_t o = begin; o < end; ++o) {
       T* orow = out + o * k;
@@ -954,6 +957,7 @@ void dequantize_int4_tiled_impl(const uint8_t* w, const float* s, int64_t group,
       }
     }
   });
+#endif
 }
 
 // --- int8, tiled for decode -------------------------------------------------------------
@@ -964,14 +968,12 @@ void dequantize_int4_tiled_impl(const uint8_t* w, const float* s, int64_t group,
 // 128 * sum(q). int32 sums go to float every kTiled8Flush blocks (4,096 inputs).
 constexpr int64_t kTiled8Flush = 1024;
 
-inline TiledInt4 tiled_int8_layout(int64_t k, int64_t n) {
-  TiledInt4 L(8, n, 8);  // (the int4 layout's formulas with blocks of 4 inputs and one group)
-  L.kb = k / 4;
-  return L;
+inline TiledLayout tiled_int8_layout(int64_t k, int64_t n) {  // blocks of 4 inputs, one group (per-row scales)
+  return {k / 4, 1, n / kTileRows};
 }
 
 inline void pack_int8_tiled(const int8_t* w, uint8_t* pw, int64_t k, int64_t n) {
-  const TiledInt4 L = tiled_int8_layout(k, n);
+  const TiledLayout L = tiled_int8_layout(k, n);
   at::parallel_for(0, n, 64, [&](int64_t begin, int64_t end) {
     for (int64_t o = begin; o < end; ++o)
       for (int64_t b = 0; b < L.kb; ++b)
@@ -979,14 +981,14 @@ inline void pack_int8_tiled(const int8_t* w, uint8_t* pw, int64_t k, int64_t n) 
   });
 }
 
-inline int tiled_int8_at(const uint8_t* w, const TiledInt4& L, int64_t o, int64_t i) {
+inline int tiled_int8_at(const uint8_t* w, const TiledLayout& L, int64_t o, int64_t i) {
   return static_cast<int>(w[L.byte(o, i / 4, i % 4)]) - 128;
 }
 
 template <typename T>
 void linear_w8_tiled_ref(const T* x, const uint8_t* w, const float* scale, const T* bias, T* out, int64_t rows,
                          int64_t k, int64_t n) {
-  const TiledInt4 L = tiled_int8_layout(k, n);
+  const TiledLayout L = tiled_int8_layout(k, n);
   at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
     for (int64_t o = begin; o < end; ++o)
       for (int64_t m = 0; m < rows; ++m) {
@@ -1014,7 +1016,7 @@ inline __m512i dpbusd_u8(__m512i acc, __m512i u, __m512i s) {
 // V tiles x R input rows (two planes each, row stride k) of the int8 tiling; acc[v * R + r] =
 // the integer dot products (weights still + 128) as float
 template <int R, int V>
-__attribute__((noinline)) void tiles_w8t(const int8_t* hi, const int8_t* lo, const uint8_t* w, const TiledInt4& L,
+__attribute__((noinline)) void tiles_w8t(const int8_t* hi, const int8_t* lo, const uint8_t* w, const TiledLayout& L,
                                          int64_t U, int64_t u0, int64_t k, __m512* acc) {
   constexpr int C = V * R;
   static_assert(C <= 4, "at most four (tile, row) pairs");
@@ -1046,7 +1048,7 @@ __attribute__((noinline)) void tiles_w8t(const int8_t* hi, const int8_t* lo, con
 template <typename T>
 void linear_w8_tiled_avx512(const T* x, const uint8_t* w, const float* scale, const T* bias, T* out, int64_t rows,
                             int64_t k, int64_t n) {
-  const TiledInt4 L = tiled_int8_layout(k, n);
+  const TiledLayout L = tiled_int8_layout(k, n);
   std::vector<int8_t> hi(rows * k), lo(rows * k);
   std::vector<float> xs(rows), offset(rows);
   std::vector<int32_t> hsum(rows), lsum(rows);
@@ -1080,7 +1082,7 @@ void linear_w8_tiled_impl(const T* x, const uint8_t* w, const float* scale, cons
 // int8: a vector's 16 bytes q hold rows 4q .. 4q + 3, four inputs each
 template <typename T>
 void dequantize_int8_tiled_avx512(const uint8_t* w, const float* scale, T* out, int64_t k, int64_t n) {
-  const TiledInt4 L = tiled_int8_layout(k, n);
+  const TiledLayout L = tiled_int8_layout(k, n);
   at::parallel_for(0, (L.tiles + kTileGroup - 1) / kTileGroup, 1, [&](int64_t begin, int64_t end) {
     for (int64_t tg = begin; tg < end; ++tg) {
       const int64_t t0 = tg * kTileGroup, U = L.width(t0);
@@ -1111,9 +1113,9 @@ void dequantize_int8_tiled_avx512(const uint8_t* w, const float* scale, T* out, 
 template <typename T>
 void dequantize_int8_tiled_impl(const uint8_t* w, const float* scale, T* out, int64_t k, int64_t n) {
 #if defined(KILN_ISA_AVX512)
-  return dequantize_int8_tiled_avx512<T>(w, scale, out, k, n);
-#endif
-  const TiledInt4 L = tiled_int8_layout(k, n);
+  dequantize_int8_tiled_avx512<T>(w, scale, out, k, n);
+#else
+  const TiledLayout L = tiled_int8_layout(k, n);
   at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
     for (int64_t o = begin; o < end; ++o) {
       T* orow = out + o * k;
@@ -1121,6 +1123,7 @@ void dequantize_int8_tiled_impl(const uint8_t* w, const float* scale, T* out, in
       for (int64_t i = 0; i < k; ++i) store_as(orow + i, static_cast<float>(tiled_int8_at(w, L, o, i)) * s);
     }
   });
+#endif
 }
 
 // --- W4A8 -------------------------------------------------------------------------------
@@ -1271,7 +1274,7 @@ void linear_w4a8_tiled_impl(const T* x, const uint8_t* w, const float* s, int64_
   for (auto& v : xsum) v *= 8;  // the nibbles' + 8
   tiled_w4_rows<true>(nullptr, xq.data(), xsum.data(), xs.data(), nullptr, w, s, group, bias, out, rows, k, n);
 #else
-  const TiledInt4 L(k, n, group);
+  const TiledLayout L = tiled_int4_layout(k, n, group);
   at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
     for (int64_t o = begin; o < end; ++o)
       for (int64_t m = 0; m < rows; ++m) {
