@@ -295,10 +295,13 @@ static void check_int32_vector(const at::Tensor& t, const char* name, int64_t di
               " dims, got ", t.scalar_type(), " ", t.sizes());
 }
 
-at::Tensor paged_attention(const at::Tensor& qkv, at::Tensor& k_pool, at::Tensor& v_pool,
-                           const at::Tensor& block_tables, const at::Tensor& query_start,
-                           const at::Tensor& context_lens, const at::Tensor& cos, const at::Tensor& sin,
-                           int64_t heads, double scale, const c10::optional<at::Tensor>& kv_scales) {
+// paged_attention's checks, all made before any write (a bad table must not scribble over the
+// pool) -> the batch's shape, and each token's sequence in token_seq
+static PagedShape check_paged(const at::Tensor& qkv, const at::Tensor& k_pool, const at::Tensor& v_pool,
+                              const at::Tensor& block_tables, const at::Tensor& query_start,
+                              const at::Tensor& context_lens, const at::Tensor& cos, const at::Tensor& sin,
+                              int64_t heads, const c10::optional<at::Tensor>& kv_scales,
+                              std::vector<int32_t>& token_seq) {
   check_float_or_bf16(qkv, "qkv");
   const auto pool_type = k_pool.scalar_type();
   const bool quantized = pool_type == at::kChar || pool_type == at::kFloat8_e4m3fn;
@@ -343,7 +346,7 @@ at::Tensor paged_attention(const at::Tensor& qkv, at::Tensor& k_pool, at::Tensor
   const int64_t num_blocks = k_pool.size(0);
   TORCH_CHECK(qs[0] == 0 && qs[shape.seqs] == shape.tokens,
               "kiln::paged_attention: query_start must run from 0 to the token count");
-  std::vector<int32_t> token_seq(shape.tokens);
+  token_seq.assign(shape.tokens, 0);
   for (int64_t s = 0; s < shape.seqs; ++s) {
     TORCH_CHECK(qs[s + 1] >= qs[s] && cl[s] >= 0, "kiln::paged_attention: bad query_start/context_lens");
     const int64_t end = static_cast<int64_t>(cl[s]) + (qs[s + 1] - qs[s]);
@@ -359,6 +362,20 @@ at::Tensor paged_attention(const at::Tensor& qkv, at::Tensor& k_pool, at::Tensor
     }
     std::fill(token_seq.begin() + qs[s], token_seq.begin() + qs[s + 1], static_cast<int32_t>(s));
   }
+  return shape;
+}
+
+// paged_attention on checked arguments, the pools given as pointers of type pool_type
+static at::Tensor run_paged(const at::Tensor& qkv, void* k_pool, void* v_pool, at::ScalarType pool_type,
+                            const at::Tensor& block_tables, const at::Tensor& query_start,
+                            const at::Tensor& context_lens, const at::Tensor& cos, const at::Tensor& sin,
+                            const PagedShape& shape, const std::vector<int32_t>& token_seq, double scale,
+                            const c10::optional<at::Tensor>& kv_scales) {
+  const bool quantized = pool_type == at::kChar || pool_type == at::kFloat8_e4m3fn;
+  const int32_t* qs = query_start.data_ptr<int32_t>();
+  const int32_t* cl = context_lens.data_ptr<int32_t>();
+  const int32_t* bt = block_tables.data_ptr<int32_t>();
+  const int64_t heads = shape.heads, head_dim = shape.head_dim;
   auto qkvc = qkv.contiguous();
   auto out = at::empty({shape.tokens, heads * head_dim}, qkvc.options());
   if (shape.tokens == 0) return out;
@@ -367,16 +384,27 @@ at::Tensor paged_attention(const at::Tensor& qkv, at::Tensor& k_pool, at::Tensor
   if (qkv.scalar_type() == at::kFloat) {
     auto f = pool_type == at::kChar ? k.paged_attention_f32_i8 : quantized ? k.paged_attention_f32_fp8
                                                                           : k.paged_attention_f32;
-    f(qkvc.data_ptr<float>(), cos.data_ptr<float>(), sin.data_ptr<float>(), k_pool.data_ptr(), v_pool.data_ptr(),
+    f(qkvc.data_ptr<float>(), cos.data_ptr<float>(), sin.data_ptr<float>(), k_pool, v_pool,
       out.data_ptr<float>(), bt, qs, cl, token_seq.data(), shape, static_cast<float>(scale), ks);
   } else {
     auto f = pool_type == at::kChar ? k.paged_attention_bf16_i8 : quantized ? k.paged_attention_bf16_fp8
                                                                            : k.paged_attention_bf16;
     f(reinterpret_cast<const bf16*>(qkvc.data_ptr()), reinterpret_cast<const bf16*>(cos.data_ptr()),
-      reinterpret_cast<const bf16*>(sin.data_ptr()), k_pool.data_ptr(), v_pool.data_ptr(),
+      reinterpret_cast<const bf16*>(sin.data_ptr()), k_pool, v_pool,
       reinterpret_cast<bf16*>(out.data_ptr()), bt, qs, cl, token_seq.data(), shape, static_cast<float>(scale), ks);
   }
   return out;
+}
+
+at::Tensor paged_attention(const at::Tensor& qkv, at::Tensor& k_pool, at::Tensor& v_pool,
+                           const at::Tensor& block_tables, const at::Tensor& query_start,
+                           const at::Tensor& context_lens, const at::Tensor& cos, const at::Tensor& sin,
+                           int64_t heads, double scale, const c10::optional<at::Tensor>& kv_scales) {
+  std::vector<int32_t> token_seq;
+  const PagedShape shape = check_paged(qkv, k_pool, v_pool, block_tables, query_start, context_lens, cos, sin, heads,
+                                       kv_scales, token_seq);
+  return run_paged(qkv, k_pool.data_ptr(), v_pool.data_ptr(), k_pool.scalar_type(), block_tables, query_start,
+                   context_lens, cos, sin, shape, token_seq, scale, kv_scales);
 }
 
 // --- quantized linears -----------------------------------------------------------------
@@ -704,6 +732,9 @@ at::Tensor decode_layers(at::Tensor& h, const at::Tensor& x0, const OptionalTens
               floats.size(), " floats; ", layers, " layers need ", layers * kLayerSlots, ", ", layers * 8, " and ",
               layers * 8);
   at::Tensor x = x0;
+  PagedShape shape{};
+  std::vector<int32_t> token_seq;
+  const bool quantized = kv.scalar_type() == at::kChar || kv.scalar_type() == at::kFloat8_e4m3fn;
   for (int64_t i = 0; i < layers; ++i) {
     const int64_t t0 = i * kLayerSlots;
     const int64_t* k = ints.data() + i * 8;
@@ -713,9 +744,17 @@ at::Tensor decode_layers(at::Tensor& h, const at::Tensor& x0, const OptionalTens
     };
     const at::Tensor post_norm = *tensors.get(t0 + 4 * kLinearSlots), next_norm = *tensors.get(t0 + 4 * kLinearSlots + 1);
     const c10::optional<at::Tensor> kv_scales = tensors.get(t0 + 4 * kLinearSlots + 2);
-    at::Tensor k_pool = kv.select(0, i).select(0, 0), v_pool = kv.select(0, i).select(0, 1);
-    const at::Tensor attn = paged_attention(run(x, 0), k_pool, v_pool, block_tables, query_start, context_lens, cos,
-                                            sin, heads, scale, kv_scales);
+    const at::Tensor qkv = run(x, 0);
+    if (i == 0)  // the step's metadata and shapes, checked once: every layer's pool is alike
+      shape = check_paged(qkv, kv.select(0, 0).select(0, 0), kv.select(0, 0).select(0, 1), block_tables, query_start,
+                          context_lens, cos, sin, heads, kv_scales, token_seq);
+    TORCH_CHECK(kv_scales.has_value() == quantized &&
+                    (!quantized || kv_scales->numel() == 2 * shape.kv_heads * shape.head_dim),
+                "kiln::decode_layers: layer ", i, "'s kv_scales do not match its pool");
+    char* k_pool = static_cast<char*>(kv.data_ptr()) + i * kv.stride(0) * kv.element_size();
+    const at::Tensor attn = run_paged(qkv, k_pool, k_pool + kv.stride(1) * kv.element_size(), kv.scalar_type(),
+                                      block_tables, query_start, context_lens, cos, sin, shape, token_seq, scale,
+                                      kv_scales);
     x = add_rms_norm(h, run(attn, 1), post_norm, eps);
     x = add_rms_norm(h, run(silu_mul(run(x, 2)), 3), next_norm, eps);
   }
