@@ -89,7 +89,8 @@ def quantize(config, spec, tokenizer_files: dict[str, str], weights, dtype, step
     max_positions = max(q.calibration.seq_len, q.accuracy.window, config.build.max_seq_len)
     reference = LlamaModel(spec, weights, max_positions)  # float32, unquantized
     options = QuantOptions(q.algo, q.kv_cache, pick_group_size(q.group_size, spec), q.smoothquant_alpha,
-                           q.lm_head, q.fp8_weight_scales == "per_tensor", q.w4a8_activations, q.weight_rounding)
+                           q.lm_head, q.fp8_weight_scales == "per_tensor", q.w4a8_activations, q.weight_rounding,
+                           q.key_rotation)
     stats = None
     chunks = gram_chunks(reference) if options.gptq else [range(0)]  # layers whose x^T x are held together
     if options.needs_calibration:

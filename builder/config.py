@@ -87,6 +87,11 @@ class QuantizationSection(_Section):
     kv_cache: Literal["none", "int8", "fp8"] = Field(
         "none", description="build-time: none (the model dtype) | int8 | fp8 (E4M3): the KV cache stores "
                             "keys and values with calibrated per-channel scales (half of bf16's memory)")
+    key_rotation: Literal["auto", "hadamard", "none"] = Field(
+        "auto", description="build-time, with a quantized kv_cache: hadamard stores the keys times a "
+                            "Walsh-Hadamard matrix after RoPE (queries too, so attention is unchanged), "
+                            "which spreads their few large channels; auto: hadamard for fp8, none for int8 "
+                            "(docs/quantization.md)")
     group_size: Literal["auto", 32, 64, 128] = Field(
         "auto", description="build-time, int4 (and an int4 lm_head): auto picks 128 where it divides every "
                             "in_features, else 64, else 32")
@@ -120,6 +125,9 @@ class QuantizationSection(_Section):
                 continue  # the int4 output projection's groups
             if key in self.model_fields_set and getattr(self, key) != default and self.algo not in algos:
                 raise ValueError(f"quantization.{key} applies to algo {' / '.join(algos)}, not {self.algo!r}")
+        if self.key_rotation == "hadamard" and self.kv_cache == "none":
+            raise ValueError("quantization.key_rotation: hadamard rotates the keys of a quantized KV cache; "
+                             "set kv_cache to int8 or fp8, or key_rotation to auto")
         return self
 
     def gate(self) -> AccuracyGate | None:

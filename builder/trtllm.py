@@ -19,10 +19,12 @@ kiln's other formats have no TensorRT-LLM checkpoint form it can write faithfull
 weight-only and SmoothQuant tensors are laid out for TensorRT-LLM's GPU kernels; kiln's W4A8 uses
 int8 activations; per-channel FP8 weights are TensorRT-LLM's per-token recipe), and are refused
 by name. kiln's per-channel KV-cache scales become one scale per layer (the largest), so an
-exported KV cache is a little coarser than kiln's own."""
+exported KV cache is a little coarser than kiln's own; TensorRT-LLM stores keys unrotated, so an
+FP8 cache loses what kiln's key rotation gains (docs/quantization.md)."""
 from __future__ import annotations
 
 import json
+import math
 import shutil
 from pathlib import Path
 
@@ -34,6 +36,7 @@ from kiln import constants as names
 from kiln.builder.checkpoint import Checkpoint, one_for_fused
 from kiln.errors import CheckpointError, KilnError
 from kiln.quantize.formats import dequantize_int4, pack_int4, unpack_int4
+from kiln.runtime.key_rotation import hadamard_block
 from kiln.runtime.spec import ModelSpec, RopeScaling
 
 DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
@@ -137,6 +140,18 @@ def _export_linear(out: dict, layer: int, modules: tuple[str, ...], kind: str | 
             out[_module(layer, module, names.TRTLLM_BIAS)] = w["bias"][part].to(dtype).contiguous()
 
 
+def _kv_scale(scales: torch.Tensor, quant: dict, spec: ModelSpec) -> torch.Tensor:
+    """One layer's KV-cache scale for TensorRT-LLM: the largest of kiln's per-channel scales. Keys
+    kiln stores rotated (quantization.key_rotation hadamard) are bounded as TensorRT-LLM stores
+    them, unrotated: k = H (H k), so |k_i| <= sum_j |H_ij| |(H k)_j| <= sum over i's block of
+    448 s_j / sqrt(block)."""
+    keys = scales[0]
+    if quant.get("key_rotation", names.KEY_ROTATION_NONE) == names.KEY_ROTATION_HADAMARD:
+        block = hadamard_block(spec.head_dim)
+        keys = keys.reshape(-1, block).sum(dim=1) / math.sqrt(block)
+    return torch.maximum(keys.max(), scales[1].max())
+
+
 def export_checkpoint(engine_dir: Path, output: Path) -> Path:
     """An engine directory -> a TensorRT-LLM checkpoint folder (config.json, rank0.safetensors,
     and the tokenizer files beside them)."""
@@ -184,8 +199,8 @@ def export_checkpoint(engine_dir: Path, output: Path) -> Path:
                 w["bias"] = weights[names.layer_tensor(i, names.ATTN_QKV_BIAS)]
             _export_linear(out, i, modules, kind, w, dtype)
         if quant.get("kv_cache", "none") != "none":
-            scale = weights[names.layer_tensor(i, names.ATTN_KV_SCALES)].max().reshape(1).float()
-            out[names.TRTLLM_LAYER.format(i) + names.TRTLLM_KV_SCALE] = scale
+            scale = _kv_scale(weights[names.layer_tensor(i, names.ATTN_KV_SCALES)].float(), quant, spec)
+            out[names.TRTLLM_LAYER.format(i) + names.TRTLLM_KV_SCALE] = scale.reshape(1)
     quant_config = {"quant_algo": QUANT_ALGOS.get(kind), "kv_cache_quant_algo": KV_ALGOS.get(quant.get("kv_cache")),
                     "exclude_modules": ["lm_head"] if kind else None}
     if kind == names.LINEAR_INT4:
@@ -323,7 +338,7 @@ def load_trtllm(folder: Path) -> Checkpoint:
     quantization = None
     if algo or kv != "none":
         quantization = {"algo": {None: "none", names.TRTLLM_FP8: "fp8", names.TRTLLM_W4A16_AWQ: "int4_awq"}[algo],
-                        "kv_cache": kv, "source": f"TensorRT-LLM checkpoint ({algo or 'unquantized'}, "
+                        "kv_cache": kv, "key_rotation": names.KEY_ROTATION_NONE, "source": f"TensorRT-LLM checkpoint ({algo or 'unquantized'}, "
                                                   f"KV cache {kv_algo or 'unquantized'})"}
         if algo:
             quantization["linear"] = names.LINEAR_FP8 if algo == names.TRTLLM_FP8 else names.LINEAR_INT4

@@ -4,8 +4,9 @@ Engine directory files, engine tensor names, Triton model and tensor names. Chan
 these changes a format: bump ENGINE_FORMAT_VERSION for engine names."""
 
 # --- engine directory -------------------------------------------------------------------
-ENGINE_FORMAT_VERSION = 7  # 2: paged attention; 3: fused rope/norm/SwiGLU; 4: GEMV; 5: AVX512-BF16 kernels;
-# 6: quantized linears (int8 / int4 weights, W8A8); 7: FP8 linears, input_scale, int8 / FP8 KV cache
+ENGINE_FORMAT_VERSION = 8  # 2: paged attention; 3: fused rope/norm/SwiGLU; 4: GEMV; 5: AVX512-BF16 kernels;
+# 6: quantized linears (int8 / int4 weights, W8A8); 7: FP8 linears, input_scale, int8 / FP8 KV cache;
+# 8: the KV cache's key rotation (quantization.key_rotation)
 ENGINE_JSON = "engine.json"
 WEIGHTS_FILE = "weights.safetensors"
 MANIFEST_FILE = "MANIFEST.json"
@@ -30,6 +31,8 @@ ATTN_KV_SCALES = "attention.kv_scales"  # float32 [2, kv_heads * head_dim]: K's 
 # scales for an int8 / FP8 KV cache (the pool holds k / scale, v / scale)
 KV_CACHE_INT8 = "int8"  # engine.json quantization.kv_cache
 KV_CACHE_FP8 = "fp8"
+KEY_ROTATION_NONE = "none"  # engine.json quantization.key_rotation: how the KV cache's keys are stored
+KEY_ROTATION_HADAMARD = "hadamard"  # after RoPE, times the Walsh-Hadamard matrix (runtime/key_rotation.py)
 
 
 def layer_tensor(index: int, name: str) -> str:

@@ -105,7 +105,7 @@ def _register_fakes() -> None:
 
     @torch.library.register_fake("kiln::decode_layers")
     def _decode_layers_fake(h, x, tensors, ints, floats, kv, block_tables, query_start, context_lens, cos, sin,
-                            heads, scale, eps):
+                            heads, scale, eps, key_hadamard=0):
         return torch.empty_like(x, memory_format=torch.contiguous_format)
 
     @torch.library.register_fake("kiln::dequantize_int4_tiled")
@@ -134,7 +134,7 @@ def _register_fakes() -> None:
 
     @torch.library.register_fake("kiln::paged_attention")
     def _paged_attention_fake(qkv, k_pool, v_pool, block_tables, query_start, context_lens, cos, sin,
-                              heads, scale, kv_scales=None):
+                              heads, scale, kv_scales=None, key_hadamard=0):
         return qkv.new_empty((qkv.shape[0], heads * k_pool.shape[3]))
 
 
@@ -163,13 +163,15 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 
 def paged_attention(qkv, k_pool, v_pool, block_tables, query_start, context_lens, cos, sin, heads: int,
-                    scale: float, kv_scales: torch.Tensor | None = None) -> torch.Tensor:
+                    scale: float, kv_scales: torch.Tensor | None = None, key_hadamard: int = 0) -> torch.Tensor:
     """Rotary embedding, the KV write into the pool, and causal GQA attention over each
     sequence's blocks, from the fused QKV projection; [tokens, heads * head_dim]
     (see csrc/attention.h for the layout). An int8 or float8_e4m3fn pool stores k / kv_scales[0]
-    and v / kv_scales[1] (per channel, [2, kv_heads * head_dim])."""
+    and v / kv_scales[1] (per channel, [2, kv_heads * head_dim]). key_hadamard: 0, or the block
+    size of the Walsh-Hadamard transform applied to q and k after rotary embedding
+    (runtime/key_rotation.py): the pool then holds transformed keys."""
     return torch.ops.kiln.paged_attention(qkv, k_pool, v_pool, block_tables, query_start, context_lens,
-                                          cos, sin, heads, scale, kv_scales)
+                                          cos, sin, heads, scale, kv_scales, key_hadamard)
 
 
 def linear_w8(x, qweight, scales, bias=None) -> torch.Tensor:
@@ -198,15 +200,15 @@ LAYER_SLOTS = 4 * LINEAR_SLOTS + 3  # qkv, out, gate_up, down; post-attention no
 
 
 def decode_layers(h, x, plan: tuple, kv, block_tables, query_start, context_lens, cos, sin, heads: int,
-                  scale: float, eps: float) -> torch.Tensor:
+                  scale: float, eps: float, key_hadamard: int = 0) -> torch.Tensor:
     """Every decoder layer of a step of a few rows in one call (LlamaModel.forward's loop with
     the same kernels in the same order): h, the residual stream, is updated in place; returns
     the last layer's output after the next norm. plan: (tensors, ints, floats), LAYER_SLOTS
     tensors, 8 ints (kind, group_size per linear) and 8 floats (the W8A8 static input scale and
     the FP8 activations' 1 / input_scale per linear) per layer. kv: the KV pool's storage
-    [layers, 2, blocks, block_size, kv_heads, head_dim]."""
+    [layers, 2, blocks, block_size, kv_heads, head_dim]; key_hadamard as for paged_attention."""
     return torch.ops.kiln.decode_layers(h, x, *plan, kv, block_tables, query_start, context_lens, cos, sin,
-                                        heads, scale, eps)
+                                        heads, scale, eps, key_hadamard)
 
 
 def int4_tiles_fit(out_features: int, in_features: int, group_size: int) -> bool:

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import torch
 
+from kiln.runtime.key_rotation import hadamard_transform
+
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     normed = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps)
@@ -35,7 +37,7 @@ def store_kv(values, pool_dtype, scales):
     """What a pool of `pool_dtype` holds for `values` [tokens, kv_heads, head_dim] (scales [kv_size]
     per channel for int8 / float8_e4m3fn pools)."""
     if scales is None:
-        return values
+        return values.to(pool_dtype)
     x = values.float() * (1 / scales).reshape(values.shape[1:])
     if pool_dtype == torch.int8:
         return torch.round(x).clamp(-127, 127).to(torch.int8)
@@ -43,10 +45,11 @@ def store_kv(values, pool_dtype, scales):
 
 
 def paged_attention(qkv, k_pool, v_pool, block_tables, query_start, context_lens, cos, sin, heads, scale,
-                    kv_scales=None):
-    """Reference for kiln::paged_attention: split the fused projection, apply rotary embedding,
-    write the new k/v into the pool (quantized per channel for an int8 / fp8 pool), gather each
-    sequence's context densely, then plain causal softmax attention in fp32."""
+                    kv_scales=None, key_hadamard=0):
+    """Reference for kiln::paged_attention: split the fused projection, apply rotary embedding
+    (then, with key_hadamard, multiply q and k by the dense block-Hadamard matrix), write the new
+    k/v into the pool (quantized per channel for an int8 / fp8 pool), gather each sequence's
+    context densely, then plain causal softmax attention in fp32."""
     kv_heads, head_dim = k_pool.shape[2], k_pool.shape[3]
     block_size = k_pool.shape[1]
     tokens = qkv.shape[0]
@@ -59,6 +62,8 @@ def paged_attention(qkv, k_pool, v_pool, block_tables, query_start, context_lens
         positions = torch.arange(start, start + count)
         qs = rope(q[first:last], cos[positions], sin[positions])
         ks = rope(k[first:last], cos[positions], sin[positions])
+        if key_hadamard:  # x @ hadamard_matrix(head_dim, key_hadamard), with the kernel's roundings
+            qs, ks = hadamard_transform(qs, key_hadamard), hadamard_transform(ks, key_hadamard)
         blocks = block_tables[s, positions // block_size].long()
         k_scale, v_scale = (None, None) if kv_scales is None else (kv_scales[0], kv_scales[1])
         k_pool[blocks, positions % block_size] = store_kv(ks, k_pool.dtype, k_scale)

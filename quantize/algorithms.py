@@ -21,7 +21,9 @@ the value rows). Then:
                (w_ij - q_ij)^2; activations: the squared error on the sampled rows)
 
 kv_cache int8 / fp8 (with any of them, or alone): the KV cache stores k / s and v / s with one
-scale per channel from calibration (max |k| / 127 or / 448); attention folds them back."""
+scale per channel from calibration (max |k| / 127 or / 448); attention folds them back. With
+key_rotation hadamard (auto: for fp8) the keys are stored times a Hadamard matrix after RoPE
+(runtime/key_rotation.py), and their scales bound them as stored."""
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -78,6 +80,17 @@ class QuantOptions:
     fp8_per_tensor: bool = False  # fp8 weights: one scale per tensor instead of per output channel
     w4a8_activations: str = "int8"  # w4a8_awq: int8 (per row and group, dynamic) | fp8 (static per tensor)
     weight_rounding: str = "gptq"  # the calibrated algorithms: gptq (error feedback) | nearest
+    key_rotation: str = "auto"  # a quantized KV cache's keys: auto | hadamard | none
+
+    @property
+    def keys_stored(self) -> str:
+        """engine.json quantization.key_rotation: auto rotates the keys of an FP8 cache only (an
+        int8 cache gains little, and its step is wider under the rotated keys' bound)."""
+        if self.kv_cache == "none":
+            return names.KEY_ROTATION_NONE
+        if self.key_rotation == "auto":
+            return names.KEY_ROTATION_HADAMARD if self.kv_cache == names.KV_CACHE_FP8 else names.KEY_ROTATION_NONE
+        return self.key_rotation
 
     @property
     def gptq(self) -> bool:
@@ -100,10 +113,11 @@ class QuantOptions:
         return self.algo in NEEDS_CALIBRATION or self.kv_cache != "none"
 
 
-def kv_cache_scales(stats: KVStats, kv_cache: str) -> torch.Tensor:
-    """[2, kv_size] float32: K's and V's per-channel scales (the calibrated range maps to the
-    format's largest value)."""
-    amax = torch.stack([stats.k_absmax, stats.v_absmax]).float()
+def kv_cache_scales(stats: KVStats, kv_cache: str, key_rotation: str = names.KEY_ROTATION_NONE) -> torch.Tensor:
+    """[2, kv_size] float32: K's and V's per-channel scales (the calibrated range, of the keys as
+    the cache stores them, maps to the format's largest value)."""
+    keys = stats.k_hadamard_absmax if key_rotation == names.KEY_ROTATION_HADAMARD else stats.k_absmax
+    amax = torch.stack([keys, stats.v_absmax]).float()
     return (amax / KV_CACHE_MAX[kv_cache]).clamp(min=1e-8).contiguous()
 
 
@@ -319,7 +333,8 @@ def quantize_weights(weights: dict[str, torch.Tensor], spec: ModelSpec, options:
     out: dict[str, torch.Tensor] = {}
     if options.kv_cache != "none":
         for i in range(spec.num_layers):
-            out[names.layer_tensor(i, names.ATTN_KV_SCALES)] = kv_cache_scales(stats[i, "kv"], options.kv_cache)
+            out[names.layer_tensor(i, names.ATTN_KV_SCALES)] = kv_cache_scales(stats[i, "kv"], options.kv_cache,
+                                                                               options.keys_stored)
     if options.algo == "none":  # a quantized KV cache only
         for name, tensor in weights.items():
             out[name] = tensor.to(dtype).contiguous()
@@ -395,9 +410,12 @@ def quantize_weights(weights: dict[str, torch.Tensor], spec: ModelSpec, options:
 
 def quantization_meta(options: QuantOptions) -> dict:
     """engine.json's `quantization` entry (what the loader needs to read the tensors)."""
+    meta = {"algo": options.algo, "kv_cache": options.kv_cache}
+    if options.kv_cache != "none":
+        meta["key_rotation"] = options.keys_stored
     if options.algo == "none":
-        return {"algo": "none", "kv_cache": options.kv_cache}
-    meta = {"algo": options.algo, "kv_cache": options.kv_cache, "linear": options.kind}
+        return meta
+    meta["linear"] = options.kind
     if options.lm_head == "int8":
         meta["lm_head"] = names.LINEAR_INT8
     elif options.lm_head == "int4":

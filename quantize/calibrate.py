@@ -12,6 +12,10 @@ Per layer, for a quantized KV cache: the largest |k| and |v| per channel, from t
 projection's output. Keys are stored after rotary embedding, which mixes channel d with
 d + head_dim / 2; |rotated k_d| never exceeds the pair's norm sqrt(k_d^2 + k_{d+half}^2), so
 that norm's maximum is taken for both channels of the pair (no key saturates at any position).
+For a cache whose keys are also multiplied by the Hadamard matrix H after RoPE
+(runtime/key_rotation.py), channel i of H R k is a sum over the pairs p of a rotating 2-vector
+of length |pair p| * sqrt(H[i, p]^2 + H[i, p + half]^2); the sum of those lengths bounds it at
+every position, and its maximum over the tokens is kept too (k_hadamard_absmax).
 
 GPTQ rounding also needs each linear's x^T x over every token ([in, in] float32: 400 MB for
 SmolLM2, about 22 GB for a 7B Llama). Those sums are held for a chunk of consecutive layers
@@ -25,6 +29,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kiln.runtime.key_rotation import hadamard_matrix
 from kiln.runtime.model import LINEARS, KVPool, LlamaModel, StepContext
 
 GRAM_BUDGET = 2 << 30  # bytes of x^T x sums held at once
@@ -47,8 +52,13 @@ class LinearStats:
 
 @dataclass
 class KVStats:
-    k_absmax: torch.Tensor  # [kv_heads * head_dim], bounds the rotated keys
+    k_absmax: torch.Tensor  # [kv_heads * head_dim], bounds the keys after RoPE
     v_absmax: torch.Tensor  # [kv_heads * head_dim]
+    k_hadamard_absmax: torch.Tensor  # [kv_heads * head_dim], bounds them after RoPE and the key rotation
+
+    @classmethod
+    def empty(cls, kv_size: int) -> KVStats:
+        return cls(torch.zeros(kv_size), torch.zeros(kv_size), torch.zeros(kv_size))
 
 
 class Observer:
@@ -83,13 +93,17 @@ class Observer:
 def kv_observer(stats: KVStats, q_size: int, kv_size: int, head_dim: int):
     """Records the K / V ranges of a qkv projection's output."""
     half = head_dim // 2
+    h = hadamard_matrix(head_dim)
+    reach = (h[:, :half].pow(2) + h[:, half:].pow(2)).sqrt()  # [head_dim, half]: H's weight on each pair
 
     def observe(qkv: torch.Tensor) -> None:
         k = qkv[:, q_size:q_size + kv_size].float()
         v = qkv[:, q_size + kv_size:].float()
         heads = k.reshape(k.shape[0], -1, 2, half)  # [tokens, kv_heads, (first, second) half, half]
-        pair = heads.pow(2).sum(dim=2).sqrt().amax(dim=0)  # [kv_heads, half]
-        stats.k_absmax = torch.maximum(stats.k_absmax, pair.repeat(1, 2).reshape(-1))
+        pairs = heads.pow(2).sum(dim=2).sqrt()  # [tokens, kv_heads, half]
+        stats.k_absmax = torch.maximum(stats.k_absmax, pairs.amax(dim=0).repeat(1, 2).reshape(-1))
+        rotated = torch.einsum("tgp,ip->tgi", pairs, reach).amax(dim=0)  # [kv_heads, head_dim]
+        stats.k_hadamard_absmax = torch.maximum(stats.k_hadamard_absmax, rotated.reshape(-1))
         stats.v_absmax = torch.maximum(stats.v_absmax, v.abs().amax(dim=0))
 
     return observe
@@ -142,7 +156,7 @@ def calibrate(model: LlamaModel, sequences: list[list[int]], rows: int = 256, bl
             kv = None
             if name == "qkv":
                 spec = model.spec
-                stats[index, "kv"] = KVStats(torch.zeros(spec.kv_size), torch.zeros(spec.kv_size))
+                stats[index, "kv"] = KVStats.empty(spec.kv_size)
                 kv = kv_observer(stats[index, "kv"], spec.q_size, spec.kv_size, spec.head_dim)
             observers[index, name] = Observer(inner, stats[index, name], rows_per_call, generator, kv)
     hidden = model.spec.hidden_size

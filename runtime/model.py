@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 from kiln import constants as names
 from kiln.plugins import ops
+from kiln.runtime.key_rotation import key_hadamard
 from kiln.runtime.linear import SKINNY_ROWS, DenseLinear, load_linear
 from kiln.runtime.rope import cos_sin_tables
 from kiln.runtime.spec import ModelSpec
@@ -88,6 +89,8 @@ class LlamaModel:
         if kv_cache != "none" and kv_cache not in KV_DTYPES:
             raise KeyError(f"unknown kv_cache {kv_cache!r}; expected none, {', '.join(KV_DTYPES)}")
         self.kv_dtype = KV_DTYPES.get(kv_cache, self.dtype)  # what KVPool holds
+        # how the cache stores keys: 0, or the block of the Hadamard transform after RoPE
+        self.key_hadamard = key_hadamard(quant.get("key_rotation", names.KEY_ROTATION_NONE), spec.head_dim)
         if quant.get("lm_head"):  # quantized output projection (the embedding table stays for lookups)
             self.lm_head = load_linear(weights, names.LM_HEAD, self.dtype,
                                        {"linear": quant["lm_head"], "group_size": quant.get("lm_head_group_size", 0)})
@@ -156,13 +159,14 @@ class LlamaModel:
             if self._plan is None:
                 self._plan = self.decode_plan()
             x = ops.decode_layers(h, x, self._plan, pool.storage, ctx.block_tables, ctx.query_start,
-                                  ctx.context_lens, self.cos, self.sin, spec.num_heads, self.scale, eps)
+                                  ctx.context_lens, self.cos, self.sin, spec.num_heads, self.scale, eps,
+                                  self.key_hadamard)
             return self.lm_head(x[ctx.logits_rows]).float()
         for index, layer in enumerate(self.layers):
             qkv = layer.qkv(x)
             attn = ops.paged_attention(qkv, pool.keys[index], pool.values[index], ctx.block_tables,
                                        ctx.query_start, ctx.context_lens, self.cos, self.sin,
-                                       spec.num_heads, self.scale, layer.kv_scales)
+                                       spec.num_heads, self.scale, layer.kv_scales, self.key_hadamard)
             x = ops.add_rms_norm(h, layer.out(attn), layer.post_attention_norm, eps)
             down = layer.down(ops.silu_mul(layer.gate_up(x)))
             x = ops.add_rms_norm(h, down, self.next_norm(index), eps)

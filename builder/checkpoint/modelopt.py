@@ -111,7 +111,7 @@ def take_quantized(raw: dict[str, torch.Tensor], spec: ModelSpec, quant: dict,
             out[names.layer_tensor(i, names.ATTN_KV_SCALES)] = torch.stack(
                 [k_scale.expand(spec.kv_size), v_scale.expand(spec.kv_size)]).contiguous()
     kv_cache = names.KV_CACHE_FP8 if quant.get("kv_cache_quant_algo") else "none"
-    meta = {"algo": kiln_algo, "linear": kind, "kv_cache": kv_cache,
+    meta = {"algo": kiln_algo, "linear": kind, "kv_cache": kv_cache, "key_rotation": names.KEY_ROTATION_NONE,
             "source": f"Model Optimizer Hugging Face export ({quant['producer']}, {algo})"}
     if kind == names.LINEAR_INT4:
         meta["group_size"] = int(quant["group_size"])

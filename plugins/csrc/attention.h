@@ -17,6 +17,11 @@
 // channel of K and of V (kv_scales [2, kv_heads * head_dim]): k / k_scale and v / v_scale
 // are stored; K's scales are folded into the query (q . (k_q * s) = (q * s) . k_q) and V's
 // into the output, so the loops over the blocks only widen the stored bytes.
+// With key_hadamard = B (a power of two dividing head_dim), q and k are multiplied by the
+// orthonormal Walsh-Hadamard matrix of size B (blockwise) after rotary embedding: q . k is
+// unchanged, but the few channels where RoPE'd keys are large are spread over all B, so the
+// cache's per-value rounding error (FP8's is relative to each value) no longer lands on the
+// channels that dominate the scores (runtime/key_rotation.py).
 // With AVX-512 a block's scores are computed sixteen keys at a time (one transposing reduction
 // for the sixteen dot products), exponentiated sixteen at a time, and the weighted values summed
 // in registers: 1.6-2x the scalar-reduction loop with warm caches (190-4,000 cached tokens;
@@ -32,6 +37,20 @@ inline void rope_into(float* dst, const T* x, const T* cos, const T* sin, int64_
     dst[d] = round_as<T>(round_as<T>(to_f32(x[d]) * to_f32(cos[d])) +
                          round_as<T>(rotated * to_f32(sin[d])));
   }
+}
+
+// x <- H x in place, H the orthonormal Walsh-Hadamard matrix of size `block` on each block of
+// x (Sylvester order: H[i][j] = (-1)^popcount(i & j) / sqrt(block)); block divides n.
+inline void hadamard_inplace(float* x, int64_t n, int64_t block) {
+  for (int64_t h = 1; h < block; h *= 2)
+    for (int64_t i = 0; i < n; i += 2 * h)
+      for (int64_t j = i; j < i + h; ++j) {
+        const float a = x[j], b = x[j + h];
+        x[j] = a + b;
+        x[j + h] = a - b;
+      }
+  const float norm = 1.f / std::sqrt(static_cast<float>(block));
+  for (int64_t d = 0; d < n; ++d) x[d] *= norm;
 }
 
 #if defined(KILN_ISA_AVX512)
@@ -163,6 +182,7 @@ void paged_attention_impl(const T* qkv, const T* cos, const T* sin, P* k_pool, P
       for (int64_t g = 0; g < shape.kv_heads; ++g) {
         rope_into(rotated.data(), k + g * head_dim, cos + position * head_dim, sin + position * head_dim,
                   head_dim);
+        if (shape.key_hadamard) hadamard_inplace(rotated.data(), head_dim, shape.key_hadamard);
         for (int64_t d = 0; d < head_dim; ++d) {
           if constexpr (quantized)
             store_as(k_pool + slot + g * head_dim + d, rotated[d] * inv_scales[g * head_dim + d]);
@@ -188,6 +208,7 @@ void paged_attention_impl(const T* qkv, const T* cos, const T* sin, P* k_pool, P
       const int64_t position = position_of(t);
       rope_into(qf.data(), qkv + t * qkv_row + h * head_dim, cos + position * head_dim,
                 sin + position * head_dim, head_dim);
+      if (shape.key_hadamard) hadamard_inplace(qf.data(), head_dim, shape.key_hadamard);
       for (int64_t d = 0; d < head_dim; ++d) qf[d] *= scale;
       if constexpr (quantized)
         for (int64_t d = 0; d < head_dim; ++d) qf[d] *= kv_scales[g * head_dim + d];

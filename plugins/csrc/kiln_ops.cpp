@@ -25,6 +25,7 @@ namespace kiln {
 
 struct PagedShape {
   int64_t tokens, seqs, heads, kv_heads, head_dim, block_size, max_blocks;
+  int64_t key_hadamard = 0;  // 0, or the block size of the Walsh-Hadamard transform of q and k after RoPE
 };
 
 namespace scalar {
@@ -300,7 +301,7 @@ static void check_int32_vector(const at::Tensor& t, const char* name, int64_t di
 static PagedShape check_paged(const at::Tensor& qkv, const at::Tensor& k_pool, const at::Tensor& v_pool,
                               const at::Tensor& block_tables, const at::Tensor& query_start,
                               const at::Tensor& context_lens, const at::Tensor& cos, const at::Tensor& sin,
-                              int64_t heads, const c10::optional<at::Tensor>& kv_scales,
+                              int64_t heads, const c10::optional<at::Tensor>& kv_scales, int64_t key_hadamard,
                               std::vector<int32_t>& token_seq) {
   check_float_or_bf16(qkv, "qkv");
   const auto pool_type = k_pool.scalar_type();
@@ -319,13 +320,17 @@ static PagedShape check_paged(const at::Tensor& qkv, const at::Tensor& k_pool, c
   check_int32_vector(context_lens, "context_lens", 1);
   const int64_t kv_heads = k_pool.size(2), head_dim = k_pool.size(3);
   PagedShape shape{qkv.size(0), context_lens.size(0), heads, kv_heads, head_dim, k_pool.size(1),
-                   block_tables.size(1)};
+                   block_tables.size(1), key_hadamard};
   TORCH_CHECK(qkv.dim() == 2 && qkv.size(1) == (heads + 2 * kv_heads) * head_dim,
               "kiln::paged_attention: qkv ", qkv.sizes(), " is not [tokens, (", heads, " + 2 x ",
               kv_heads, ") x ", head_dim, "]");
   TORCH_CHECK(heads > 0 && kv_heads > 0 && heads % kv_heads == 0 && head_dim % 2 == 0,
               "kiln::paged_attention: heads ", heads, " must be a multiple of kv_heads ", kv_heads,
               " and head_dim ", head_dim, " even");
+  TORCH_CHECK(key_hadamard == 0 || (key_hadamard >= 2 && (key_hadamard & (key_hadamard - 1)) == 0 &&
+                                    head_dim % key_hadamard == 0),
+              "kiln::paged_attention: key_hadamard must be 0 or a power of two dividing head_dim ", head_dim,
+              ", got ", key_hadamard);
   TORCH_CHECK(quantized == kv_scales.has_value(), "kiln::paged_attention: kv_scales go with an int8 or ",
               "float8_e4m3fn pool, and only with one");
   if (quantized)
@@ -399,10 +404,11 @@ static at::Tensor run_paged(const at::Tensor& qkv, void* k_pool, void* v_pool, a
 at::Tensor paged_attention(const at::Tensor& qkv, at::Tensor& k_pool, at::Tensor& v_pool,
                            const at::Tensor& block_tables, const at::Tensor& query_start,
                            const at::Tensor& context_lens, const at::Tensor& cos, const at::Tensor& sin,
-                           int64_t heads, double scale, const c10::optional<at::Tensor>& kv_scales) {
+                           int64_t heads, double scale, const c10::optional<at::Tensor>& kv_scales,
+                           int64_t key_hadamard) {
   std::vector<int32_t> token_seq;
   const PagedShape shape = check_paged(qkv, k_pool, v_pool, block_tables, query_start, context_lens, cos, sin, heads,
-                                       kv_scales, token_seq);
+                                       kv_scales, key_hadamard, token_seq);
   return run_paged(qkv, k_pool.data_ptr(), v_pool.data_ptr(), k_pool.scalar_type(), block_tables, query_start,
                    context_lens, cos, sin, shape, token_seq, scale, kv_scales);
 }
@@ -721,7 +727,7 @@ static at::Tensor planned_linear(const at::Tensor& x, const OptionalTensors& t, 
 at::Tensor decode_layers(at::Tensor& h, const at::Tensor& x0, const OptionalTensors& tensors, at::IntArrayRef ints,
                          at::ArrayRef<double> floats, at::Tensor& kv, const at::Tensor& block_tables,
                          const at::Tensor& query_start, const at::Tensor& context_lens, const at::Tensor& cos,
-                         const at::Tensor& sin, int64_t heads, double scale, double eps) {
+                         const at::Tensor& sin, int64_t heads, double scale, double eps, int64_t key_hadamard) {
   const int64_t layers = kv.dim() == 6 ? kv.size(0) : -1;
   TORCH_CHECK(layers > 0 && kv.size(1) == 2 && kv.is_contiguous(),
               "kiln::decode_layers: kv must be the pool's contiguous [layers, 2, blocks, block_size, kv_heads, "
@@ -747,7 +753,7 @@ at::Tensor decode_layers(at::Tensor& h, const at::Tensor& x0, const OptionalTens
     const at::Tensor qkv = run(x, 0);
     if (i == 0)  // the step's metadata and shapes, checked once: every layer's pool is alike
       shape = check_paged(qkv, kv.select(0, 0).select(0, 0), kv.select(0, 0).select(0, 1), block_tables, query_start,
-                          context_lens, cos, sin, heads, kv_scales, token_seq);
+                          context_lens, cos, sin, heads, kv_scales, key_hadamard, token_seq);
     TORCH_CHECK(kv_scales.has_value() == quantized &&
                     (!quantized || kv_scales->numel() == 2 * shape.kv_heads * shape.head_dim),
                 "kiln::decode_layers: layer ", i, "'s kv_scales do not match its pool");
@@ -772,7 +778,7 @@ TORCH_LIBRARY(kiln, m) {
   m.def(
       "paged_attention(Tensor qkv, Tensor(a!) k_pool, Tensor(b!) v_pool, Tensor block_tables, "
       "Tensor query_start, Tensor context_lens, Tensor cos, Tensor sin, int heads, float scale, "
-      "Tensor? kv_scales=None) -> Tensor");
+      "Tensor? kv_scales=None, int key_hadamard=0) -> Tensor");
   m.def("linear_w8(Tensor x, Tensor qweight, Tensor scales, Tensor? bias) -> Tensor");
   m.def("linear_w4(Tensor x, Tensor qweight, Tensor scales, int group_size, Tensor? bias) -> Tensor");
   m.def("dequantize_int4(Tensor qweight, Tensor scales, int group_size, ScalarType dtype) -> Tensor");
@@ -786,7 +792,7 @@ TORCH_LIBRARY(kiln, m) {
   m.def("linear_w4a8_tiled(Tensor x, Tensor qweight, Tensor scales, int group_size, Tensor? bias) -> Tensor");
   m.def("decode_layers(Tensor(a!) h, Tensor x, Tensor?[] tensors, int[] ints, float[] floats, Tensor(b!) kv, "
         "Tensor block_tables, Tensor query_start, Tensor context_lens, Tensor cos, Tensor sin, int heads, "
-        "float scale, float eps) -> Tensor");
+        "float scale, float eps, int key_hadamard=0) -> Tensor");
   m.def("dequantize_int4_tiled(Tensor qweight, Tensor scales, int group_size, ScalarType dtype) -> Tensor");
   m.def("linear_w8a8(Tensor x, Tensor qweight, Tensor scales, Tensor weight_sum, Tensor? bias, float input_scale=0.) "
         "-> Tensor");

@@ -103,3 +103,29 @@ def test_kiln_export_cli(tiny_engines, tmp_path, capsys):
 
     assert main(["export", "--engine", str(tiny_engines("llama")), "--output", str(tmp_path / "t")]) == 0
     assert (tmp_path / "t" / "rank0.safetensors").is_file() and (tmp_path / "t" / "tokenizer.json").is_file()
+
+
+def test_rotated_fp8_keys_export_a_scale_that_bounds_them_unrotated(tiny_models, tmp_path):
+    """An FP8 cache with rotated keys (key_rotation auto): TensorRT-LLM stores keys unrotated, so
+    the exported scale must bound H (H k) = k from the rotated keys' scales."""
+    from kiln.builder.trtllm import _kv_scale
+    from kiln.runtime.key_rotation import hadamard_matrix
+
+    engine_dir = build_engine(tmp_path / "a", tiny_models["llama"], "bfloat16",
+                              quantization={"algo": "none", "kv_cache": "fp8", **SMALL})
+    meta = json.loads((engine_dir / names.ENGINE_JSON).read_text())["quantization"]
+    assert meta["key_rotation"] == names.KEY_ROTATION_HADAMARD
+    export = export_checkpoint(engine_dir, tmp_path / "trtllm")
+    again = Engine(build_engine(tmp_path / "b", export, "bfloat16"))
+    assert again.model.kv_dtype == torch.float8_e4m3fn and again.model.key_hadamard == 0
+    assert forward_logits(again, PROMPT).isfinite().all()
+    # the bound itself, on keys with a few large channels (as RoPE'd keys have)
+    spec = again.spec
+    g = torch.Generator().manual_seed(0)
+    keys = torch.randn(500, spec.num_kv_heads, spec.head_dim, generator=g)
+    keys[..., 3] *= 40
+    rotated = keys @ hadamard_matrix(spec.head_dim)
+    scales = torch.stack([rotated.abs().amax(0).reshape(-1), torch.rand(spec.kv_size, generator=g)]) / 448
+    bound = _kv_scale(scales, meta, spec) * 448
+    assert keys.abs().max() <= bound * (1 + 1e-5)
+    assert _kv_scale(scales, {}, spec) * 448 < keys.abs().max()  # the rotated scales alone would saturate

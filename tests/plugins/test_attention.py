@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from kiln.plugins import ops, reference
+from kiln.runtime.key_rotation import hadamard_block, hadamard_matrix, hadamard_transform
 
 
 def random_batch(rng: random.Random, dtype, heads, kv_heads, head_dim, block_size, seqs, max_new, max_context):
@@ -47,16 +48,18 @@ SHAPES = [
 ]
 
 
+@pytest.mark.parametrize("rotate", [False, True], ids=["keys", "rotated-keys"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("shape", SHAPES)
-def test_paged_attention_matches_reference(isa, dtype, shape):
-    rng = random.Random(f"{isa}{dtype}{shape}")
+def test_paged_attention_matches_reference(isa, dtype, shape, rotate):
+    rng = random.Random(f"{isa}{dtype}{shape}{rotate}")
+    key_hadamard = hadamard_block(shape[2]) if rotate else 0
     for _ in range(3):
         batch = random_batch(rng, dtype, *shape)
         ref = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
         scale = shape[2] ** -0.5
-        got = ops.paged_attention(**batch, scale=scale)
-        want = reference.paged_attention(**ref, scale=scale)
+        got = ops.paged_attention(**batch, scale=scale, key_hadamard=key_hadamard)
+        want = reference.paged_attention(**ref, scale=scale, key_hadamard=key_hadamard)
         assert torch.equal(batch["k_pool"], ref["k_pool"]) and torch.equal(batch["v_pool"], ref["v_pool"])
         # bf16: the kernel rounds as the reference does, but accumulates in another order
         tol = 2e-5 if dtype == torch.float32 else 2e-2
@@ -76,24 +79,50 @@ def quantized_pools(batch, pool_dtype, g):
     return {**batch, "k_pool": pools[0], "v_pool": pools[1], "kv_scales": scales}
 
 
+@pytest.mark.parametrize("rotate", [False, True], ids=["keys", "rotated-keys"])
 @pytest.mark.parametrize("pool_dtype", [torch.int8, torch.float8_e4m3fn])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("shape", SHAPES)
-def test_quantized_kv_cache_matches_reference(isa, dtype, pool_dtype, shape):
-    """int8 / FP8 pools: the stored bytes equal the reference's quantization exactly, and the
-    attention over them (scales folded into the query and the output) matches."""
-    rng = random.Random(f"{isa}{dtype}{pool_dtype}{shape}")
+def test_quantized_kv_cache_matches_reference(isa, dtype, pool_dtype, shape, rotate):
+    """int8 / FP8 pools: the stored bytes equal the reference's quantization exactly (keys
+    rotated by the Hadamard transform or not), and the attention over them (scales folded into
+    the query and the output) matches."""
+    rng = random.Random(f"{isa}{dtype}{pool_dtype}{shape}{rotate}")
+    key_hadamard = hadamard_block(shape[2]) if rotate else 0
     for _ in range(2):
         batch = quantized_pools(random_batch(rng, dtype, *shape), pool_dtype,
                                 torch.Generator().manual_seed(rng.randrange(2**31)))
         ref = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
         scale = shape[2] ** -0.5
-        got = ops.paged_attention(**batch, scale=scale)
-        want = reference.paged_attention(**ref, scale=scale)
+        got = ops.paged_attention(**batch, scale=scale, key_hadamard=key_hadamard)
+        want = reference.paged_attention(**ref, scale=scale, key_hadamard=key_hadamard)
         for name in ("k_pool", "v_pool"):
             assert torch.equal(batch[name].view(torch.uint8), ref[name].view(torch.uint8)), name
         tol = 2e-5 if dtype == torch.float32 else 2e-2
         torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("head_dim, block", [(64, 64), (48, 16), (6, 2), (128, 32)])
+def test_hadamard_transform_is_the_orthonormal_matrix(head_dim, block):
+    """The reference's butterflies (the kernel's arithmetic) against the dense matrix, which is
+    symmetric and its own inverse; attention scores are unchanged by it."""
+    g = torch.Generator().manual_seed(head_dim * block)
+    h = hadamard_matrix(head_dim, block)
+    torch.testing.assert_close(h @ h, torch.eye(head_dim), atol=1e-6, rtol=0)
+    assert torch.equal(h, h.T)
+    assert set(h.abs().unique().tolist()) <= {0.0, torch.tensor(block**-0.5, dtype=torch.float32).item()}
+    q, k = torch.randn(7, head_dim, generator=g), torch.randn(5, head_dim, generator=g)
+    torch.testing.assert_close(hadamard_transform(q, block), q @ h, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(hadamard_transform(q, block) @ hadamard_transform(k, block).T, q @ k.T,
+                               atol=1e-4, rtol=1e-5)
+
+
+def test_key_hadamard_must_be_a_power_of_two_dividing_head_dim(plugin_isas):
+    batch = random_batch(random.Random(6), torch.float32, 2, 2, 24, 4, 1, 3, 5)
+    for bad in (3, 16, 32, -8, 1):
+        with pytest.raises(RuntimeError, match="key_hadamard must be 0 or a power of two dividing head_dim 24"):
+            ops.paged_attention(**batch, scale=1.0, key_hadamard=bad)
+    ops.paged_attention(**batch, scale=1.0, key_hadamard=8)
 
 
 def test_quantized_pools_need_their_scales(plugin_isas):

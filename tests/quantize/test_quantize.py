@@ -233,10 +233,12 @@ def test_quantized_kv_cache_builds_runs_and_reports(algo, kv_cache, tiny_models,
         "accuracy_gate": None})
     meta = json.loads((engine_dir / names.ENGINE_JSON).read_text())["quantization"]
     assert meta["kv_cache"] == kv_cache and meta["algo"] == algo and "calibration" in meta
+    assert meta["key_rotation"] == ("hadamard" if kv_cache == "fp8" else "none")  # key_rotation: auto
     assert ("lm_head" in meta) == (algo != "none")  # a KV cache alone leaves the linears as they are
     report = meta["accuracy"]
     assert report["passed"] and report["kl"] >= 0
     engine = Engine(engine_dir)
+    assert engine.model.key_hadamard == (engine.spec.head_dim if kv_cache == "fp8" else 0)
     tensors = _weights(engine)
     scales = tensors[names.layer_tensor(0, names.ATTN_KV_SCALES)]
     assert scales.shape == (2, engine.spec.kv_size) and (scales > 0).all()
@@ -266,6 +268,34 @@ def test_kv_calibration_bounds_the_rotated_keys(tiny_engines):
         values = pool.values[i].reshape(-1, spec.kv_size)[: len(ids)].float().abs().amax(dim=0)
         assert (keys <= stats[i, "kv"].k_absmax * (1 + 1e-5) + 1e-6).all()
         torch.testing.assert_close(values, stats[i, "kv"].v_absmax)
+
+
+@pytest.mark.parametrize("head_dim", [64, 48])
+def test_kv_calibration_bounds_the_hadamard_rotated_keys_at_every_position(head_dim):
+    """k_hadamard_absmax bounds H rope(k, p) for every position p (here 0 .. 8191), and is not
+    vacuous (the positions reach a third of it or more); the unrotated bound is the pair norm, as before."""
+    from kiln.quantize.calibrate import KVStats, kv_observer
+    from kiln.runtime.key_rotation import hadamard_matrix
+    from kiln.runtime.rope import cos_sin_tables
+
+    kv_heads, q_size = 2, 4 * head_dim
+    spec = ModelSpec(architecture="llama", num_layers=1, hidden_size=4 * head_dim, num_heads=4,
+                     num_kv_heads=kv_heads, head_dim=head_dim, intermediate_size=8, vocab_size=16,
+                     max_position_embeddings=8192)
+    g = torch.Generator().manual_seed(head_dim)
+    keys = torch.randn(6, kv_heads, head_dim, generator=g)
+    keys[..., 5] *= 30  # a large channel, as Llama's keys have
+    stats = KVStats.empty(kv_heads * head_dim)
+    qkv = torch.cat([torch.zeros(6, q_size), keys.reshape(6, -1), torch.randn(6, kv_heads * head_dim, generator=g)], 1)
+    kv_observer(stats, q_size, kv_heads * head_dim, head_dim)(qkv)
+    cos, sin = cos_sin_tables(spec, 8192, torch.float32)
+    half = head_dim // 2
+    rotated_half = torch.cat((-keys[..., half:], keys[..., :half]), dim=-1)
+    roped = keys[:, None] * cos[None, :, None] + rotated_half[:, None] * sin[None, :, None]  # [6, positions, g, d]
+    stored = (roped @ hadamard_matrix(head_dim)).abs().amax(dim=(0, 1)).reshape(-1)
+    assert (stored <= stats.k_hadamard_absmax * (1 + 1e-5)).all()
+    assert (stored >= 0.3 * stats.k_hadamard_absmax).all()  # (deterministic: a fixed seed)
+    assert (roped.abs().amax(dim=(0, 1)).reshape(-1) <= stats.k_absmax * (1 + 1e-5)).all()
 
 
 def test_gram_sums_held_a_chunk_of_layers_at_a_time_match_one_pass(tiny_engines):
@@ -317,6 +347,10 @@ def test_options_for_another_algorithm_are_refused(tmp_path):
     config = write_config(tmp_path / "q.yaml", "/nonexistent", "bfloat16",
                           quantization={"algo": "int4_wo", "weight_rounding": "nearest"})
     with pytest.raises(ConfigError, match="weight_rounding applies to algo int4_awq / w4a8_awq / int8_sq / fp8"):
+        load_config(config)
+    config = write_config(tmp_path / "q.yaml", "/nonexistent", "bfloat16",
+                          quantization={"algo": "int8_wo", "key_rotation": "hadamard"})
+    with pytest.raises(ConfigError, match="key_rotation: hadamard rotates the keys of a quantized KV cache"):
         load_config(config)
 
 

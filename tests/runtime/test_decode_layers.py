@@ -45,7 +45,9 @@ def decode(model, spec, fused: bool, steps: int, rows: int):
     ("bfloat16", {"algo": "w4a8_awq", "group_size": 32}),
     ("bfloat16", {"algo": "w4a8_awq", "group_size": 32, "w4a8_activations": "fp8"}),
     ("bfloat16", {"algo": "int8_sq", "kv_cache": "int8"}),
-    ("bfloat16", {"algo": "fp8", "kv_cache": "fp8"}),
+    ("bfloat16", {"algo": "fp8", "kv_cache": "fp8"}),  # keys rotated (key_rotation auto)
+    ("bfloat16", {"algo": "none", "kv_cache": "fp8", "key_rotation": "none"}),
+    ("float32", {"algo": "int8_wo", "kv_cache": "int8", "key_rotation": "hadamard"}),
 ])
 def test_fused_decode_equals_the_python_loop(dtype, quantization, tiny_models, tmp_path):
     engine = Engine(build_engine(tmp_path / "e", tiny_models["llama"], dtype, quantization={**quantization, **SMALL}))
@@ -55,6 +57,9 @@ def test_fused_decode_equals_the_python_loop(dtype, quantization, tiny_models, t
         assert model.layers[0].qkv.tiled == (ops.active_isa() in ops.TILED_INT8_ISAS)
     if quantization["algo"] in ("int4_awq", "int4_wo", "w4a8_awq"):
         assert model.layers[0].qkv.tiled
+    rotated = quantization.get("key_rotation", "auto") == "hadamard" or (
+        quantization.get("key_rotation", "auto") == "auto" and quantization.get("kv_cache") == "fp8")
+    assert model.key_hadamard == (engine.spec.head_dim & -engine.spec.head_dim if rotated else 0)
     for rows in (1, 3):
         fused_logits, fused_pool = decode(model, engine.spec, True, 4, rows)
         assert model._plan is not None  # the fused path ran
