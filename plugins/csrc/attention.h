@@ -39,36 +39,47 @@ inline void rope_into(float* dst, const T* x, const T* cos, const T* sin, int64_
   }
 }
 
+#if defined(KILN_ISA_AVX512)
+// One block of 16 V floats transformed in registers. Within a vector, the partner lane comes by
+// a permute and one FMA with +-1 makes a + b (lanes without bit h) or a - b (lanes with it):
+// the product by +-1 is exact, so the sums are rounded as the scalar passes round them.
+template <int V>
+inline void hadamard_registers(float* x) {
+  const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+  __m512 v[V];
+  for (int i = 0; i < V; ++i) v[i] = _mm512_loadu_ps(x + 16 * i);
+  for (int h = 1; h < 16; h *= 2) {
+    const __m512i partner = _mm512_xor_si512(lane, _mm512_set1_epi32(h));
+    const __mmask16 upper = _mm512_test_epi32_mask(lane, _mm512_set1_epi32(h));
+    const __m512 sign = _mm512_mask_blend_ps(upper, _mm512_set1_ps(1.f), _mm512_set1_ps(-1.f));
+    for (int i = 0; i < V; ++i) v[i] = _mm512_fmadd_ps(v[i], sign, _mm512_permutexvar_ps(partner, v[i]));
+  }
+  for (int h = 1; h < V; h *= 2)  // whole vectors
+    for (int i = 0; i < V; i += 2 * h)
+      for (int j = i; j < i + h; ++j) {
+        const __m512 a = v[j], b = v[j + h];
+        v[j] = _mm512_add_ps(a, b);
+        v[j + h] = _mm512_sub_ps(a, b);
+      }
+  const __m512 norm = _mm512_set1_ps(1.f / std::sqrt(16.f * V));
+  for (int i = 0; i < V; ++i) _mm512_storeu_ps(x + 16 * i, _mm512_mul_ps(v[i], norm));
+}
+#endif
+
 // x <- H x in place, H the orthonormal Walsh-Hadamard matrix of size `block` on each block of
 // x (Sylvester order: H[i][j] = (-1)^popcount(i & j) / sqrt(block)); block divides n. Each
 // butterfly pass turns (a, b) = (x[j], x[j + h]) into (a + b, a - b).
 inline void hadamard_inplace(float* x, int64_t n, int64_t block) {
-  int64_t h = 1;
 #if defined(KILN_ISA_AVX512)
-  if (block >= 16 && n % 16 == 0) {  // the passes within a vector by a lane permute; the same sums
-    const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
-    for (; h < 16; h *= 2) {
-      const __m512i partner = _mm512_xor_si512(lane, _mm512_set1_epi32(static_cast<int>(h)));
-      // lanes with bit h set hold b and take a - b; the others hold a and take a + b
-      const __mmask16 upper = _mm512_test_epi32_mask(lane, _mm512_set1_epi32(static_cast<int>(h)));
-      for (int64_t i = 0; i < n; i += 16) {
-        const __m512 v = _mm512_loadu_ps(x + i), p = _mm512_permutexvar_ps(partner, v);
-        _mm512_storeu_ps(x + i, _mm512_mask_sub_ps(_mm512_add_ps(v, p), upper, p, v));
-      }
-    }
-    for (; h < block; h *= 2)  // whole vectors
-      for (int64_t i = 0; i < n; i += 2 * h)
-        for (int64_t j = i; j < i + h; j += 16) {
-          const __m512 a = _mm512_loadu_ps(x + j), b = _mm512_loadu_ps(x + j + h);
-          _mm512_storeu_ps(x + j, _mm512_add_ps(a, b));
-          _mm512_storeu_ps(x + j + h, _mm512_sub_ps(a, b));
-        }
-    const __m512 norm = _mm512_set1_ps(1.f / std::sqrt(static_cast<float>(block)));
-    for (int64_t d = 0; d < n; d += 16) _mm512_storeu_ps(x + d, _mm512_mul_ps(_mm512_loadu_ps(x + d), norm));
+  void (*in_registers)(float*) = block == 16 ? hadamard_registers<1> : block == 32 ? hadamard_registers<2>
+                                 : block == 64 ? hadamard_registers<4> : block == 128 ? hadamard_registers<8>
+                                                                      : nullptr;
+  if (in_registers) {
+    for (int64_t i = 0; i < n; i += block) in_registers(x + i);
     return;
   }
 #endif
-  for (; h < block; h *= 2)
+  for (int64_t h = 1; h < block; h *= 2)
     for (int64_t i = 0; i < n; i += 2 * h)
       for (int64_t j = i; j < i + h; ++j) {
         const float a = x[j], b = x[j + h];

@@ -45,6 +45,7 @@ SHAPES = [
     (8, 1, 32, 16, 7, 1, 300),    # GQA 8, decode only, many blocks
     (6, 2, 48, 7, 4, 19, 33),     # odd block size and head_dim, lengths off the block grid
     (2, 2, 6, 5, 3, 9, 12),       # tiny head_dim (the scalar tail only)
+    (4, 2, 128, 16, 2, 6, 40),    # head_dim 128 (Llama 7B's; the rotation's largest in-register block)
 ]
 
 
