@@ -220,15 +220,13 @@ void paged_attention_impl(const T* qkv, const T* cos, const T* sin, P* k_pool, P
         rope_into(rotated.data(), k + g * head_dim, cos + position * head_dim, sin + position * head_dim,
                   head_dim);
         if (shape.key_hadamard) hadamard_inplace(rotated.data(), head_dim, shape.key_hadamard);
-        for (int64_t d = 0; d < head_dim; ++d) {
-          if constexpr (quantized)
-            store_as(k_pool + slot + g * head_dim + d, rotated[d] * inv_scales[g * head_dim + d]);
-          else
-            store_as(k_pool + slot + g * head_dim + d, rotated[d]);
-        }
+        if constexpr (quantized)
+          store_scaled(k_pool + slot + g * head_dim, rotated.data(), inv_scales.data() + g * head_dim, head_dim);
+        else
+          for (int64_t d = 0; d < head_dim; ++d) store_as(k_pool + slot + g * head_dim + d, rotated[d]);
       }
       if constexpr (quantized) {
-        for (int64_t j = 0; j < row; ++j) store_as(v_pool + slot + j, to_f32(k[row + j]) * inv_scales[row + j]);
+        store_scaled(v_pool + slot, k + row, inv_scales.data() + row, row);
       } else {
         std::memcpy(v_pool + slot, k + row, sizeof(T) * row);
       }

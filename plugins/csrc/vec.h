@@ -71,11 +71,33 @@ inline vfloat vload(const int8_t* p) {
 }
 // E4M3 -> fp32: the sign and the 7 exponent+mantissa bits placed as an fp16 (whose exponent
 // bias is 8 more; subnormals land on fp16 subnormals, so it is exact), then * 2^8
-inline vfloat vload(const fp8e4m3* p) {
-  const __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  const __m256i h = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x80)), 8),
-                                    _mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x7f)), 7));
+// (sign-extended to 16 bits and shifted left by 7, the sign lands on bits 15 and 14 and the
+// exponent and mantissa on 13..7: clearing bit 14 leaves the fp16)
+inline __m512 fp8_to_f32(__m128i bytes) {
+  const __m256i h = _mm256_and_si256(_mm256_slli_epi16(_mm256_cvtepi8_epi16(bytes), 7), _mm256_set1_epi16(-16512));
   return _mm512_mul_ps(_mm512_cvtph_ps(h), _mm512_set1_ps(256.f));
+}
+inline vfloat vload(const fp8e4m3* p) { return fp8_to_f32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+// 16 floats -> their int8 bytes, as store_as(int8_t*) makes them (saturated at +-127, rounded to
+// nearest even by the default rounding mode, as std::nearbyint)
+inline __m128i int8_bytes(__m512 x) {
+  const __m512 v = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-127.f)), _mm512_set1_ps(127.f));
+  return _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(v));
+}
+// 16 floats -> their E4M3 bytes, as store_as(fp8e4m3*) makes them: saturated at +-448; from
+// 2^-6 up, 3 mantissa bits kept (ties to even) and the exponent rebiased from 127 to 7; below,
+// a multiple of 2^-9 rounded to nearest even (8 of them is 2^-6, the same byte either way)
+inline __m128i fp8_bytes(__m512 x) {
+  const __m512 v = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-kFp8Max)), _mm512_set1_ps(kFp8Max));
+  const __m512i bits = _mm512_castps_si512(v), magnitude_mask = _mm512_set1_epi32(0x7fffffff);
+  const __m512i mag = _mm512_and_si512(bits, magnitude_mask);
+  const __m512i sign = _mm512_srli_epi32(_mm512_andnot_si512(magnitude_mask, bits), 24);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(mag, 20), _mm512_set1_epi32(1));
+  const __m512i rounded = _mm512_add_epi32(_mm512_add_epi32(mag, _mm512_set1_epi32(0x7ffff)), lsb);
+  const __m512i normal = _mm512_sub_epi32(_mm512_srli_epi32(rounded, 20), _mm512_set1_epi32(120 << 3));
+  const __m512i subnormal = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_castsi512_ps(mag), _mm512_set1_ps(512.f)));
+  const __mmask16 small = _mm512_cmplt_epu32_mask(mag, _mm512_set1_epi32(0x3c800000));  // below 2^-6
+  return _mm512_cvtepi32_epi8(_mm512_or_si512(_mm512_mask_blend_epi32(small, normal, subnormal), sign));
 }
 inline vfloat vfma(vfloat a, vfloat b, vfloat c) { return _mm512_fmadd_ps(a, b, c); }
 inline vfloat vmul(vfloat a, vfloat b) { return _mm512_mul_ps(a, b); }
@@ -114,9 +136,8 @@ inline vfloat vload(const int8_t* p) {
   return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
 }
 inline vfloat vload(const fp8e4m3* p) {  // as the AVX-512 version, 8 at a time
-  const __m128i b = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
-  const __m128i h = _mm_or_si128(_mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x80)), 8),
-                                 _mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x7f)), 7));
+  const __m128i b = _mm_cvtepi8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  const __m128i h = _mm_and_si128(_mm_slli_epi16(b, 7), _mm_set1_epi16(-16512));
   return _mm256_mul_ps(_mm256_cvtph_ps(h), _mm256_set1_ps(256.f));
 }
 inline vfloat vfma(vfloat a, vfloat b, vfloat c) { return _mm256_fmadd_ps(a, b, c); }
@@ -169,6 +190,20 @@ inline void scale_inplace(float* acc, float alpha, int64_t n) {
   for (; i + kLanes <= n; i += kLanes) vstore(acc + i, vmul(va, vload(acc + i)));
 #endif
   for (; i < n; ++i) acc[i] *= alpha;
+}
+
+// dst[i] <- x[i] * scale[i] as a quantized KV-cache element (store_as), n of them
+template <typename P, typename X>
+inline void store_scaled(P* dst, const X* x, const float* scale, int64_t n) {
+  int64_t i = 0;
+#if defined(KILN_ISA_AVX512)
+  for (; i + 16 <= n; i += 16) {
+    const __m512 v = _mm512_mul_ps(vload(x + i), _mm512_loadu_ps(scale + i));
+    const __m128i bytes = std::is_same_v<P, int8_t> ? int8_bytes(v) : fp8_bytes(v);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i), bytes);
+  }
+#endif
+  for (; i < n; ++i) store_as(dst + i, to_f32(x[i]) * scale[i]);
 }
 
 // x rounded to T and back: the rounding a PyTorch op on T tensors applies to its result.

@@ -126,6 +126,35 @@ def test_key_hadamard_must_be_a_power_of_two_dividing_head_dim(plugin_isas):
     ops.paged_attention(**batch, scale=1.0, key_hadamard=8)
 
 
+EDGES = {  # values the KV write must round exactly as torch does (ties, subnormals, saturation)
+    torch.float8_e4m3fn: [0.0, -0.0, 2**-10, 1.5 * 2**-9, 2.5 * 2**-9, 2**-6 - 2**-11, 2**-6, 1e-30, -1e-30,
+                          1.0625, 1.1875, -1.0625, 3.0, 447.0, 448.0, 449.0, 464.0, 1000.0, -1000.0, 0.1, -300.0],
+    torch.int8: [0.0, -0.0, 0.5, 1.5, 2.5, -0.5, -1.5, 126.5, 127.4, 200.0, -200.0, -126.5, 1e-30, 3.7, -3.7],
+}
+
+
+@pytest.mark.parametrize("pool_dtype", [torch.int8, torch.float8_e4m3fn])
+def test_quantized_kv_write_rounds_edge_values_as_torch(isa, pool_dtype):
+    """The KV write's vector rounding (16 at a time, then a scalar tail: head_dim 40) against
+    torch's conversion, on ties, subnormals and values beyond the format's range."""
+    g = torch.Generator().manual_seed(7)
+    edges = torch.tensor(EDGES[pool_dtype])
+    tokens, head_dim = 6, 40
+    qkv = edges[torch.randint(len(edges), (tokens, 3 * head_dim), generator=g)]
+    qkv *= torch.where(torch.rand(tokens, 3 * head_dim, generator=g) < 0.5, -1.0, 1.0)
+    batch = dict(qkv=qkv, block_tables=torch.tensor([[0]], dtype=torch.int32),
+                 query_start=torch.tensor([0, tokens], dtype=torch.int32),
+                 context_lens=torch.tensor([0], dtype=torch.int32),
+                 cos=torch.ones(tokens, head_dim), sin=torch.zeros(tokens, head_dim), heads=1, scale=0.1,
+                 kv_scales=torch.ones(2, head_dim))  # rotary embedding and scales leave the values as they are
+    got = [torch.zeros(1, 8, 1, head_dim).to(pool_dtype) for _ in range(2)]
+    want = [p.clone() for p in got]
+    ops.paged_attention(k_pool=got[0], v_pool=got[1], **batch)
+    reference.paged_attention(k_pool=want[0], v_pool=want[1], **batch)
+    for g_pool, w_pool in zip(got, want):
+        assert torch.equal(g_pool.view(torch.uint8), w_pool.view(torch.uint8))
+
+
 def test_quantized_pools_need_their_scales(plugin_isas):
     batch = random_batch(random.Random(5), torch.float32, 2, 2, 8, 4, 1, 3, 5)
     quantized = quantized_pools(batch, torch.int8, torch.Generator().manual_seed(0))
