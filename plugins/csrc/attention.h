@@ -233,6 +233,28 @@ void paged_attention_impl(const T* qkv, const T* cos, const T* sin, P* k_pool, P
     }
   });
 
+  // A prefill chunk over an int8 / FP8 pool: its sequence's blocks are widened once into bf16
+  // (which holds every int8 and E4M3 value exactly, so the scores are the same bits), and the
+  // loops below read that copy instead of widening every block again for each of the chunk's
+  // tokens and query heads.
+  std::vector<std::vector<bf16>> widened(quantized ? shape.seqs : 0);
+  if constexpr (quantized) {
+    at::parallel_for(0, shape.seqs, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t s = begin; s < end; ++s) {
+        const int64_t count = query_start[s + 1] - query_start[s];
+        if (count < 2) continue;
+        const int64_t blocks = (context_lens[s] + count + bs - 1) / bs;
+        std::vector<bf16>& copy = widened[s];
+        copy.resize(2 * blocks * block_stride);
+        for (int64_t b = 0; b < blocks; ++b) {
+          const int64_t from = block_tables[s * shape.max_blocks + b] * block_stride;
+          widen_to_bf16(copy.data() + b * block_stride, k_pool + from, block_stride);
+          widen_to_bf16(copy.data() + (blocks + b) * block_stride, v_pool + from, block_stride);
+        }
+      }
+    });
+  }
+
   const int64_t group = shape.heads / shape.kv_heads;
   at::parallel_for(0, shape.tokens * shape.heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(head_dim), acc(head_dim), scores(bs);
@@ -250,20 +272,28 @@ void paged_attention_impl(const T* qkv, const T* cos, const T* sin, P* k_pool, P
       std::fill(acc.begin(), acc.end(), 0.f);
       float running_max = -std::numeric_limits<float>::infinity(), denom = 0.f;
       const int64_t context = position + 1;
-      for (int64_t first = 0, b = 0; first < context; first += bs, ++b) {
-        const int64_t n = std::min(bs, context - first);
-        const P* kblock = k_pool + table[b] * block_stride + g * head_dim;
-        const P* vblock = v_pool + table[b] * block_stride + g * head_dim;
-        block_scores(qf.data(), kblock, row, n, head_dim, scores.data());
-        const float block_max = *std::max_element(scores.begin(), scores.begin() + n);
-        if (block_max > running_max) {
-          const float correction = std::exp(running_max - block_max);
-          denom *= correction;
-          scale_inplace(acc.data(), correction, head_dim);
-          running_max = block_max;
+      // keys / values: the block storage; block_at(b): the storage block holding block b
+      auto attend = [&](const auto* keys, const auto* values, auto block_at) {
+        for (int64_t first = 0, b = 0; first < context; first += bs, ++b) {
+          const int64_t n = std::min(bs, context - first);
+          const int64_t at = block_at(b) * block_stride + g * head_dim;
+          block_scores(qf.data(), keys + at, row, n, head_dim, scores.data());
+          const float block_max = *std::max_element(scores.begin(), scores.begin() + n);
+          if (block_max > running_max) {
+            const float correction = std::exp(running_max - block_max);
+            denom *= correction;
+            scale_inplace(acc.data(), correction, head_dim);
+            running_max = block_max;
+          }
+          denom += exp_shifted(scores.data(), n, running_max);
+          block_pv(acc.data(), scores.data(), values + at, row, n, head_dim);
         }
-        denom += exp_shifted(scores.data(), n, running_max);
-        block_pv(acc.data(), scores.data(), vblock, row, n, head_dim);
+      };
+      if (widened.empty() || widened[s].empty()) {
+        attend(k_pool, v_pool, [table](int64_t b) { return static_cast<int64_t>(table[b]); });
+      } else {
+        const std::vector<bf16>& copy = widened[s];
+        attend(copy.data(), copy.data() + copy.size() / 2, [](int64_t b) { return b; });
       }
       T* orow = out + (t * shape.heads + h) * head_dim;
       const float inv = 1.f / denom;

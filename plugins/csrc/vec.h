@@ -206,6 +206,18 @@ inline void store_scaled(P* dst, const X* x, const float* scale, int64_t n) {
   for (; i < n; ++i) store_as(dst + i, to_f32(x[i]) * scale[i]);
 }
 
+// dst[i] <- src[i] for KV-cache elements bf16 holds exactly (int8, E4M3, bf16): the float's top half
+template <typename P>
+inline void widen_to_bf16(bf16* dst, const P* src, int64_t n) {
+  int64_t i = 0;
+#if defined(KILN_ISA_AVX512)
+  for (; i + 16 <= n; i += 16)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i),
+                        _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(vload(src + i)), 16)));
+#endif
+  for (; i < n; ++i) dst[i] = bf16(to_f32(src[i]));
+}
+
 // x rounded to T and back: the rounding a PyTorch op on T tensors applies to its result.
 template <typename T>
 inline float round_as(float x) {

@@ -188,6 +188,32 @@ def test_chunked_prefill_equals_one_pass(plugin_isas):
     torch.testing.assert_close(torch.cat(parts), whole, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("pool_dtype", [torch.int8, torch.float8_e4m3fn])
+def test_prefill_over_a_quantized_pool_equals_one_token_at_a_time(isa, pool_dtype):
+    """A prefill chunk reads its sequence's blocks widened once to bf16; one token at a time
+    reads them from the pool: the same bytes, the same bits out."""
+    g = torch.Generator().manual_seed(3)
+    total, heads, kv_heads, dim, bs = 37, 6, 2, 64, 8
+    qkv = torch.randn(total, (heads + 2 * kv_heads) * dim, generator=g).bfloat16()
+    angles = torch.rand(total, dim, generator=g) * 6.3
+    table = torch.tensor([[3, 0, 5, 1, 2, 4]], dtype=torch.int32)
+    scales = torch.rand(2, kv_heads * dim, generator=g) * 0.02 + 0.005
+
+    def run(a, b, pools):
+        qs = torch.tensor([0, b - a], dtype=torch.int32)
+        return ops.paged_attention(qkv[a:b], *pools, table, qs, torch.tensor([a], dtype=torch.int32),
+                                   angles.cos().bfloat16(), angles.sin().bfloat16(), heads, 0.125, scales,
+                                   key_hadamard=dim)
+
+    chunked = [torch.zeros(6, bs, kv_heads, dim).to(pool_dtype) for _ in range(2)]
+    single = [p.clone() for p in chunked]
+    got = torch.cat([run(a, b, chunked) for a, b in ((0, 20), (20, 21), (21, 37))])
+    want = torch.cat([run(i, i + 1, single) for i in range(total)])
+    assert torch.equal(got, want)
+    for c, w in zip(chunked, single):
+        assert torch.equal(c.view(torch.uint8), w.view(torch.uint8))
+
+
 def test_bad_block_table_is_refused_before_writing(plugin_isas):
     batch = random_batch(random.Random(1), torch.float32, 2, 2, 8, 4, 2, 3, 5)
     batch["block_tables"][1, 0] = 10_000
