@@ -338,8 +338,9 @@ def load_trtllm(folder: Path) -> Checkpoint:
     quantization = None
     if algo or kv != "none":
         quantization = {"algo": {None: "none", names.TRTLLM_FP8: "fp8", names.TRTLLM_W4A16_AWQ: "int4_awq"}[algo],
-                        "kv_cache": kv, "key_rotation": names.KEY_ROTATION_NONE, "source": f"TensorRT-LLM checkpoint ({algo or 'unquantized'}, "
-                                                  f"KV cache {kv_algo or 'unquantized'})"}
+                        "kv_cache": kv, "key_rotation": names.KEY_ROTATION_NONE,
+                        "source": f"TensorRT-LLM checkpoint ({algo or 'unquantized'}, "
+                                  f"KV cache {kv_algo or 'unquantized'})"}
         if algo:
             quantization["linear"] = names.LINEAR_FP8 if algo == names.TRTLLM_FP8 else names.LINEAR_INT4
         if algo == names.TRTLLM_W4A16_AWQ:

@@ -85,7 +85,7 @@ class QuantOptions:
     @property
     def keys_stored(self) -> str:
         """engine.json quantization.key_rotation: auto rotates the keys of an FP8 cache only (an
-        int8 cache gains little, and its step is wider under the rotated keys' bound)."""
+        int8 cache loses by it: its step widens under the rotated keys' bound)."""
         if self.kv_cache == "none":
             return names.KEY_ROTATION_NONE
         if self.key_rotation == "auto":
