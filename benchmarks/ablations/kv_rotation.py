@@ -8,7 +8,7 @@ reference's), keys and values quantized together or one at a time, keys rotated 
 Per rotation (none, the Hadamard matrix kiln uses, the same with random signs), format (fp8,
 int8) and what is quantized (K and V, K only, V only), with two kinds of key scale: the
 calibrated maximum of the keys as stored (at the calibration positions only: could saturate
-elsewhere) and the bound over every position that kiln's calibration takes. Prints perplexity
+elsewhere) and the bound over every position that kiln's calibration takes (its kv_observer). Prints perplexity
 increase and KL against the float model on the held-out tokens (windows of 1024)."""
 import argparse
 import json
@@ -22,6 +22,7 @@ from rich.console import Console
 from rich.table import Table
 
 from kiln.plugins import ops, reference
+from kiln.quantize.calibrate import KVStats, kv_observer
 from kiln.quantize.datasets import calibration_sequences, evaluation_ids
 from kiln.quantize.evaluate import window_logits
 from kiln.runtime.key_rotation import hadamard_matrix
@@ -68,25 +69,27 @@ class Attention:
         c, s = cos[pos].float(), sin[pos].float()
         r = ROTATIONS[self.rotation]
         q, keys = reference.rope(q, c, s) @ r.T, reference.rope(k, c, s) @ r.T
-        if self.mode == "calibrate":
-            st = self.stats.setdefault((self.rotation, layer), {"k": torch.zeros(KVH, D), "v": torch.zeros(KVH, D),
-                                                                "bound": torch.zeros(KVH, D)})
+        if self.mode == "calibrate":  # kiln's own observer for the bounds and V's range
+            st = self.stats.setdefault((self.rotation, layer), {"k": torch.zeros(KVH, D), "kv": KVStats.empty(KVH * D)})
             st["k"] = torch.maximum(st["k"], keys.abs().amax(0))
-            st["v"] = torch.maximum(st["v"], v.abs().amax(0))
-            half = D // 2
-            pairs = (k[..., :half] ** 2 + k[..., half:] ** 2).sqrt()
-            reach = (r[:, :half] ** 2 + r[:, half:] ** 2).sqrt()
-            st["bound"] = torch.maximum(st["bound"], torch.einsum("tgp,ip->tgi", pairs, reach).amax(0))
+            kv_observer(st["kv"], heads * D, KVH * D, D)(qkv)
         elif self.mode == "quantize":
             st, top = self.stats[self.rotation, layer], FORMAT_MAX[self.fmt]
             if self.keys:
-                keys = fake_quant(keys, (st["bound"] if self.bound else st["k"]) / top, self.fmt)
+                keys = fake_quant(keys, (key_bound(self.rotation, st) if self.bound else st["k"]) / top, self.fmt)
             if self.values:
-                v = fake_quant(v, st["v"] / top, self.fmt)
+                v = fake_quant(v, st["kv"].v_absmax.reshape(KVH, D) / top, self.fmt)
         keys, v = keys.repeat_interleave(heads // KVH, 1), v.repeat_interleave(heads // KVH, 1)
         scores = torch.einsum("thd,shd->hts", q, keys) * scale
         scores = scores.masked_fill(pos[None, None, :] > pos[None, :, None], float("-inf"))
         return torch.einsum("hts,shd->thd", scores.softmax(-1), v).reshape(tokens, heads * D).to(qkv.dtype)
+
+
+def key_bound(rotation, st):
+    """The calibrated bound on the keys as stored at every position (random signs on H's columns
+    leave |H| and so the bound unchanged)."""
+    kv = st["kv"]
+    return (kv.k_absmax if rotation == "none" else kv.k_hadamard_absmax).reshape(KVH, D)
 
 
 attention = Attention()
@@ -122,8 +125,8 @@ for rotation in ROTATIONS:
     for sequence in calibration:
         attention.layer = 0
         window_logits(model, sequence, 32)
-    ratio = float(torch.stack([(attention.stats[rotation, i]["bound"] / attention.stats[rotation, i]["k"]).median()
-                         for i in range(spec.num_layers)]).median())
+    ratio = float(torch.stack([(key_bound(rotation, attention.stats[rotation, i]) / attention.stats[rotation, i]["k"]).median()
+                               for i in range(spec.num_layers)]).median())
     for fmt in FORMAT_MAX:
         for keys, values in ((True, True), (True, False), (False, True)):
             for bound in ((False, True) if keys else (False,)):

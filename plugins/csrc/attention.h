@@ -71,12 +71,11 @@ inline void hadamard_registers(float* x) {
 // butterfly pass turns (a, b) = (x[j], x[j + h]) into (a + b, a - b).
 inline void hadamard_inplace(float* x, int64_t n, int64_t block) {
 #if defined(KILN_ISA_AVX512)
-  void (*in_registers)(float*) = block == 16 ? hadamard_registers<1> : block == 32 ? hadamard_registers<2>
-                                 : block == 64 ? hadamard_registers<4> : block == 128 ? hadamard_registers<8>
-                                                                      : nullptr;
-  if (in_registers) {
-    for (int64_t i = 0; i < n; i += block) in_registers(x + i);
-    return;
+  switch (block) {
+    case 16: for (int64_t i = 0; i < n; i += 16) hadamard_registers<1>(x + i); return;
+    case 32: for (int64_t i = 0; i < n; i += 32) hadamard_registers<2>(x + i); return;
+    case 64: for (int64_t i = 0; i < n; i += 64) hadamard_registers<4>(x + i); return;
+    case 128: for (int64_t i = 0; i < n; i += 128) hadamard_registers<8>(x + i); return;
   }
 #endif
   for (int64_t h = 1; h < block; h *= 2)
@@ -237,22 +236,25 @@ void paged_attention_impl(const T* qkv, const T* cos, const T* sin, P* k_pool, P
   // (which holds every int8 and E4M3 value exactly, so the scores are the same bits), and the
   // loops below read that copy instead of widening every block again for each of the chunk's
   // tokens and query heads.
-  std::vector<std::vector<bf16>> widened(quantized ? shape.seqs : 0);
+  std::vector<std::vector<bf16>> widened;  // per sequence; empty where it has one new token
   if constexpr (quantized) {
-    at::parallel_for(0, shape.seqs, 1, [&](int64_t begin, int64_t end) {
-      for (int64_t s = begin; s < end; ++s) {
-        const int64_t count = query_start[s + 1] - query_start[s];
-        if (count < 2) continue;
-        const int64_t blocks = (context_lens[s] + count + bs - 1) / bs;
-        std::vector<bf16>& copy = widened[s];
-        copy.resize(2 * blocks * block_stride);
-        for (int64_t b = 0; b < blocks; ++b) {
-          const int64_t from = block_tables[s * shape.max_blocks + b] * block_stride;
-          widen_to_bf16(copy.data() + b * block_stride, k_pool + from, block_stride);
-          widen_to_bf16(copy.data() + (blocks + b) * block_stride, v_pool + from, block_stride);
+    if (shape.tokens > shape.seqs) {  // some sequence brings several tokens (not a pure decode step)
+      widened.resize(shape.seqs);
+      at::parallel_for(0, shape.seqs, 1, [&](int64_t begin, int64_t end) {
+        for (int64_t s = begin; s < end; ++s) {
+          const int64_t count = query_start[s + 1] - query_start[s];
+          if (count < 2) continue;
+          const int64_t blocks = (context_lens[s] + count + bs - 1) / bs;
+          std::vector<bf16>& copy = widened[s];
+          copy.resize(2 * blocks * block_stride);
+          for (int64_t b = 0; b < blocks; ++b) {
+            const int64_t from = block_tables[s * shape.max_blocks + b] * block_stride;
+            widen_to_bf16(copy.data() + b * block_stride, k_pool + from, block_stride);
+            widen_to_bf16(copy.data() + (blocks + b) * block_stride, v_pool + from, block_stride);
+          }
         }
-      }
-    });
+      });
+    }
   }
 
   const int64_t group = shape.heads / shape.kv_heads;

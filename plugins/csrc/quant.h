@@ -1369,9 +1369,8 @@ void quantize_fp8_impl(const T* x, T* out, int64_t count, float inv_scale) {
 #if defined(KILN_ISA_AVX512)
     for (; i + 16 <= end; i += 16) {  // to E4M3 bytes and back: both exact as round_fp8
       const __m512 r = fp8_to_f32(fp8_bytes(_mm512_mul_ps(vload(x + i), _mm512_set1_ps(inv_scale))));
-      if constexpr (std::is_same_v<T, bf16>)  // every E4M3 value is a bf16: its top half
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i),
-                            _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(r), 16)));
+      if constexpr (std::is_same_v<T, bf16>)
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i), exact_bf16(r));
       else
         _mm512_storeu_ps(out + i, r);
     }

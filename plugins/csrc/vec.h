@@ -99,6 +99,8 @@ inline __m128i fp8_bytes(__m512 x) {
   const __mmask16 small = _mm512_cmplt_epu32_mask(mag, _mm512_set1_epi32(0x3c800000));  // below 2^-6
   return _mm512_cvtepi32_epi8(_mm512_or_si512(_mm512_mask_blend_epi32(small, normal, subnormal), sign));
 }
+// 16 floats that bf16 holds exactly (int8 and E4M3 values) -> their bf16s: each float's top half
+inline __m256i exact_bf16(__m512 x) { return _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(x), 16)); }
 inline vfloat vfma(vfloat a, vfloat b, vfloat c) { return _mm512_fmadd_ps(a, b, c); }
 inline vfloat vmul(vfloat a, vfloat b) { return _mm512_mul_ps(a, b); }
 inline float vsum(vfloat a) { return _mm512_reduce_add_ps(a); }
@@ -199,21 +201,23 @@ inline void store_scaled(P* dst, const X* x, const float* scale, int64_t n) {
 #if defined(KILN_ISA_AVX512)
   for (; i + 16 <= n; i += 16) {
     const __m512 v = _mm512_mul_ps(vload(x + i), _mm512_loadu_ps(scale + i));
-    const __m128i bytes = std::is_same_v<P, int8_t> ? int8_bytes(v) : fp8_bytes(v);
+    __m128i bytes;
+    if constexpr (std::is_same_v<P, int8_t>)
+      bytes = int8_bytes(v);
+    else
+      bytes = fp8_bytes(v);
     _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i), bytes);
   }
 #endif
   for (; i < n; ++i) store_as(dst + i, to_f32(x[i]) * scale[i]);
 }
 
-// dst[i] <- src[i] for KV-cache elements bf16 holds exactly (int8, E4M3, bf16): the float's top half
+// dst[i] <- src[i] for KV-cache elements bf16 holds exactly (int8, E4M3, bf16)
 template <typename P>
 inline void widen_to_bf16(bf16* dst, const P* src, int64_t n) {
   int64_t i = 0;
 #if defined(KILN_ISA_AVX512)
-  for (; i + 16 <= n; i += 16)
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i),
-                        _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(vload(src + i)), 16)));
+  for (; i + 16 <= n; i += 16) _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i), exact_bf16(vload(src + i)));
 #endif
   for (; i < n; ++i) dst[i] = bf16(to_f32(src[i]));
 }
