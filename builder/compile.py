@@ -1,8 +1,11 @@
-"""Compile passes: fuse QKV and gate/up, cast to the engine dtype, lay tensors out as the
-runtime reads them (kiln.constants engine tensor names)."""
+"""Compile passes: fuse QKV and gate/up, cast to the engine dtype, and store tensors under the
+engine's names (kiln.constants) in the engine's storage formats (plugins/formats.py). The
+runtime re-lays int4 / int8 weights out at load into the tiled layouts of the kernels the host
+runs (runtime/linear.py), so one engine serves every x86-64 CPU."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
@@ -44,3 +47,13 @@ def pack_weights(
         progress()
     packed.update(checkpoint.prequantized)  # kept as they are (quantized; scales in float32)
     return packed
+
+
+def float32_model(checkpoint: Path, max_positions: int):
+    """The unquantized checkpoint as a float32 kiln model, packed as a build packs it (the
+    reference `kiln eval --reference` and a quantized build measure against)."""
+    from kiln.builder.checkpoint import load_checkpoint
+    from kiln.runtime.model import LlamaModel
+
+    loaded = load_checkpoint(checkpoint)
+    return LlamaModel(loaded.spec, pack_weights(loaded, torch.float32), max_positions)

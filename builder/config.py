@@ -148,7 +148,6 @@ class BuildSection(_Section):
     max_seq_len: int = Field(4096, ge=2)
     max_num_tokens: int = Field(2048, ge=1)
     kv_block_size: int = Field(32, ge=1, le=1024)
-    target: Literal["auto", "cpu"] = "auto"
 
     @model_validator(mode="after")
     def _lengths(self):

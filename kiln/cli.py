@@ -39,7 +39,7 @@ def _generate(args) -> int:
 
 
 def _export(args) -> int:
-    from kiln.builder.trtllm import export_checkpoint
+    from kiln.builder.export import export_checkpoint
 
     out = export_checkpoint(Path(args.engine), Path(args.output))
     print(f"TensorRT-LLM checkpoint {out} (config.json, rank0.safetensors, tokenizer files)")

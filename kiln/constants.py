@@ -81,11 +81,7 @@ MODEL_NAME_SETS = {
                      ROLE_POSTPROCESSING: "postprocessing", ROLE_ENSEMBLE: "ensemble",
                      ROLE_BLS: "tensorrt_llm_bls"},
 }
-MODEL_PREPROCESSING = MODEL_NAME_SETS["kiln"][ROLE_PREPROCESSING]
-MODEL_ENGINE = MODEL_NAME_SETS["kiln"][ROLE_ENGINE]
-MODEL_POSTPROCESSING = MODEL_NAME_SETS["kiln"][ROLE_POSTPROCESSING]
-MODEL_ENSEMBLE = MODEL_NAME_SETS["kiln"][ROLE_ENSEMBLE]
-MODEL_BLS = MODEL_NAME_SETS["kiln"][ROLE_BLS]
+MODEL_ENSEMBLE = MODEL_NAME_SETS["kiln"][ROLE_ENSEMBLE]  # what kiln's client calls by default
 # config.pbtxt parameters (paths relative to the repository)
 ENGINE_DIR_PARAMETER = "engine_dir"
 TOKENIZER_DIR_PARAMETER = "tokenizer_dir"
@@ -127,10 +123,10 @@ PROMPT_EMBEDDING_TABLE = "prompt_embedding_table"
 PROMPT_VOCAB_SIZE = "prompt_vocab_size"
 GUIDED_DECODING_GUIDE_TYPE = "guided_decoding_guide_type"
 GUIDED_DECODING_GUIDE = "guided_decoding_guide"
-# older names, accepted as aliases
+# older names, accepted as aliases of the newer ones (both given: they must agree)
 RANDOM_SEED = "random_seed"  # = seed
 MIN_LENGTH = "min_length"  # = min_tokens
-ALIASES = {RANDOM_SEED: SEED, MIN_LENGTH: MIN_TOKENS}
+ALIASES = {SEED: RANDOM_SEED, MIN_TOKENS: MIN_LENGTH}  # input -> its older alias
 
 # ensemble and BLS outputs
 TEXT_OUTPUT = "text_output"

@@ -23,8 +23,9 @@ def main(argv: list[str] | None = None) -> int:
     from rich.console import Console
     from rich.progress import Progress
 
+    from kiln.builder.compile import float32_model
     from kiln.builder.config import resolve_checkpoint
-    from kiln.quantize.evaluate import perplexity, reference_model
+    from kiln.quantize.evaluate import perplexity
     from kiln.runtime.engine import Engine
 
     engine = Engine(args.engine)
@@ -34,8 +35,8 @@ def main(argv: list[str] | None = None) -> int:
     block = engine.limits.kv_block_size
     models = {"engine": engine.model}
     if args.reference:
-        models["reference"] = reference_model(resolve_checkpoint(str(args.reference), Path.cwd()),
-                                              engine.limits.max_seq_len)
+        models["reference"] = float32_model(resolve_checkpoint(str(args.reference), Path.cwd()),
+                                            engine.limits.max_seq_len)
     results = {}
     with Progress(console=Console(stderr=True), transient=True) as bar:
         for name, model in models.items():

@@ -1,8 +1,8 @@
 """Compile the plugin library with PyTorch's extension tooling, cached by content hash.
 
-The library is one translation unit holding every kernel for every instruction set (scalar,
-AVX2, AVX-512) with the choice made once when it loads, so the file copied into an engine
-runs on any x86-64 host. Compiling takes tens of seconds; the cache key covers the sources,
+The library is one translation unit (csrc/library.cpp, which includes the kernel and op headers)
+holding every kernel for every instruction set (scalar, AVX2, AVX-512) with the choice made once
+when it loads, so the file copied into an engine runs on any x86-64 host. Compiling takes tens of seconds; the cache key covers the sources,
 flags, compiler and torch version, so nothing is compiled twice."""
 from __future__ import annotations
 
@@ -37,8 +37,8 @@ def source_hash() -> str:
     import torch
 
     digest = hashlib.sha256()
-    for path in sorted(CSRC.iterdir()):
-        digest.update(path.name.encode())
+    for path in sorted(p for p in CSRC.rglob("*") if p.is_file()):
+        digest.update(path.relative_to(CSRC).as_posix().encode())
         digest.update(path.read_bytes())
     digest.update(" ".join(CFLAGS + LDFLAGS).encode())
     digest.update(torch.__version__.encode())
@@ -78,7 +78,7 @@ def _compile(build_directory: str, verbose: bool) -> None:
 
     cpp_extension.load(
         name=LIBRARY_NAME,
-        sources=[str(CSRC / "kiln_ops.cpp")],
+        sources=[str(CSRC / "library.cpp")],
         extra_cflags=CFLAGS,
         extra_ldflags=LDFLAGS,
         extra_include_paths=[str(CSRC)],

@@ -1,20 +1,50 @@
-"""Loading the plugin library and the fake (meta) implementations of its ops.
+"""The plugin library's ops from Python: loading the library, each op's fake (meta)
+implementation, and the decode plan's layout.
 
-The ops are C++ `TORCH_LIBRARY(kiln, ...)` ops so a fresh process (tritonserver's Python
-stub, an AOTInductor package) finds them after `load_library`. Fake implementations give
-shapes and strides without computing, for tracing and export."""
+The ops are C++ `TORCH_LIBRARY(kiln, ...)` ops (csrc/op_table.h declares each one's name and
+schema) so a fresh process (tritonserver's Python stub, an AOTInductor package) finds them after
+`load_library`. Each op is declared here once, by its fake: a function with the op's name and
+signature that gives the output's shape and strides without computing (for tracing and export).
+`@op` registers it as the fake and returns the function callers use, which runs the C++ op.
+Loading the library checks that its ops and the fakes here are the same set (library_info)."""
 from __future__ import annotations
 
 import hashlib
+import json
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
-OPS = ("rms_norm", "add_rms_norm", "silu_mul", "linear", "paged_attention", "select_isa", "active_isa", "linear_w8",
-       "linear_w4", "dequantize_int4", "linear_w8a8", "linear_w4a8", "linear_fp8", "quantize_fp8", "dequantize_fp8",
-       "pack_int4_tiled", "linear_w4_tiled", "linear_w4a8_tiled", "dequantize_int4_tiled", "pack_int8_tiled",
-       "linear_w8_tiled", "dequantize_int8_tiled", "to_hugepages", "decode_layers")
 _loaded: dict[str, str] = {}  # sha256 of the library file -> path it was loaded from
+_FAKES: dict[str, Callable] = {}  # op name -> its fake implementation
+_HOST_OPS: set[str] = set()  # ops on the library itself (strings only, no fake)
+_INFO: dict = {}  # the loaded library's library_info()
+
+
+def op(fake: Callable) -> Callable:
+    """Declare the kiln op named like `fake`, with `fake` as its meta implementation; returns the
+    function that runs the op (the same arguments, defaults from the C++ schema)."""
+    name = fake.__name__
+    _FAKES[name] = fake
+
+    def call(*args, **kwargs):
+        return getattr(torch.ops.kiln, name)(*args, **kwargs)
+
+    call.__name__, call.__qualname__, call.__doc__ = name, name, fake.__doc__
+    return call
+
+
+def host_op(function: Callable) -> Callable:
+    """Declare a kiln op on the library itself (strings in and out, nothing to fake)."""
+    name = function.__name__
+    _HOST_OPS.add(name)
+
+    def call(*args):
+        return getattr(torch.ops.kiln, name)(*args)
+
+    call.__name__, call.__qualname__, call.__doc__ = name, name, function.__doc__
+    return call
 
 
 def _sha256(path: Path) -> str:
@@ -39,259 +69,242 @@ def load_library(path: str | Path) -> None:
         )
     torch.ops.load_library(str(path))
     _loaded[digest] = str(path)
-    missing = [op for op in OPS if not hasattr(torch.ops.kiln, op)]
-    if missing:
-        raise RuntimeError(f"the plugin library {path} lacks the ops {missing}: it was built by another "
-                           f"version of kiln")
-    _register_fakes()
+    if not hasattr(torch.ops.kiln, "library_info"):
+        raise RuntimeError(f"the plugin library {path} was built by another version of kiln")
+    info = json.loads(torch.ops.kiln.library_info())
+    if set(info["ops"]) != set(_FAKES) or set(info["host_ops"]) != _HOST_OPS:
+        raise RuntimeError(
+            f"the plugin library {path} was built by another version of kiln: its ops "
+            f"{sorted(set(info['ops']) ^ set(_FAKES) | set(info['host_ops']) ^ _HOST_OPS)} differ from this "
+            f"kiln's")
+    _INFO.update(info)
+    for name, fake in _FAKES.items():
+        torch.library.register_fake(f"kiln::{name}")(fake)
 
 
-def _register_fakes() -> None:
-    @torch.library.register_fake("kiln::rms_norm")
-    def _rms_norm_fake(x, weight, eps):
-        return torch.empty_like(x, memory_format=torch.contiguous_format)
-
-    @torch.library.register_fake("kiln::add_rms_norm")
-    def _add_rms_norm_fake(residual, x, weight, eps):
-        return torch.empty_like(residual, memory_format=torch.contiguous_format)
-
-    @torch.library.register_fake("kiln::silu_mul")
-    def _silu_mul_fake(gate_up):
-        return gate_up.new_empty((*gate_up.shape[:-1], gate_up.shape[-1] // 2))
-
-    @torch.library.register_fake("kiln::linear")
-    def _linear_fake(x, weight, bias):
-        return x.new_empty((*x.shape[:-1], weight.shape[0]))
-
-    @torch.library.register_fake("kiln::linear_w8")
-    def _linear_w8_fake(x, qweight, scales, bias):
-        return x.new_empty((*x.shape[:-1], qweight.shape[0]))
-
-    @torch.library.register_fake("kiln::linear_w4")
-    def _linear_w4_fake(x, qweight, scales, group_size, bias):
-        return x.new_empty((*x.shape[:-1], qweight.shape[0]))
-
-    @torch.library.register_fake("kiln::dequantize_int4")
-    def _dequantize_int4_fake(qweight, scales, group_size, dtype):
-        return qweight.new_empty((qweight.shape[0], qweight.shape[1] * 2), dtype=dtype)
-
-    @torch.library.register_fake("kiln::pack_int4_tiled")
-    def _pack_int4_tiled_fake(qweight, scales, group_size):
-        return torch.empty_like(qweight), torch.empty_like(scales)
-
-    @torch.library.register_fake("kiln::linear_w4_tiled")
-    def _linear_w4_tiled_fake(x, qweight, scales, group_size, bias):
-        return x.new_empty((*x.shape[:-1], qweight.shape[0]))
-
-    @torch.library.register_fake("kiln::to_hugepages")
-    def _to_hugepages_fake(t):
-        return torch.empty_like(t, memory_format=torch.contiguous_format)
-
-    @torch.library.register_fake("kiln::pack_int8_tiled")
-    def _pack_int8_tiled_fake(qweight):
-        return torch.empty_like(qweight, dtype=torch.uint8)
-
-    @torch.library.register_fake("kiln::linear_w8_tiled")
-    def _linear_w8_tiled_fake(x, qweight, scales, bias):
-        return x.new_empty((*x.shape[:-1], qweight.shape[0]))
-
-    @torch.library.register_fake("kiln::dequantize_int8_tiled")
-    def _dequantize_int8_tiled_fake(qweight, scales, dtype):
-        return qweight.new_empty(qweight.shape, dtype=dtype)
-
-    @torch.library.register_fake("kiln::linear_w4a8_tiled")
-    def _linear_w4a8_tiled_fake(x, qweight, scales, group_size, bias):
-        return x.new_empty((*x.shape[:-1], qweight.shape[0]))
-
-    @torch.library.register_fake("kiln::decode_layers")
-    def _decode_layers_fake(h, x, tensors, ints, floats, kv, block_tables, query_start, context_lens, cos, sin,
-                            heads, scale, eps, key_hadamard=0):
-        return torch.empty_like(x, memory_format=torch.contiguous_format)
-
-    @torch.library.register_fake("kiln::dequantize_int4_tiled")
-    def _dequantize_int4_tiled_fake(qweight, scales, group_size, dtype):
-        return qweight.new_empty((qweight.shape[0], qweight.shape[1] * 2), dtype=dtype)
-
-    @torch.library.register_fake("kiln::linear_w8a8")
-    def _linear_w8a8_fake(x, qweight, scales, weight_sum, bias, input_scale=0.0):
-        return x.new_empty((*x.shape[:-1], qweight.shape[0]))
-
-    @torch.library.register_fake("kiln::linear_w4a8")
-    def _linear_w4a8_fake(x, qweight, scales, group_size, bias):
-        return x.new_empty((*x.shape[:-1], qweight.shape[0]))
-
-    @torch.library.register_fake("kiln::linear_fp8")
-    def _linear_fp8_fake(x, qweight, scales, bias):
-        return x.new_empty((*x.shape[:-1], qweight.shape[0]))
-
-    @torch.library.register_fake("kiln::quantize_fp8")
-    def _quantize_fp8_fake(x, inv_scale):
-        return torch.empty_like(x, memory_format=torch.contiguous_format)
-
-    @torch.library.register_fake("kiln::dequantize_fp8")
-    def _dequantize_fp8_fake(qweight, dtype):
-        return qweight.new_empty(qweight.shape, dtype=dtype)
-
-    @torch.library.register_fake("kiln::paged_attention")
-    def _paged_attention_fake(qkv, k_pool, v_pool, block_tables, query_start, context_lens, cos, sin,
-                              heads, scale, kv_scales=None, key_hadamard=0):
-        return qkv.new_empty((qkv.shape[0], heads * k_pool.shape[3]))
+def library_info() -> dict:
+    """What the loaded library declares (csrc/library.cpp): ops, host_ops, decode_plan,
+    tile_rows, tiled_max_group."""
+    if not _INFO:
+        raise RuntimeError("no kiln plugin library is loaded (ops.load_library)")
+    return _INFO
 
 
+# --- ops on the library itself ------------------------------------------------------------
+@host_op
 def select_isa(isa: str) -> str:
-    """Switch every kernel to one instruction set ('auto', 'avx512', 'avx2', 'scalar')."""
-    return torch.ops.kiln.select_isa(isa)
+    """Switch every kernel to one instruction set ('auto', 'avx512bf16', 'avx512', 'avx2',
+    'scalar'); returns the one chosen."""
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    return torch.ops.kiln.rms_norm(x, weight, eps)
+@host_op
+def active_isa() -> str:
+    """The instruction set the kernels run now (select_isa / KILN_ISA)."""
 
 
-def add_rms_norm(residual: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+@host_op
+def tiled_layouts() -> str:
+    """The weight layouts to make at load for the active instruction set, comma-separated
+    ('int4,int8': both tiled; csrc/kernels/select.h decides)."""
+
+
+_HOST_OPS.add("library_info")  # read once at load: library_info() below
+
+
+def tiled(weight: str) -> bool:
+    """Whether `weight` ('int4' or 'int8') takes the tiled layout on the active ISA."""
+    return weight in tiled_layouts().split(",")
+
+
+# --- norms, activations, dense ------------------------------------------------------------
+@op
+def rms_norm(x, weight, eps):
+    """weight * x / sqrt(mean(x^2) + eps) over the last dim (rounded as Hugging Face's RMSNorm)."""
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+@op
+def add_rms_norm(residual, x, weight, eps):
     """residual += x (in place), then rms_norm(residual)."""
-    return torch.ops.kiln.add_rms_norm(residual, x, weight, eps)
+    return torch.empty_like(residual, memory_format=torch.contiguous_format)
 
 
-def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+@op
+def silu_mul(gate_up):
     """silu(gate) * up over the fused [.., 2n] gate/up projection."""
-    return torch.ops.kiln.silu_mul(gate_up)
+    return gate_up.new_empty((*gate_up.shape[:-1], gate_up.shape[-1] // 2))
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+@op
+def linear(x, weight, bias=None):
     """x @ weight.T (+ bias) for a few rows (decode steps): streams each weight row once."""
-    return torch.ops.kiln.linear(x, weight, bias)
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
 
-def paged_attention(qkv, k_pool, v_pool, block_tables, query_start, context_lens, cos, sin, heads: int,
-                    scale: float, kv_scales: torch.Tensor | None = None, key_hadamard: int = 0) -> torch.Tensor:
+# --- attention ----------------------------------------------------------------------------
+@op
+def paged_attention(qkv, k_pool, v_pool, block_tables, query_start, context_lens, cos, sin, heads, scale,
+                    kv_scales=None, key_hadamard=0):
     """Rotary embedding, the KV write into the pool, and causal GQA attention over each
     sequence's blocks, from the fused QKV projection; [tokens, heads * head_dim]
-    (see csrc/attention.h for the layout). An int8 or float8_e4m3fn pool stores k / kv_scales[0]
-    and v / kv_scales[1] (per channel, [2, kv_heads * head_dim]). key_hadamard: 0, or the block
-    size of the Walsh-Hadamard transform applied to q and k after rotary embedding
-    (runtime/key_rotation.py): the pool then holds transformed keys."""
-    return torch.ops.kiln.paged_attention(qkv, k_pool, v_pool, block_tables, query_start, context_lens,
-                                          cos, sin, heads, scale, kv_scales, key_hadamard)
+    (csrc/kernels/attention.h has the layout). An int8 or float8_e4m3fn pool stores
+    k / kv_scales[0] and v / kv_scales[1] (per channel, [2, kv_heads * head_dim]). key_hadamard:
+    0, or the block size of the Walsh-Hadamard transform applied to q and k after rotary
+    embedding (formats.hadamard_transform): the pool then holds transformed keys."""
+    return qkv.new_empty((qkv.shape[0], heads * k_pool.shape[3]))
 
 
-def linear_w8(x, qweight, scales, bias=None) -> torch.Tensor:
-    """x @ (qweight * scales[:, None]).T (+ bias): int8 weights, one scale per output channel."""
-    return torch.ops.kiln.linear_w8(x, qweight, scales, bias)
-
-
-def linear_w4(x, qweight, scales, group_size: int, bias=None) -> torch.Tensor:
-    """x @ dequantize_int4(qweight, scales, group_size).T (+ bias), streaming the packed weights."""
-    return torch.ops.kiln.linear_w4(x, qweight, scales, group_size, bias)
-
-
-def dequantize_int4(qweight, scales, group_size: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """[out, in] from int4 packed two per byte along `in` (low nibble first, offset by 8)."""
-    return torch.ops.kiln.dequantize_int4(qweight, scales, group_size, dtype)
-
-
-TILE_ROWS, TILED_MAX_GROUP = 16, 8192  # quant.h: kTileRows, kTiledMaxGroup
-
-# decode_layers' linear kinds (kiln_ops.cpp LinearKind) and the tensors each linear brings
-(KIND_DENSE, KIND_INT8, KIND_INT4, KIND_INT4_TILED, KIND_W4A8, KIND_W4A8_TILED, KIND_W8A8,
- KIND_FP8, KIND_INT8_TILED) = range(9)
-TILED_INT8_ISAS = ("avx512", "avx512bf16")  # where linear_w8_tiled beats the row layout (elsewhere: a plain loop)
-LINEAR_SLOTS = 5  # weight or qweight, scales, bias, pre_scale, weight_sum (None where unused)
-LAYER_SLOTS = 4 * LINEAR_SLOTS + 3  # qkv, out, gate_up, down; post-attention norm, next norm, kv_scales
-
-
-def decode_layers(h, x, plan: tuple, kv, block_tables, query_start, context_lens, cos, sin, heads: int,
-                  scale: float, eps: float, key_hadamard: int = 0) -> torch.Tensor:
+@op
+def decode_layers(h, x, tensors, ints, floats, kv, block_tables, query_start, context_lens, cos, sin, heads,
+                  scale, eps, key_hadamard=0):
     """Every decoder layer of a step of a few rows in one call (LlamaModel.forward's loop with
     the same kernels in the same order): h, the residual stream, is updated in place; returns
-    the last layer's output after the next norm. plan: (tensors, ints, floats), LAYER_SLOTS
-    tensors, 8 ints (kind, group_size per linear) and 8 floats (the W8A8 static input scale and
-    the FP8 activations' 1 / input_scale per linear) per layer. kv: the KV pool's storage
-    [layers, 2, blocks, block_size, kv_heads, head_dim]; key_hadamard as for paged_attention."""
-    return torch.ops.kiln.decode_layers(h, x, *plan, kv, block_tables, query_start, context_lens, cos, sin,
-                                        heads, scale, eps, key_hadamard)
+    the last layer's output after the next norm. (tensors, ints, floats): the plan, from
+    decode_plan. kv: the KV pool's storage [layers, 2, blocks, block_size, kv_heads, head_dim];
+    key_hadamard as for paged_attention."""
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+# --- quantized linears --------------------------------------------------------------------
+@op
+def linear_w8(x, qweight, scales, bias=None):
+    """x @ (qweight * scales[:, None]).T (+ bias): int8 weights, one scale per output channel."""
+    return x.new_empty((*x.shape[:-1], qweight.shape[0]))
+
+
+@op
+def linear_w8_tiled(x, qweight, scales, bias=None):
+    """linear_w8 on weights from pack_int8_tiled."""
+    return x.new_empty((*x.shape[:-1], qweight.shape[0]))
+
+
+@op
+def dequantize_int8_tiled(qweight, scales, dtype=torch.float32):
+    """[out, in] = qweight * scales[:, None] (rounded once to dtype) from weights from pack_int8_tiled."""
+    return qweight.new_empty(qweight.shape, dtype=dtype)
+
+
+@op
+def linear_w4(x, qweight, scales, group_size, bias=None):
+    """x @ dequantize_int4(qweight, scales, group_size).T (+ bias), streaming the packed weights."""
+    return x.new_empty((*x.shape[:-1], qweight.shape[0]))
+
+
+@op
+def dequantize_int4(qweight, scales, group_size, dtype=torch.float32):
+    """[out, in] from int4 packed two per byte along `in` (low nibble first, offset by 8)."""
+    return qweight.new_empty((qweight.shape[0], qweight.shape[1] * 2), dtype=dtype)
+
+
+@op
+def linear_w4_tiled(x, qweight, scales, group_size, bias=None):
+    """linear_w4 on weights and scales from pack_int4_tiled."""
+    return x.new_empty((*x.shape[:-1], qweight.shape[0]))
+
+
+@op
+def dequantize_int4_tiled(qweight, scales, group_size, dtype=torch.float32):
+    """[out, in] from weights and scales from pack_int4_tiled."""
+    return qweight.new_empty((qweight.shape[0], qweight.shape[1] * 2), dtype=dtype)
+
+
+@op
+def linear_w8a8(x, qweight, scales, weight_sum, bias=None, input_scale=0.0):
+    """SmoothQuant W8A8: x quantized per row to int8 (absmax / 127; or with one static
+    input_scale), int8 x int8 -> int32, rescaled."""
+    return x.new_empty((*x.shape[:-1], qweight.shape[0]))
+
+
+@op
+def linear_w4a8(x, qweight, scales, group_size, bias=None):
+    """int4 weights x int8 activations quantized per row and group at run time (W4A8)."""
+    return x.new_empty((*x.shape[:-1], qweight.shape[0]))
+
+
+@op
+def linear_w4a8_tiled(x, qweight, scales, group_size, bias=None):
+    """linear_w4a8 on weights and scales from pack_int4_tiled."""
+    return x.new_empty((*x.shape[:-1], qweight.shape[0]))
+
+
+@op
+def linear_fp8(x, qweight, scales, bias=None):
+    """x @ (qweight.float() * scales[:, None]).T (+ bias): FP8 E4M3 weights, one scale per output channel."""
+    return x.new_empty((*x.shape[:-1], qweight.shape[0]))
+
+
+@op
+def quantize_fp8(x, inv_scale):
+    """x * inv_scale rounded to the nearest FP8 E4M3 value (saturating at +-448), in x's dtype."""
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+@op
+def dequantize_fp8(qweight, dtype=torch.float32):
+    """float8_e4m3fn -> float32 / bfloat16, exactly (the scales are not applied)."""
+    return qweight.new_empty(qweight.shape, dtype=dtype)
+
+
+# --- weight layouts made at load ------------------------------------------------------------
+@op
+def pack_int4_tiled(qweight, scales, group_size):
+    """The stored int4 weight [out, in / 2] and scales [out, groups] reordered for
+    linear_w4_tiled (same shapes): rows in tiles of 16, four tiles' bytes interleaved per block
+    of 8 inputs (csrc/formats.h explains the layout)."""
+    return torch.empty_like(qweight), torch.empty_like(scales)
+
+
+@op
+def pack_int8_tiled(qweight):
+    """int8 [out, in] -> the tiled layout linear_w8_tiled streams: uint8 (value + 128), rows in
+    tiles of 16, four tiles interleaved per block of 4 inputs; the scales stay as they are."""
+    return torch.empty_like(qweight, dtype=torch.uint8)
+
+
+@op
+def to_hugepages(t):
+    """A contiguous copy of t in memory advised for 2 MB transparent huge pages: streamed weights
+    take far fewer TLB misses (csrc/ops/layout_ops.h has the measurements)."""
+    return torch.empty_like(t, memory_format=torch.contiguous_format)
 
 
 def int4_tiles_fit(out_features: int, in_features: int, group_size: int) -> bool:
     """Whether an int4 weight of this shape can take the tiled layout (linear_w4_tiled)."""
-    return (out_features % TILE_ROWS == 0 and in_features % 8 == 0 and group_size % 8 == 0
-            and 0 < group_size <= TILED_MAX_GROUP)
-
-
-def pack_int4_tiled(qweight, scales, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The stored int4 weight [out, in / 2] and scales [out, groups] reordered for
-    linear_w4_tiled (same shapes): rows in tiles of 16, four tiles' bytes interleaved per block
-    of 8 inputs (quant.h explains the layout)."""
-    return torch.ops.kiln.pack_int4_tiled(qweight, scales, group_size)
-
-
-def linear_w4_tiled(x, qweight, scales, group_size: int, bias=None) -> torch.Tensor:
-    """linear_w4 on weights and scales from pack_int4_tiled."""
-    return torch.ops.kiln.linear_w4_tiled(x, qweight, scales, group_size, bias)
-
-
-def to_hugepages(t: torch.Tensor) -> torch.Tensor:
-    """A contiguous copy of t in memory advised for 2 MB transparent huge pages: streamed weights
-    take far fewer TLB misses (kiln_ops.cpp has the measurements)."""
-    return torch.ops.kiln.to_hugepages(t)
-
-
-def active_isa() -> str:
-    """The instruction set the kernels run now (select_isa / KILN_ISA)."""
-    return torch.ops.kiln.active_isa()
+    info = library_info()
+    return (out_features % info["tile_rows"] == 0 and in_features % 8 == 0 and group_size % 8 == 0
+            and 0 < group_size <= info["tiled_max_group"])
 
 
 def int8_tiles_fit(out_features: int, in_features: int) -> bool:
     """Whether an int8 weight of this shape can take the tiled layout (linear_w8_tiled)."""
-    return out_features % TILE_ROWS == 0 and in_features % 4 == 0 and in_features > 0
+    return out_features % library_info()["tile_rows"] == 0 and in_features % 4 == 0 and in_features > 0
 
 
-def pack_int8_tiled(qweight) -> torch.Tensor:
-    """int8 [out, in] -> the tiled layout linear_w8_tiled streams: uint8 (value + 128), rows in
-    tiles of 16, four tiles interleaved per block of 4 inputs; the scales stay as they are."""
-    return torch.ops.kiln.pack_int8_tiled(qweight)
-
-
-def linear_w8_tiled(x, qweight, scales, bias=None) -> torch.Tensor:
-    """linear_w8 on weights from pack_int8_tiled."""
-    return torch.ops.kiln.linear_w8_tiled(x, qweight, scales, bias)
-
-
-def dequantize_int8_tiled(qweight, scales, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """[out, in] = qweight * scales[:, None] (rounded once to dtype) from weights from pack_int8_tiled."""
-    return torch.ops.kiln.dequantize_int8_tiled(qweight, scales, dtype)
-
-
-def linear_w4a8_tiled(x, qweight, scales, group_size: int, bias=None) -> torch.Tensor:
-    """linear_w4a8 on weights and scales from pack_int4_tiled."""
-    return torch.ops.kiln.linear_w4a8_tiled(x, qweight, scales, group_size, bias)
-
-
-def dequantize_int4_tiled(qweight, scales, group_size: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """[out, in] from weights and scales from pack_int4_tiled."""
-    return torch.ops.kiln.dequantize_int4_tiled(qweight, scales, group_size, dtype)
-
-
-def linear_w8a8(x, qweight, scales, weight_sum, bias=None, input_scale: float = 0.0) -> torch.Tensor:
-    """SmoothQuant W8A8: x quantized per row to int8 (absmax / 127; or with one static input_scale),
-    int8 x int8 -> int32, rescaled."""
-    return torch.ops.kiln.linear_w8a8(x, qweight, scales, weight_sum, bias, input_scale)
-
-
-def linear_w4a8(x, qweight, scales, group_size: int, bias=None) -> torch.Tensor:
-    """int4 weights x int8 activations quantized per row and group at run time (W4A8)."""
-    return torch.ops.kiln.linear_w4a8(x, qweight, scales, group_size, bias)
-
-
-def linear_fp8(x, qweight, scales, bias=None) -> torch.Tensor:
-    """x @ (qweight.float() * scales[:, None]).T (+ bias): FP8 E4M3 weights, one scale per output channel."""
-    return torch.ops.kiln.linear_fp8(x, qweight, scales, bias)
-
-
-def quantize_fp8(x, inv_scale: float) -> torch.Tensor:
-    """x * inv_scale rounded to the nearest FP8 E4M3 value (saturating at +-448), in x's dtype."""
-    return torch.ops.kiln.quantize_fp8(x, inv_scale)
-
-
-def dequantize_fp8(qweight, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """float8_e4m3fn -> float32 / bfloat16, exactly (the scales are not applied)."""
-    return torch.ops.kiln.dequantize_fp8(qweight, dtype)
+# --- the decode plan -----------------------------------------------------------------------
+def decode_plan(layers: list[dict]) -> tuple[list, list[int], list[float]]:
+    """decode_layers' (tensors, ints, floats) from one record per layer, by name: each layer maps
+    every name of the library's layer_linears to its linear's record and every name of
+    layer_tensors to a tensor (or None); a linear's record maps `kind` (a name of linear_kinds)
+    and any of linear_tensors / linear_ints / linear_floats to its values (absent: None / 0).
+    The positions come from the library (csrc/ops/decode_plan.h), so they cannot drift apart."""
+    layout = library_info()["decode_plan"]
+    kinds = {name: code for code, name in enumerate(layout["linear_kinds"])}
+    fields = {*layout["linear_tensors"], *layout["linear_ints"], *layout["linear_floats"]}
+    tensors, ints, floats = [], [], []
+    for index, layer in enumerate(layers):
+        unknown = set(layer) - {*layout["layer_linears"], *layout["layer_tensors"]}
+        if unknown:
+            raise KeyError(f"decode plan layer {index}: unknown entries {sorted(unknown)}")
+        for name in layout["layer_linears"]:
+            record = layer[name]
+            if set(record) - fields:
+                raise KeyError(f"decode plan layer {index} {name}: unknown fields {sorted(set(record) - fields)}")
+            if record.get("kind") not in kinds:
+                raise KeyError(f"decode plan layer {index} {name}: unknown linear kind {record.get('kind')!r}; "
+                               f"the library has {sorted(kinds)}")
+            tensors += [record.get(field) for field in layout["linear_tensors"]]
+            ints += [kinds[record["kind"]] if field == "kind" else int(record.get(field, 0))
+                     for field in layout["linear_ints"]]
+            floats += [float(record.get(field, 0.0)) for field in layout["linear_floats"]]
+        tensors += [layer.get(name) for name in layout["layer_tensors"]]
+    return tensors, ints, floats

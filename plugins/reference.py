@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import torch
 
-from kiln.runtime.key_rotation import hadamard_transform
+from kiln.plugins.formats import dequantize_int4 as dequantize_int4_rows
+from kiln.plugins.formats import hadamard_transform, unpack_int4
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -88,9 +89,7 @@ def linear_w8(x, qweight, scales, bias=None):
 
 
 def dequantize_int4(qweight, scales, group_size, dtype=torch.float32):
-    from kiln.quantize.formats import dequantize_int4 as dequantize
-
-    return dequantize(qweight, scales, group_size).to(dtype)
+    return dequantize_int4_rows(qweight, scales, group_size).to(dtype)
 
 
 def linear_w4(x, qweight, scales, group_size, bias=None):
@@ -142,8 +141,6 @@ def quantize_groups_int8(x, group_size):
 
 def linear_w4a8(x, qweight, scales, group_size, bias=None):
     """Exact integer products per group, then both groups' scales."""
-    from kiln.quantize.formats import unpack_int4
-
     q, xs = quantize_groups_int8(x, group_size)  # [rows, groups, g]
     w = unpack_int4(qweight).double()
     rows, groups, g = q.shape
@@ -180,8 +177,6 @@ def pack_int8_tiled(qweight):
 def pack_int4_tiled(qweight, scales, group_size):
     """The tiled int4 layout by reshapes: rows in tiles of 16, tiles in groups of up to four; per
     block of 8 inputs, each tile's 16 rows x 4 bytes (byte j = q[8b + j] | q[8b + 4 + j] << 4)."""
-    from kiln.quantize.formats import unpack_int4
-
     q = (unpack_int4(qweight) + 8).to(torch.uint8)  # stored nibbles [n, k]
     n, k = q.shape
     words, scale_parts = [], []

@@ -1,4 +1,4 @@
-"""kiln's quantizer: accuracy evaluation now (evaluate.py, `kiln eval`); calibration,
-SmoothQuant, AWQ, FP8 and KV-cache scales come with the quantization work.
-
-Engines are unquantized in this version; the build config accepts `quantization.algo: none`."""
+"""kiln's quantizer: calibration on text (calibrate.py, datasets.py), the algorithms (int8 / int4
+weight-only, AWQ, SmoothQuant W8A8, W4A8, FP8, GPTQ rounding, KV-cache scales; algorithms.py),
+quantizing weights into the engine's formats (formats.py), and what a build cost in accuracy
+(evaluate.py, report.py). The build runs them in builder/quantization.py."""

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kiln.runtime.key_rotation import hadamard_matrix
+from kiln.plugins.formats import hadamard_matrix
 from kiln.runtime.model import LINEARS, KVPool, LlamaModel, StepContext
 
 GRAM_BUDGET = 2 << 30  # bytes of x^T x sums held at once

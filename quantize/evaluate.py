@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
@@ -52,12 +51,3 @@ def perplexity(model: LlamaModel, ids: list[int], window: int, stride: int, bloc
             break
     nll = total_nll / scored
     return Perplexity(math.exp(nll), nll, scored, windows)
-
-
-def reference_model(checkpoint: Path, max_positions: int) -> LlamaModel:
-    """The unquantized checkpoint as a float32 kiln model (the same packing a build does)."""
-    from kiln.builder.checkpoint import load_checkpoint
-    from kiln.builder.compile import pack_weights
-
-    loaded = load_checkpoint(checkpoint)
-    return LlamaModel(loaded.spec, pack_weights(loaded, torch.float32), max_positions)

@@ -1,14 +1,15 @@
-"""Quantized weight formats, as the engine stores them and the kernels read them.
+"""Quantizing weights into the formats the engine stores and the kernels read.
 
 int8, per output channel: q = round(w / s), s = absmax(row) / 127, q in [-127, 127].
 int4, per group of `group_size` inputs (the last group may be shorter): q = round(w / s),
-s = absmax(group) / 7, q in [-8, 7], stored offset by 8 two per byte along the input
-dimension, the even input in the low nibble.
+s = absmax(group) / 7, q in [-8, 7], packed as plugins/formats.py's int4 rows.
 fp8, FP8 E4M3 (torch.float8_e4m3fn, largest value 448) per output channel or per tensor:
 q = w / s rounded to nearest even, s = absmax(row or tensor) / 448, scales stored per row either way."""
 from __future__ import annotations
 
 import torch
+
+from kiln.plugins.formats import pack_int4
 
 
 def int8_scales(w: torch.Tensor) -> torch.Tensor:
@@ -80,22 +81,3 @@ def quantize_int4(w: torch.Tensor, group_size: int, scales: torch.Tensor | None 
     s = int4_scales(w, group_size) if scales is None else scales
     q = torch.round(grouped / s[:, :, None]).clamp(-8, 7).reshape(w.shape[0], -1)[:, :in_features]
     return pack_int4(q.to(torch.int8)), s.float().contiguous()
-
-
-def pack_int4(q: torch.Tensor) -> torch.Tensor:
-    """int8 values in [-8, 7], [out, in] -> uint8 [out, in / 2]."""
-    u = (q.to(torch.int16) + 8).to(torch.uint8)
-    return (u[:, 0::2] | (u[:, 1::2] << 4)).contiguous()
-
-
-def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
-    """uint8 [out, in / 2] -> int8 [out, in] in [-8, 7]."""
-    low = (packed & 0x0F).to(torch.int16) - 8
-    high = (packed >> 4).to(torch.int16) - 8
-    return torch.stack([low, high], dim=2).reshape(packed.shape[0], -1).to(torch.int8)
-
-
-def dequantize_int4(packed: torch.Tensor, scales: torch.Tensor, group_size: int) -> torch.Tensor:
-    q = unpack_int4(packed).float()
-    index = torch.arange(q.shape[1]) // group_size
-    return q * scales[:, index]

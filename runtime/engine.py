@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -16,6 +17,8 @@ from kiln.errors import EngineError
 from kiln.plugins import ops
 from kiln.runtime.model import LlamaModel
 from kiln.runtime.spec import ModelSpec
+
+log = logging.getLogger("kiln.engine")
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 HUGEPAGE_MIN_BYTES = 1 << 20  # smaller tensors (norms, scales) stay where safetensors put them
@@ -83,6 +86,8 @@ class Engine:
             ops.load_library(self.dir / self.meta["plugins"]["file"])
         except RuntimeError as exc:
             raise EngineError(f"{self.dir}: {exc}; rebuild the engine") from None
+        self.isa = ops.active_isa()  # int4 / int8 weights are laid out for it below (runtime/linear.py)
+        log.info("%s: kernels for %s (built on a %s host)", self.dir, self.isa, self.meta["target"]["isa"])
         self.spec = ModelSpec.from_json(self.meta["model"])
         self.limits = Limits(**self.meta["limits"])
         self.dtype = DTYPES[self.meta["dtype"]]

@@ -1,13 +1,13 @@
 """Executor: the engine loop on a background thread, behind a narrow thread-safe API.
 
-    enqueue(prompt_ids, params) -> request id
+    enqueue(prompt_ids, params) -> request id (RequestError if the engine can never serve it)
     await_responses(request_id=None, timeout=None) -> [Response]
     cancel(request_id)
     stats()
 
 Each step is schedule -> run -> postprocess; a sampled token goes out as a Response at once.
 The model's ops release the GIL, so callers' threads keep running while a step computes.
-Bad requests and a full queue get error responses; the loop keeps serving the others."""
+A full queue gets error responses; the loop keeps serving the others."""
 from __future__ import annotations
 
 import itertools
@@ -134,16 +134,17 @@ class Executor:
             raise RequestError(f"embedding_bias has {len(params.embedding_bias)} values; the vocabulary has {vocab}")
 
     def enqueue(self, prompt_ids: list[int], params: SamplingParams) -> int:
+        """Queue a request; its responses come from await_responses. A request this engine can
+        never serve raises RequestError here (nothing is queued); one refused because the queue
+        is full gets a final error response ("busy: ...") instead, as a later retry may succeed."""
+        self.check(prompt_ids, params)
         request_id = next(self._ids)
         with self._lock:
             self._responses[request_id] = deque()
-            try:
-                self.check(prompt_ids, params)
-                if self._queued >= self.options.max_queue_size:
-                    raise RequestError(f"busy: {self._queued} requests are queued (max_queue_size "
-                                       f"{self.options.max_queue_size}); retry later")
-            except RequestError as exc:
-                self._emit(Response(request_id, [], True, FINISH_ERROR, str(exc)))
+            if self._queued >= self.options.max_queue_size:
+                error = (f"busy: {self._queued} requests are queued (max_queue_size "
+                         f"{self.options.max_queue_size}); retry later")
+                self._emit(Response(request_id, [], True, FINISH_ERROR, error))
                 return request_id
             self._incoming.append(Sequence(request_id, list(prompt_ids), params, self._stop_ids(params)))
             self._queued += 1

@@ -13,7 +13,13 @@ Each may carry a `pre_scale` [in] that multiplies the input first (AWQ / SmoothQ
 that could not be folded into a norm), and an `input_scale` (static per-tensor FP8
 activations): x / input_scale is rounded to E4M3, which bf16 holds exactly, and input_scale
 is folded into the weight scales once at load. Few rows (decode steps) go to kiln's kernels, which
-stream the packed weights once; many rows (prefill) dequantize once and use PyTorch's GEMM."""
+stream the packed weights once; many rows (prefill) dequantize once and use PyTorch's GEMM.
+
+Engines store weights in the row layouts (plugins/formats.py); int4 and int8 weights are
+re-laid out at load into the tiled layouts of the kernels the host runs (ops.tiled: which ones
+depends on the instruction set), so one engine file serves every x86-64 CPU.
+
+plan() describes a linear to ops.decode_layers as one record by name (ops.decode_plan)."""
 from __future__ import annotations
 
 import torch
@@ -30,10 +36,9 @@ class DenseLinear:
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
         self.weight, self.bias = weight, bias
 
-    def plan(self) -> tuple[int, list, int, float, float]:
-        """This linear as a record of ops.decode_layers' plan: (kind, LINEAR_SLOTS tensors,
-        group_size, W8A8 static input scale, FP8 1 / input_scale)."""
-        return ops.KIND_DENSE, [self.weight, None, self.bias, None, None], 0, 0.0, 0.0
+    def plan(self) -> dict:
+        """This linear as a record of ops.decode_plan."""
+        return {"kind": "dense", "weight": self.weight, "bias": self.bias}
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """A few bf16 rows go to kiln's GEMV, which streams the weights once at memory bandwidth
@@ -48,8 +53,8 @@ class QuantLinear:
     """Up to `gemv_rows` rows go to the kernel (`gemv`); more are computed by dequantizing the
     weight once and PyTorch's GEMM."""
 
-    kind = ""
-    code = -1  # ops.KIND_*: how decode_layers runs it
+    kind = ""  # engine.json's quantization.linear
+    plan_kind = ""  # how decode_layers runs it (ops.decode_plan's linear kinds)
     gemv_rows = SKINNY_ROWS
 
     def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None,
@@ -70,10 +75,11 @@ class QuantLinear:
     def gemv(self, x: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
-    def plan(self) -> tuple[int, list, int, float, float]:
+    def plan(self) -> dict:
         """As DenseLinear.plan; decode_layers does what __call__ does for a few rows."""
-        tensors = [self.qweight, self.scales, self.bias, self.pre_scale, self.weight_sum]
-        return self.code, tensors, self.group_size, self.input_scale or 0.0, self.inv_input_scale or 0.0
+        return {"kind": self.plan_kind, "weight": self.qweight, "scales": self.scales, "bias": self.bias,
+                "pre_scale": self.pre_scale, "weight_sum": self.weight_sum, "group_size": self.group_size,
+                "input_scale": self.input_scale or 0.0, "inv_input_scale": self.inv_input_scale or 0.0}
 
     def dequantize(self) -> torch.Tensor:
         raise NotImplementedError
@@ -92,18 +98,19 @@ class QuantLinear:
 
 
 class Int8Linear(QuantLinear):
-    """On AVX-512 hosts the weights are reordered once, at load, into the tiled layout of
-    linear_w8_tiled (ops.pack_int8_tiled; the engine file keeps [out, in])."""
+    """Where the host's kernels prefer it (ops.tiled("int8")), the weights are reordered once, at
+    load, into the tiled layout of linear_w8_tiled (ops.pack_int8_tiled; the engine file keeps
+    [out, in])."""
 
     kind = names.LINEAR_INT8
-    code = ops.KIND_INT8
+    plan_kind = "int8"
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         out_features, in_features = self.qweight.shape
-        self.tiled = ops.active_isa() in ops.TILED_INT8_ISAS and ops.int8_tiles_fit(out_features, in_features)
+        self.tiled = ops.tiled("int8") and ops.int8_tiles_fit(out_features, in_features)
         if self.tiled:
-            self.qweight, self.code = ops.pack_int8_tiled(self.qweight), ops.KIND_INT8_TILED
+            self.qweight, self.plan_kind = ops.pack_int8_tiled(self.qweight), "int8_tiled"
 
     def gemv(self, x):
         if self.tiled:
@@ -124,15 +131,15 @@ class TiledInt4:
 
     def tile(self) -> None:
         out_features, in_features = self.qweight.shape[0], self.qweight.shape[1] * 2
-        self.tiled = ops.int4_tiles_fit(out_features, in_features, self.group_size)
+        self.tiled = ops.tiled("int4") and ops.int4_tiles_fit(out_features, in_features, self.group_size)
         if self.tiled:
             self.qweight, self.scales = ops.pack_int4_tiled(self.qweight, self.scales, self.group_size)
-            self.code = self.tiled_code
+            self.plan_kind = self.tiled_plan_kind
 
 
 class Int4Linear(TiledInt4, QuantLinear):
     kind = names.LINEAR_INT4
-    code, tiled_code = ops.KIND_INT4, ops.KIND_INT4_TILED
+    plan_kind, tiled_plan_kind = "int4", "int4_tiled"
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -154,7 +161,7 @@ class W4A8Linear(TiledInt4, QuantLinear):
     decode and prefill compute the same way."""
 
     kind = names.LINEAR_W4A8
-    code, tiled_code = ops.KIND_W4A8, ops.KIND_W4A8_TILED
+    plan_kind, tiled_plan_kind = "w4a8", "w4a8_tiled"
     gemv_rows = float("inf")
 
     def __init__(self, *args, **kwargs):
@@ -171,7 +178,7 @@ class W8A8Linear(QuantLinear):
     one (Model Optimizer's W8A8_SQ_PER_CHANNEL checkpoints)."""
 
     kind = names.LINEAR_W8A8
-    code = ops.KIND_W8A8
+    plan_kind = "w8a8"
     gemv_rows = float("inf")
 
     def gemv(self, x):
@@ -183,7 +190,7 @@ class Fp8Linear(QuantLinear):
     every product is exact as in the decode kernel."""
 
     kind = names.LINEAR_FP8
-    code = ops.KIND_FP8
+    plan_kind = "fp8"
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)

@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from kiln.errors import RequestError
-from kiln.runtime.detokenizer import IncrementalDetokenizer
+from kiln.runtime.detokenizer import IncrementalDetokenizer, TokenBytes
 from kiln.runtime.engine import read_engine_json
 from kiln.runtime.executor import FINISH_ERROR, Executor, Response
 from kiln.runtime.options import RuntimeOptions
@@ -52,10 +52,12 @@ class GenerationOutput:
 
 class ChunkAssembler:
     """Turns one request's executor responses into text chunks that never split a character;
-    per-token extras (log probs, logits) travel with their tokens."""
+    per-token extras (log probs, logits) travel with their tokens. With token_bytes (a caller
+    that decodes the text elsewhere, as Triton's postprocessing does) the chunks are cut the same
+    way without making their text: StreamChunk.text stays empty."""
 
-    def __init__(self, tokenizer, prompt_ids: list[int]):
-        self.detok = IncrementalDetokenizer(tokenizer, prompt_ids)
+    def __init__(self, tokenizer, prompt_ids: list[int], token_bytes: TokenBytes | None = None):
+        self.detok = IncrementalDetokenizer(tokenizer, prompt_ids, token_bytes)
         self.log_probs: list[float] = []
         self.generation_logits: list[torch.Tensor] = []
         self.context_logits: torch.Tensor | None = None
@@ -71,7 +73,7 @@ class ChunkAssembler:
         if emitted is None:
             return None
         prefix, tokens, text = emitted
-        chunk = StreamChunk(tokens, text, prefix, response.finish_reason, self.log_probs, self.generation_logits,
+        chunk = StreamChunk(tokens, text or "", prefix, response.finish_reason, self.log_probs, self.generation_logits,
                             self.context_logits)
         self.log_probs, self.generation_logits, self.context_logits = [], [], None
         return chunk
@@ -94,7 +96,6 @@ class LLM:
     def _submit(self, prompt: Prompt, params: SamplingParams | None, overrides: dict) -> tuple[int, list[int]]:
         params = replace(params or SamplingParams(), **overrides)
         prompt_ids = self.encode(prompt)
-        self.executor.check(prompt_ids, params)
         return self.executor.enqueue(prompt_ids, params), prompt_ids
 
     def _chunks(self, request_id: int, prompt_ids: list[int]) -> Iterator[StreamChunk]:

@@ -103,17 +103,12 @@ class LlamaModel:
         self._plan = None  # built on first use, from the layers as they are then
 
     def decode_plan(self) -> tuple[list, list[int], list[float]]:
-        """The layers as ops.decode_layers takes them (LAYER_SLOTS tensors, 8 ints and 8 floats
-        per layer)."""
-        tensors, ints, floats = [], [], []
-        for index, layer in enumerate(self.layers):
-            for name in LINEARS:
-                code, slots, group_size, input_scale, inv_input_scale = getattr(layer, name).plan()
-                tensors += slots
-                ints += [code, group_size]
-                floats += [input_scale, inv_input_scale]
-            tensors += [layer.post_attention_norm, self.next_norm(index), layer.kv_scales]
-        return tensors, ints, floats
+        """The layers as ops.decode_layers takes them (ops.decode_plan)."""
+        return ops.decode_plan([
+            {**{name: getattr(layer, name).plan() for name in LINEARS},
+             "post_attention_norm": layer.post_attention_norm, "next_norm": self.next_norm(index),
+             "kv_scales": layer.kv_scales}
+            for index, layer in enumerate(self.layers)])
 
     def next_norm(self, index: int) -> torch.Tensor:
         """The norm after layer `index`: the next layer's input norm, or the final norm."""
@@ -158,7 +153,7 @@ class LlamaModel:
         if self.fused_decode and tokens.shape[0] <= SKINNY_ROWS:  # the same kernels, without Python between
             if self._plan is None:
                 self._plan = self.decode_plan()
-            x = ops.decode_layers(h, x, self._plan, pool.storage, ctx.block_tables, ctx.query_start,
+            x = ops.decode_layers(h, x, *self._plan, pool.storage, ctx.block_tables, ctx.query_start,
                                   ctx.context_lens, self.cos, self.sin, spec.num_heads, self.scale, eps,
                                   self.key_hadamard)
             return self.lm_head(x[ctx.logits_rows]).float()

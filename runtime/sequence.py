@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import enum
-import time
 from dataclasses import dataclass, field
 
 import torch
@@ -28,7 +27,6 @@ class Sequence:
     block_table: list[int] = field(default_factory=list)
     block_hashes: list[int] = field(default_factory=list)  # of the full blocks, in order
     finish_reason: str | None = None
-    arrival: float = field(default_factory=time.monotonic)
     context_logits: torch.Tensor | None = None  # [prompt, vocab], when the request asks for them
 
     def __post_init__(self):

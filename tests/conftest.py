@@ -1,6 +1,19 @@
+import random
+
 import pytest
 
-from tests.helpers import SMOLLM2_CHECKPOINT, build_engine, make_tiny_model
+from tests.helpers import SMOLLM2_CHECKPOINT, build_engine, make_tiny_model, seed_of
+
+
+@pytest.fixture(autouse=True)
+def fixed_seed(request):
+    """Every test starts from a seed of its own id (printed, so a failure can be replayed): tests
+    that draw from torch's or random's global generators are replayable too."""
+    import torch
+
+    seed = seed_of(request.node.nodeid)
+    torch.manual_seed(seed)
+    random.seed(seed)
 
 
 @pytest.fixture(scope="session")

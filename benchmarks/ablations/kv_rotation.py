@@ -25,7 +25,7 @@ from kiln.plugins import ops, reference
 from kiln.quantize.calibrate import KVStats, kv_observer
 from kiln.quantize.datasets import calibration_sequences, evaluation_ids
 from kiln.quantize.evaluate import window_logits
-from kiln.runtime.key_rotation import hadamard_matrix
+from kiln.plugins.formats import hadamard_matrix
 
 parser = argparse.ArgumentParser()
 parser.add_argument("threads", type=int)

@@ -74,7 +74,7 @@ def one_for_fused(tensors: list[torch.Tensor], what: str, where: str) -> torch.T
 def detect_format(path: Path) -> str:
     if path.is_file() and path.suffix == ".gguf":
         return "gguf"
-    from kiln.builder.trtllm import is_trtllm_checkpoint
+    from kiln.builder.checkpoint.trtllm import is_trtllm_checkpoint
 
     if is_trtllm_checkpoint(path):
         return "trtllm"
@@ -98,7 +98,7 @@ def load_checkpoint(path: Path, fmt: str = "auto") -> Checkpoint:
 
         checkpoint = load_gguf(path)
     elif fmt == "trtllm":
-        from kiln.builder.trtllm import load_trtllm
+        from kiln.builder.checkpoint.trtllm import load_trtllm
 
         checkpoint = load_trtllm(path)
     else:

@@ -22,9 +22,9 @@ import torch
 
 from kiln import constants as names
 from kiln.builder.checkpoint import one_for_fused
-from kiln.builder.trtllm import unpack_int4_along_out
+from kiln.builder.checkpoint.trtllm import unpack_int4_along_out
 from kiln.errors import CheckpointError
-from kiln.quantize.formats import pack_int4
+from kiln.plugins.formats import pack_int4
 from kiln.runtime.spec import ModelSpec
 
 # kiln's fused linear -> the HF modules it is made of (rows in this order)

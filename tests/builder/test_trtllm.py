@@ -8,9 +8,10 @@ from safetensors.torch import load_file
 
 from kiln import constants as names
 from kiln.builder.cli import main as build_main
-from kiln.builder.trtllm import ExportError, export_checkpoint, pack_int4_along_out, unpack_int4_along_out
+from kiln.builder.checkpoint.trtllm import unpack_int4_along_out
+from kiln.builder.export import ExportError, export_checkpoint, pack_int4_along_out
 from kiln.runtime.engine import Engine
-from tests.helpers import build_engine, forward_logits, write_config
+from tests.helpers import build_engine, forward_logits, generator, write_config
 
 SMALL = {"calibration": {"samples": 8, "seq_len": 64}, "accuracy": {"tokens": 512, "window": 128},
          "accuracy_gate": None}
@@ -18,7 +19,7 @@ PROMPT = [1, 17, 250, 33, 99, 5, 201, 64, 300, 12, 7, 8, 150, 3]
 
 
 def test_int4_packing_along_out_is_tensorrt_llms():
-    g = torch.Generator().manual_seed(hash("trt-int4") % 2**31)
+    g = generator("trt-int4")
     q = torch.randint(-8, 8, (6, 10), generator=g, dtype=torch.int8)
     packed = pack_int4_along_out(q)
     assert packed.dtype == torch.int8 and packed.shape == (3, 10)
@@ -108,8 +109,8 @@ def test_kiln_export_cli(tiny_engines, tmp_path, capsys):
 def test_rotated_fp8_keys_export_a_scale_that_bounds_them_unrotated(tiny_models, tmp_path):
     """An FP8 cache with rotated keys (key_rotation auto): TensorRT-LLM stores keys unrotated, so
     the exported scale must bound H (H k) = k from the rotated keys' scales."""
-    from kiln.builder.trtllm import _kv_scale
-    from kiln.runtime.key_rotation import hadamard_matrix
+    from kiln.builder.export import _kv_scale
+    from kiln.plugins.formats import hadamard_matrix
 
     engine_dir = build_engine(tmp_path / "a", tiny_models["llama"], "bfloat16",
                               quantization={"algo": "none", "kv_cache": "fp8", **SMALL})

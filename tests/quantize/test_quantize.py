@@ -13,7 +13,7 @@ from kiln.quantize.algorithms import (
 from kiln.quantize.formats import fake_quant_fp8, fake_quant_int4, int4_scales, quantize_int8
 from kiln.runtime.engine import Engine
 from kiln.runtime.spec import ModelSpec
-from tests.helpers import SMOLLM2_CHECKPOINT, build_engine, forward_logits, write_config
+from tests.helpers import SMOLLM2_CHECKPOINT, build_engine, forward_logits, generator, write_config
 
 SMALL_CALIBRATION = {"samples": 8, "seq_len": 64}
 SMALL_ACCURACY = {"tokens": 512, "window": 128}
@@ -161,7 +161,7 @@ def test_each_algorithm_builds_runs_and_reports(algo, options, kind, qdtype, tin
     assert meta["algo"] == algo and meta["linear"] == kind and meta["lm_head"] == "int8_wo"
     report = meta["accuracy"]
     assert report["tokens"] > 300 and report["ppl_quantized"] > 0 and 0 <= report["token_agreement"] <= 1
-    assert report["kl"] >= 0 and report["passed"]
+    assert report["kl"] >= 0 and report["gate"] is None and report["failures"] is None  # gate off: judged by nothing
     assert ("calibration" in meta) == (algo in ("int4_awq", "w4a8_awq", "int8_sq", "fp8"))
     tensors = _weights(Engine(engine_dir))
     down = "layers.0.mlp.down"
@@ -207,7 +207,8 @@ def test_the_calibrated_int4_head_beats_round_to_nearest():
     rounding the same head to nearest, on inputs with a few large channels."""
     from kiln.quantize.algorithms import QuantOptions, quantize_head_int4
     from kiln.quantize.calibrate import LinearStats
-    from kiln.quantize.formats import dequantize_int4, quantize_int4
+    from kiln.plugins.formats import dequantize_int4
+    from kiln.quantize.formats import quantize_int4
 
     g = torch.Generator().manual_seed(7)
     x = correlated_inputs(512, 64, g)
@@ -236,7 +237,7 @@ def test_quantized_kv_cache_builds_runs_and_reports(algo, kv_cache, tiny_models,
     assert meta["key_rotation"] == ("hadamard" if kv_cache == "fp8" else "none")  # key_rotation: auto
     assert ("lm_head" in meta) == (algo != "none")  # a KV cache alone leaves the linears as they are
     report = meta["accuracy"]
-    assert report["passed"] and report["kl"] >= 0
+    assert report["kl"] >= 0 and report["gate"] is None and report["failures"] is None  # gate off: judged by nothing
     engine = Engine(engine_dir)
     assert engine.model.key_hadamard == (engine.spec.head_dim if kv_cache == "fp8" else 0)
     tensors = _weights(engine)
@@ -275,7 +276,7 @@ def test_kv_calibration_bounds_the_hadamard_rotated_keys_at_every_position(head_
     """k_hadamard_absmax bounds H rope(k, p) for every position p (here 0 .. 8191), and is not
     vacuous (the positions reach a third of it or more); the unrotated bound is the pair norm, as before."""
     from kiln.quantize.calibrate import KVStats, kv_observer
-    from kiln.runtime.key_rotation import hadamard_matrix
+    from kiln.plugins.formats import hadamard_matrix
     from kiln.runtime.rope import cos_sin_tables
 
     kv_heads, q_size = 2, 4 * head_dim
@@ -323,7 +324,7 @@ def test_fp8_linears_match_the_fake_quantized_float_computation():
     from kiln.quantize.formats import quantize_fp8
     from kiln.runtime.linear import Fp8Linear
 
-    g = torch.Generator().manual_seed(hash("fp8-linear") % 2**31)
+    g = generator("fp8-linear")
     w, x = torch.randn(48, 96, generator=g) * 0.1, torch.randn(20, 96, generator=g) * 3
     q, s = quantize_fp8(w)
     a = float(x.abs().max()) / 448 * 0.7  # some activations saturate

@@ -52,9 +52,9 @@ def decode(model, spec, fused: bool, steps: int, rows: int):
 def test_fused_decode_equals_the_python_loop(dtype, quantization, tiny_models, tmp_path):
     engine = Engine(build_engine(tmp_path / "e", tiny_models["llama"], dtype, quantization={**quantization, **SMALL}))
     model = engine.model
-    assert (model.layers[0].qkv.plan()[0] != ops.KIND_DENSE) == (quantization["algo"] != "none")
+    assert (model.layers[0].qkv.plan()["kind"] != "dense") == (quantization["algo"] != "none")
     if quantization["algo"] == "int8_wo":  # tiled where the kernels are AVX-512 ones
-        assert model.layers[0].qkv.tiled == (ops.active_isa() in ops.TILED_INT8_ISAS)
+        assert model.layers[0].qkv.tiled == ops.active_isa().startswith("avx512")
     if quantization["algo"] in ("int4_awq", "int4_wo", "w4a8_awq"):
         assert model.layers[0].qkv.tiled
     rotated = quantization.get("key_rotation", "auto") == "hadamard" or (
@@ -76,6 +76,26 @@ def test_decode_layers_refuses_a_plan_of_the_wrong_size(tiny_engines):
     h = torch.zeros(1, engine.spec.hidden_size, dtype=model.dtype)
     ctx = StepContext.single(0, 1, [0])
     with pytest.raises(RuntimeError, match="the plan has"):
-        ops.decode_layers(h, h.clone(), (tensors[:-1], ints, floats), pool.storage, ctx.block_tables,
+        ops.decode_layers(h, h.clone(), tensors[:-1], ints, floats, pool.storage, ctx.block_tables,
                           ctx.query_start, ctx.context_lens, model.cos, model.sin, engine.spec.num_heads,
                           model.scale, engine.spec.norm_eps)
+
+
+def test_decode_plan_records_are_checked_by_name(tiny_engines):
+    """The plan's positions come from the library; a record naming a field, entry or kind the
+    library does not declare is refused before anything runs."""
+    model = Engine(tiny_engines("llama", "bfloat16")).model
+    layout = ops.library_info()["decode_plan"]
+    layer = {**{name: getattr(model.layers[0], name).plan() for name in layout["layer_linears"]},
+             "post_attention_norm": model.layers[0].post_attention_norm, "next_norm": model.final_norm}
+    tensors, ints, floats = ops.decode_plan([layer])
+    per_linear = len(layout["linear_tensors"])
+    assert len(tensors) == len(layout["layer_linears"]) * per_linear + len(layout["layer_tensors"])
+    assert tensors[0] is model.layers[0].qkv.weight and tensors[-1] is None  # kv_scales absent
+    assert ints[0] == layout["linear_kinds"].index("dense")
+    with pytest.raises(KeyError, match="unknown fields"):
+        ops.decode_plan([{**layer, "qkv": {**layer["qkv"], "wieght": None}}])
+    with pytest.raises(KeyError, match="unknown linear kind"):
+        ops.decode_plan([{**layer, "out": {**layer["out"], "kind": "int3"}}])
+    with pytest.raises(KeyError, match="unknown entries"):
+        ops.decode_plan([{**layer, "final_norm": None}])

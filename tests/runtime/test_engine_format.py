@@ -16,10 +16,17 @@ def engine_copy(tiny_engines, tmp_path):
     return target
 
 
-def test_engine_loads(engine_copy):
-    engine = Engine(engine_copy)
+def test_engine_loads(engine_copy, caplog):
+    from kiln.plugins import ops
+
+    with caplog.at_level("INFO", logger="kiln.engine"):
+        engine = Engine(engine_copy)
     assert engine.spec.architecture == "llama"
     assert engine.limits.max_seq_len == 512
+    # the loader says which kernels run and what the build host had (engine.json target.isa)
+    built_on = json.loads((engine_copy / names.ENGINE_JSON).read_text())["target"]["isa"]
+    assert engine.isa == ops.active_isa()
+    assert f"kernels for {engine.isa} (built on a {built_on} host)" in caplog.text
 
 
 def test_truncated_weights_are_refused(engine_copy):

@@ -1,3 +1,8 @@
+// Dense linears: out = x @ w^T (+ bias), w [out, in] in the model dtype.
+//
+//   linear_float    the weights widened per vector, fp32 FMAs (every ISA)
+//   linear_bf16_dp  AVX512-BF16, bf16: vdpbf16ps on the stored bf16 pairs
+//
 // Skinny linear layer for decode steps: out[m, n] = sum_k x[m, k] * w[n, k] (+ bias[n]), for a
 // handful of rows m. At batch 1 a decode step is a GEMV that only has to stream the weights
 // once at memory bandwidth: each weight row is read once and widened once, and used for up to
@@ -6,7 +11,7 @@
 // Included per ISA inside kiln::<isa> after vec.h.
 
 template <typename T>
-void linear_impl(const T* x, const T* w, const T* bias, T* out, int64_t rows, int64_t in_features,
+void linear_float(const T* x, const T* w, const T* bias, T* out, int64_t rows, int64_t in_features,
                  int64_t out_features) {
   std::vector<float> xf(rows * in_features);
   for (int64_t i = 0; i < rows * in_features; ++i) xf[i] = to_f32(x[i]);
@@ -80,16 +85,3 @@ void linear_bf16_dp(const bf16* x, const bf16* w, const bf16* bias, bf16* out, i
   });
 }
 #endif
-
-void linear_f32(const float* x, const float* w, const float* bias, float* out, int64_t rows, int64_t k,
-                int64_t n) {
-  linear_impl<float>(x, w, bias, out, rows, k, n);
-}
-void linear_bf16(const bf16* x, const bf16* w, const bf16* bias, bf16* out, int64_t rows, int64_t k,
-                 int64_t n) {
-#if defined(KILN_ISA_AVX512BF16)
-  linear_bf16_dp(x, w, bias, out, rows, k, n);
-#else
-  linear_impl<bf16>(x, w, bias, out, rows, k, n);
-#endif
-}

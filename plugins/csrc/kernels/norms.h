@@ -1,3 +1,5 @@
+// Norms and activations.
+//
 // RMSNorm over the last dimension: out = weight * (x / sqrt(mean(x^2) + eps)), and the fused
 // residual form used between sublayers: residual += x; out = rmsnorm(residual).
 // Rounding follows Hugging Face's LlamaRMSNorm so bf16 engines match it bit for bit where
@@ -13,14 +15,14 @@ inline void rms_norm_row(const T* xr, const T* weight, T* outr, int64_t n, float
 }
 
 template <typename T>
-void rms_norm_impl(const T* x, const T* weight, T* out, int64_t rows, int64_t n, float eps) {
+void rms_norm_rows(const T* x, const T* weight, T* out, int64_t rows, int64_t n, float eps) {
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) rms_norm_row(x + r * n, weight, out + r * n, n, eps);
   });
 }
 
 template <typename T>
-void add_rms_norm_impl(T* residual, const T* x, const T* weight, T* out, int64_t rows, int64_t n,
+void add_rms_norm_rows(T* residual, const T* x, const T* weight, T* out, int64_t rows, int64_t n,
                        float eps) {
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
@@ -35,7 +37,7 @@ void add_rms_norm_impl(T* residual, const T* x, const T* weight, T* out, int64_t
 // SwiGLU on the fused gate/up projection [rows, 2n]: out = silu(gate) * up, each rounded to T
 // as PyTorch's separate silu and mul would.
 template <typename T>
-void silu_mul_impl(const T* gate_up, T* out, int64_t rows, int64_t n) {
+void silu_mul_rows(const T* gate_up, T* out, int64_t rows, int64_t n) {
   at::parallel_for(0, rows, 4, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const T* gate = gate_up + r * 2 * n;
@@ -57,20 +59,3 @@ void silu_mul_impl(const T* gate_up, T* out, int64_t rows, int64_t n) {
     }
   });
 }
-
-void rms_norm_f32(const float* x, const float* w, float* out, int64_t rows, int64_t n, float eps) {
-  rms_norm_impl<float>(x, w, out, rows, n, eps);
-}
-void rms_norm_bf16(const bf16* x, const bf16* w, bf16* out, int64_t rows, int64_t n, float eps) {
-  rms_norm_impl<bf16>(x, w, out, rows, n, eps);
-}
-void add_rms_norm_f32(float* res, const float* x, const float* w, float* out, int64_t rows, int64_t n,
-                      float eps) {
-  add_rms_norm_impl<float>(res, x, w, out, rows, n, eps);
-}
-void add_rms_norm_bf16(bf16* res, const bf16* x, const bf16* w, bf16* out, int64_t rows, int64_t n,
-                       float eps) {
-  add_rms_norm_impl<bf16>(res, x, w, out, rows, n, eps);
-}
-void silu_mul_f32(const float* gu, float* out, int64_t rows, int64_t n) { silu_mul_impl<float>(gu, out, rows, n); }
-void silu_mul_bf16(const bf16* gu, bf16* out, int64_t rows, int64_t n) { silu_mul_impl<bf16>(gu, out, rows, n); }

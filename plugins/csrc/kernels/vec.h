@@ -11,11 +11,9 @@ inline float to_f32(bf16 x) { return static_cast<float>(x); }
 inline void store_as(float* p, float x) { *p = x; }
 inline void store_as(bf16* p, float x) { *p = bf16(x); }
 
-// Quantized KV-cache elements: the attention loops read them through the same to_f32 / vload
-// as float and bf16 (the per-channel scales are applied outside the loops).
-struct fp8e4m3 {  // FP8 E4M3 bits (1 sign, 4 exponent bits biased by 7, 3 mantissa bits)
-  uint8_t bits;
-};
+// Quantized KV-cache elements (int8, fp8e4m3 from formats.h): the attention loops read them
+// through the same to_f32 / vload as float and bf16 (the per-channel scales are applied outside
+// the loops).
 inline float to_f32(int8_t x) { return static_cast<float>(x); }
 inline float to_f32(fp8e4m3 x) {  // exact; 0x7f / 0xff (NaN) are never written
   const int e = (x.bits >> 3) & 15, m = x.bits & 7;

@@ -1,0 +1,186 @@
+"""TensorRT-LLM checkpoints as a checkpoint kiln builds from (`model.format: trtllm`).
+
+A TensorRT-LLM checkpoint is a folder with `config.json` (the model and
+`quantization.quant_algo` / `kv_cache_quant_algo`) and `rank0.safetensors` (one rank) under
+TensorRT-LLM's names: transformer.vocab_embedding, transformer.layers.N.{input_layernorm,
+attention.qkv, attention.dense, post_layernorm, mlp.fc (the gate projection), mlp.gate (the up
+projection), mlp.proj}, transformer.ln_f, lm_head. Scales are dequantization factors
+(w ~ q * scale):
+
+    FP8        weight float8_e4m3fn [out, in], weights_scaling_factor and
+               activation_scaling_factor (one per tensor)
+    W4A16_AWQ  weight int4 packed two per byte along the OUTPUT dimension (rows 2k / 2k+1 in
+               the low / high nibble, signed two's complement) [out / 2, in],
+               weights_scaling_factor [out, in / group], prequant_scaling_factor [in]
+    KV cache   attention.kv_cache_scaling_factor [1] per layer (INT8 or FP8)
+
+The names and packing here are shared with the exporter (builder/export.py)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from kiln import constants as names
+from kiln.builder.checkpoint import Checkpoint, one_for_fused
+from kiln.errors import CheckpointError
+from kiln.plugins.formats import pack_int4
+from kiln.runtime.spec import ModelSpec, RopeScaling
+
+# kiln layer linear -> TensorRT-LLM module(s); gate_up is split into fc (gate) and gate (up)
+LINEAR_MODULES = {names.ATTN_QKV: (names.TRTLLM_QKV,), names.ATTN_OUT: (names.TRTLLM_DENSE,),
+                  names.MLP_GATE_UP: (names.TRTLLM_MLP_FC, names.TRTLLM_MLP_GATE),
+                  names.MLP_DOWN: (names.TRTLLM_MLP_PROJ,)}
+NORMS = {names.INPUT_NORM: names.TRTLLM_INPUT_NORM, names.POST_ATTENTION_NORM: names.TRTLLM_POST_NORM}
+
+
+def module_tensor(layer: int, module: str, tensor: str) -> str:
+    return names.TRTLLM_LAYER.format(layer) + f"{module}.{tensor}"
+
+
+def unpack_int4_along_out(packed: torch.Tensor) -> torch.Tensor:
+    """int8 [out / 2, in] (TensorRT-LLM) -> int8 values [out, in]."""
+    u = packed.view(torch.uint8).to(torch.int16)
+    low, high = u & 0x0F, u >> 4
+    low, high = torch.where(low >= 8, low - 16, low), torch.where(high >= 8, high - 16, high)
+    return torch.stack([low, high], dim=1).reshape(-1, packed.shape[1]).to(torch.int8)
+
+
+def is_trtllm_checkpoint(path: Path) -> bool:
+    if not (path.is_dir() and (path / names.TRTLLM_CONFIG).is_file() and (path / names.TRTLLM_WEIGHTS).is_file()):
+        return False
+    try:
+        return "architecture" in json.loads((path / names.TRTLLM_CONFIG).read_text())
+    except (OSError, ValueError):
+        return False
+
+
+def _spec(config: dict, source: Path) -> ModelSpec:
+    by_name = {v: k for k, v in names.TRTLLM_ARCHITECTURES.items()}
+    arch = by_name.get(config["architecture"])
+    if arch is None:
+        raise CheckpointError(f"{source}: architecture {config['architecture']!r} is not one kiln reads "
+                              f"({sorted(by_name)})")
+    mapping = config.get("mapping") or {}
+    if mapping.get("world_size", 1) != 1:
+        raise CheckpointError(f"{source}: a checkpoint split over {mapping['world_size']} ranks; kiln reads "
+                              f"single-rank (rank0.safetensors only) checkpoints")
+    rope = config.get("rotary_scaling")
+    scaling = None
+    if rope:
+        if rope.get("type", rope.get("rope_type")) != "llama3":
+            raise CheckpointError(f"{source}: rotary_scaling {rope} is not supported (llama3 only)")
+        scaling = RopeScaling(float(rope["factor"]), float(rope["low_freq_factor"]), float(rope["high_freq_factor"]),
+                              int(rope["original_max_position_embeddings"]))
+    heads = int(config["num_attention_heads"])
+    eos = config.get("eos_token_id")
+    return ModelSpec(
+        architecture=arch, vocab_size=int(config["vocab_size"]), hidden_size=int(config["hidden_size"]),
+        num_layers=int(config["num_hidden_layers"]), num_heads=heads,
+        num_kv_heads=int(config.get("num_key_value_heads") or heads),
+        head_dim=int(config.get("head_size") or int(config["hidden_size"]) // heads),
+        intermediate_size=int(config["intermediate_size"]),
+        max_position_embeddings=int(config.get("max_position_embeddings") or 2048),
+        rope_theta=float(config.get("rotary_base", 10000.0)), rope_scaling=scaling,
+        norm_eps=float(config.get("norm_epsilon", 1e-5)), tie_embeddings=False,
+        qkv_bias=bool(config.get("qkv_bias", arch == "qwen2")), bos_id=config.get("bos_token_id"),
+        eos_ids=tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),)),
+        pad_id=config.get("pad_token_id"))
+
+
+def _import_linear(get, layer: int, modules: tuple[str, ...], algo: str, source: Path) -> dict[str, torch.Tensor]:
+    """TensorRT-LLM module(s) -> kiln's quantized tensors for one fused linear (under part names)."""
+    def part(module: str, tensor: str) -> torch.Tensor:
+        return get(module_tensor(layer, module, tensor))
+
+    weights = [part(m, names.TRTLLM_WEIGHT) for m in modules]
+    if algo == names.TRTLLM_FP8:
+        scales = torch.cat([part(m, names.TRTLLM_WEIGHTS_SCALE).float().reshape(-1).expand(w.shape[0])
+                            for m, w in zip(modules, weights)])
+        act = one_for_fused([part(m, names.TRTLLM_ACTIVATION_SCALE).float().reshape(1) for m in modules],
+                            "activation_scaling_factor", f"{source}: layer {layer} {'/'.join(modules)}")
+        return {names.QWEIGHT: torch.cat(weights).to(torch.float8_e4m3fn).contiguous(),
+                names.WEIGHT_SCALES: scales.contiguous(), names.INPUT_SCALE: act.contiguous()}
+    q = torch.cat([unpack_int4_along_out(w) for w in weights])
+    out = {names.QWEIGHT: pack_int4(q),
+           names.WEIGHT_SCALES: torch.cat([part(m, names.TRTLLM_WEIGHTS_SCALE).float() for m in modules]).contiguous()}
+    pre = one_for_fused([part(m, names.TRTLLM_PREQUANT_SCALE).float().reshape(-1) for m in modules],
+                        "prequant_scaling_factor", f"{source}: layer {layer} {'/'.join(modules)}")
+    if not torch.all(pre == 1):
+        out[names.PRE_SCALE] = pre.contiguous()
+    return out
+
+
+def load_trtllm(folder: Path) -> Checkpoint:
+    config = json.loads((folder / names.TRTLLM_CONFIG).read_text())
+    try:
+        spec = _spec(config, folder)
+    except KeyError as exc:
+        raise CheckpointError(f"{folder}/{names.TRTLLM_CONFIG} lacks the key {exc}") from None
+    quant = config.get("quantization") or {}
+    algo, kv_algo = quant.get("quant_algo"), quant.get("kv_cache_quant_algo")
+    if algo not in (None, names.TRTLLM_FP8, names.TRTLLM_W4A16_AWQ):
+        raise CheckpointError(f"{folder}: quant_algo {algo!r} is not one kiln reads (none, FP8, W4A16_AWQ)")
+    if kv_algo not in (None, names.TRTLLM_KV_INT8, names.TRTLLM_KV_FP8):
+        raise CheckpointError(f"{folder}: kv_cache_quant_algo {kv_algo!r} is not one kiln reads (none, INT8, FP8)")
+    excluded = quant.get("exclude_modules") or []
+    if algo and any(not m.startswith("lm_head") for m in excluded):
+        raise CheckpointError(f"{folder}: layers excluded from quantization ({excluded}) are not supported")
+    try:
+        with safe_open(folder / names.TRTLLM_WEIGHTS, framework="pt") as f:
+            raw = {key: f.get_tensor(key) for key in f.keys()}
+    except (SafetensorError, OSError) as exc:
+        raise CheckpointError(f"cannot read {folder / names.TRTLLM_WEIGHTS}: {exc} (is it truncated or corrupt?)") from None
+
+    def get(key: str) -> torch.Tensor:
+        if key not in raw:
+            raise CheckpointError(f"{folder}/{names.TRTLLM_WEIGHTS} lacks {key}")
+        return raw[key]
+
+    tensors = {names.CKPT_EMBED: get(names.TRTLLM_EMBED).float(), names.CKPT_FINAL_NORM: get(names.TRTLLM_FINAL_NORM).float(),
+               names.CKPT_LM_HEAD: raw.get(names.TRTLLM_LM_HEAD, raw[names.TRTLLM_EMBED]).float()}
+    prequantized: dict[str, torch.Tensor] = {}
+    kv = {names.TRTLLM_KV_INT8: names.KV_CACHE_INT8, names.TRTLLM_KV_FP8: names.KV_CACHE_FP8}.get(kv_algo, "none")
+    q, k = spec.q_size, spec.kv_size
+    for i in range(spec.num_layers):
+        tensors[names.layer_tensor(i, "input_norm.weight")] = get(names.TRTLLM_LAYER.format(i) + names.TRTLLM_INPUT_NORM).float()
+        tensors[names.layer_tensor(i, "post_attention_norm.weight")] = get(
+            names.TRTLLM_LAYER.format(i) + names.TRTLLM_POST_NORM).float()
+        if spec.qkv_bias:
+            bias = get(module_tensor(i, names.TRTLLM_QKV, names.TRTLLM_BIAS)).float()
+            for name, piece in zip(names.CKPT_QKV_BIASES, bias.split((q, k, k))):
+                tensors[names.layer_tensor(i, name)] = piece
+        if algo is None:
+            qkv = get(module_tensor(i, names.TRTLLM_QKV, names.TRTLLM_WEIGHT)).float()
+            for name, piece in zip(("attention.q.weight", "attention.k.weight", "attention.v.weight"),
+                                   qkv.split((q, k, k))):
+                tensors[names.layer_tensor(i, name)] = piece
+            for name, module in (("attention.o.weight", names.TRTLLM_DENSE), ("mlp.gate.weight", names.TRTLLM_MLP_FC),
+                                 ("mlp.up.weight", names.TRTLLM_MLP_GATE), ("mlp.down.weight", names.TRTLLM_MLP_PROJ)):
+                tensors[names.layer_tensor(i, name)] = get(module_tensor(i, module, names.TRTLLM_WEIGHT)).float()
+        else:
+            for linear, modules in LINEAR_MODULES.items():
+                prefix = names.linear_prefix(names.layer_tensor(i, linear))
+                for part, tensor in _import_linear(get, i, modules, algo, folder).items():
+                    prequantized[names.linear_tensor(prefix, part)] = tensor
+        if kv != "none":
+            scale = get(names.TRTLLM_LAYER.format(i) + names.TRTLLM_KV_SCALE).float().reshape(())
+            prequantized[names.layer_tensor(i, names.ATTN_KV_SCALES)] = scale.expand(2, k).contiguous()
+    quantization = None
+    if algo or kv != "none":
+        quantization = {"algo": {None: "none", names.TRTLLM_FP8: "fp8", names.TRTLLM_W4A16_AWQ: "int4_awq"}[algo],
+                        "kv_cache": kv, "key_rotation": names.KEY_ROTATION_NONE,
+                        "source": f"TensorRT-LLM checkpoint ({algo or 'unquantized'}, "
+                                  f"KV cache {kv_algo or 'unquantized'})"}
+        if algo:
+            quantization["linear"] = names.LINEAR_FP8 if algo == names.TRTLLM_FP8 else names.LINEAR_INT4
+        if algo == names.TRTLLM_W4A16_AWQ:
+            quantization["group_size"] = int(quant["group_size"])
+    tokenizer_files = {n: (folder / n).read_text() for n in (names.TOKENIZER_JSON, names.TOKENIZER_CONFIG_JSON)
+                       if (folder / n).is_file()}
+    if names.TOKENIZER_JSON not in tokenizer_files:
+        raise CheckpointError(f"{folder} has no {names.TOKENIZER_JSON}: put the model's tokenizer files beside "
+                              f"{names.TRTLLM_CONFIG} (kiln export writes them there)")
+    return Checkpoint(spec, tensors, tokenizer_files, prequantized=prequantized, quantization=quantization)

@@ -1,0 +1,182 @@
+"""`kiln export`: a kiln engine out as a TensorRT-LLM checkpoint (one rank: kiln exports no
+tensor parallelism), so weights move to NVIDIA's tools; builder/checkpoint/trtllm.py reads
+such checkpoints back and describes the format.
+
+kiln's other formats have no TensorRT-LLM checkpoint form it can write faithfully (int8
+weight-only and SmoothQuant tensors are laid out for TensorRT-LLM's GPU kernels; kiln's W4A8 uses
+int8 activations; per-channel FP8 weights are TensorRT-LLM's per-token recipe), and are refused
+by name. kiln's per-channel KV-cache scales become one scale per layer (the largest), so an
+exported KV cache is a little coarser than kiln's own; TensorRT-LLM stores keys unrotated, so an
+FP8 cache loses what kiln's key rotation gains (docs/quantization.md)."""
+from __future__ import annotations
+
+import json
+import math
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from kiln import constants as names
+from kiln.builder.checkpoint.trtllm import LINEAR_MODULES, NORMS, module_tensor
+from kiln.errors import KilnError
+from kiln.plugins.formats import dequantize_int4, hadamard_block, unpack_int4
+from kiln.runtime.spec import ModelSpec
+
+DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+QUANT_ALGOS = {names.LINEAR_FP8: names.TRTLLM_FP8, names.LINEAR_INT4: names.TRTLLM_W4A16_AWQ}
+KV_ALGOS = {names.KV_CACHE_INT8: names.TRTLLM_KV_INT8, names.KV_CACHE_FP8: names.TRTLLM_KV_FP8}
+
+
+class ExportError(KilnError):
+    """The engine cannot be written as a TensorRT-LLM checkpoint."""
+
+
+def pack_int4_along_out(q: torch.Tensor) -> torch.Tensor:
+    """int8 values in [-8, 7], [out, in] -> int8 [out / 2, in]: row 2k in the low nibble."""
+    if q.shape[0] % 2:
+        raise ExportError(f"TensorRT-LLM's int4 packing needs an even out_features, got {q.shape[0]}")
+    u = q.to(torch.int16) & 0x0F
+    return (u[0::2] | (u[1::2] << 4)).to(torch.uint8).view(torch.int8).contiguous()
+
+
+def _config(spec: ModelSpec, dtype: str, quant: dict | None) -> dict:
+    rope = None
+    if spec.rope_scaling is not None:
+        s = spec.rope_scaling
+        rope = {"type": "llama3", "factor": s.factor, "low_freq_factor": s.low_freq_factor,
+                "high_freq_factor": s.high_freq_factor,
+                "original_max_position_embeddings": s.original_max_position_embeddings}
+    return {
+        "architecture": names.TRTLLM_ARCHITECTURES[spec.architecture],
+        "dtype": dtype,
+        "logits_dtype": "float32",
+        "vocab_size": spec.vocab_size,
+        "max_position_embeddings": spec.max_position_embeddings,
+        "hidden_size": spec.hidden_size,
+        "num_hidden_layers": spec.num_layers,
+        "num_attention_heads": spec.num_heads,
+        "num_key_value_heads": spec.num_kv_heads,
+        "head_size": spec.head_dim,
+        "hidden_act": "silu",
+        "intermediate_size": spec.intermediate_size,
+        "norm_epsilon": spec.norm_eps,
+        "position_embedding_type": "rope_gpt_neox",
+        "rotary_base": spec.rope_theta,
+        "rotary_scaling": rope,
+        "use_parallel_embedding": False,
+        "share_embedding_table": False,
+        "qkv_bias": spec.qkv_bias,
+        "bos_token_id": spec.bos_id,
+        "eos_token_id": list(spec.eos_ids),
+        "pad_token_id": spec.pad_id,
+        "quantization": quant or {"quant_algo": None, "kv_cache_quant_algo": None},
+        "mapping": {"world_size": 1, "tp_size": 1, "pp_size": 1},
+    }
+
+
+def _export_linear(out: dict, layer: int, modules: tuple[str, ...], kind: str | None,
+                   w: dict[str, torch.Tensor], dtype: torch.dtype) -> None:
+    """One kiln linear (dense or quantized tensors `w`) -> TensorRT-LLM module(s), split by rows."""
+    rows = w[names.QWEIGHT if kind else "weight"].shape[0] // len(modules)
+    for index, module in enumerate(modules):
+        part = slice(index * rows, (index + 1) * rows)
+        if kind is None:
+            out[module_tensor(layer, module, names.TRTLLM_WEIGHT)] = w["weight"][part].to(dtype).contiguous()
+            continue
+        scales = w[names.WEIGHT_SCALES][part]
+        if kind == names.LINEAR_FP8:
+            if not torch.all(scales == scales[0]):
+                raise ExportError("TensorRT-LLM's FP8 checkpoint has one weight scale per tensor; build with "
+                                  "quantization.fp8_weight_scales: per_tensor to export")
+            out[module_tensor(layer, module, names.TRTLLM_WEIGHT)] = w[names.QWEIGHT][part].contiguous()
+            out[module_tensor(layer, module, names.TRTLLM_WEIGHTS_SCALE)] = scales[0].clone().float()
+            out[module_tensor(layer, module, names.TRTLLM_ACTIVATION_SCALE)] = w[names.INPUT_SCALE].reshape(()).float().clone()
+        else:  # int4 group-wise
+            q = unpack_int4(w[names.QWEIGHT][part])
+            out[module_tensor(layer, module, names.TRTLLM_WEIGHT)] = pack_int4_along_out(q)
+            # (scales in float32: TensorRT-LLM casts them to the model dtype when it builds, and
+            # kiln reads them back exactly)
+            out[module_tensor(layer, module, names.TRTLLM_WEIGHTS_SCALE)] = scales.float().contiguous()
+            pre = w.get(names.PRE_SCALE)
+            out[module_tensor(layer, module, names.TRTLLM_PREQUANT_SCALE)] = (
+                torch.ones(q.shape[1]) if pre is None else pre.float()).contiguous()
+        if w.get("bias") is not None:
+            out[module_tensor(layer, module, names.TRTLLM_BIAS)] = w["bias"][part].to(dtype).contiguous()
+
+
+def _kv_scale(scales: torch.Tensor, quant: dict, spec: ModelSpec) -> torch.Tensor:
+    """One layer's KV-cache scale for TensorRT-LLM: the largest of kiln's per-channel scales. Keys
+    kiln stores rotated (quantization.key_rotation hadamard) are bounded as TensorRT-LLM stores
+    them, unrotated: k = H (H k), so |k_i| <= sum_j |H_ij| |(H k)_j| <= sum over i's block of
+    448 s_j / sqrt(block)."""
+    keys = scales[0]
+    if quant.get("key_rotation", names.KEY_ROTATION_NONE) == names.KEY_ROTATION_HADAMARD:
+        block = hadamard_block(spec.head_dim)
+        keys = keys.reshape(-1, block).sum(dim=1) / math.sqrt(block)
+    return torch.maximum(keys.max(), scales[1].max())
+
+
+def export_checkpoint(engine_dir: Path, output: Path) -> Path:
+    """An engine directory -> a TensorRT-LLM checkpoint folder (config.json, rank0.safetensors,
+    and the tokenizer files beside them)."""
+    engine_dir = Path(engine_dir)
+    meta = json.loads((engine_dir / names.ENGINE_JSON).read_text())
+    spec = ModelSpec.from_json(meta["model"])
+    dtype_name = meta["dtype"]
+    dtype = {v: k for k, v in DTYPE_NAMES.items()}[dtype_name]
+    quant = meta.get("quantization") or {}
+    kind = quant.get("linear")
+    if kind is not None and kind not in QUANT_ALGOS:
+        raise ExportError(f"a {quant.get('algo')} engine ({kind} linears) has no TensorRT-LLM checkpoint form "
+                          f"kiln writes faithfully; exportable: unquantized, fp8 with per_tensor weight "
+                          f"scales, int4_awq / int4_wo (W4A16_AWQ), with or without an int8 / fp8 KV cache")
+    in_features = (spec.hidden_size, spec.q_size, spec.intermediate_size)
+    if kind == names.LINEAR_INT4 and any(k % quant["group_size"] for k in in_features):
+        raise ExportError(f"TensorRT-LLM needs the int4 group size ({quant['group_size']}) to divide every "
+                          f"in_features {in_features}; build with a group_size that does")
+    weights = load_file(engine_dir / names.WEIGHTS_FILE)
+    out: dict[str, torch.Tensor] = {names.TRTLLM_EMBED: weights[names.EMBED].to(dtype).contiguous(),
+                                    names.TRTLLM_FINAL_NORM: weights[names.FINAL_NORM].to(dtype).contiguous()}
+    head_prefix = names.linear_prefix(names.LM_HEAD)
+    if names.linear_tensor(head_prefix, names.QWEIGHT) in weights:  # int8 / int4 lm_head: dequantized (float32)
+        q = weights[names.linear_tensor(head_prefix, names.QWEIGHT)]
+        s = weights[names.linear_tensor(head_prefix, names.WEIGHT_SCALES)]
+        if quant.get("lm_head") == names.LINEAR_INT4:
+            out[names.TRTLLM_LM_HEAD] = dequantize_int4(q, s, quant["lm_head_group_size"])
+        else:
+            out[names.TRTLLM_LM_HEAD] = q.float() * s[:, None]
+    else:
+        out[names.TRTLLM_LM_HEAD] = weights.get(names.LM_HEAD, weights[names.EMBED]).to(dtype).contiguous()
+    for i in range(spec.num_layers):
+        for kiln_name, trt_name in NORMS.items():
+            out[names.TRTLLM_LAYER.format(i) + trt_name] = weights[names.layer_tensor(i, kiln_name)].to(dtype)
+        for linear, modules in LINEAR_MODULES.items():
+            weight_name = names.layer_tensor(i, linear)
+            prefix = names.linear_prefix(weight_name)
+            if kind is None:
+                w = {"weight": weights[weight_name]}
+            else:
+                w = {part: weights[names.linear_tensor(prefix, part)]
+                     for part in (names.QWEIGHT, names.WEIGHT_SCALES, names.PRE_SCALE, names.INPUT_SCALE)
+                     if names.linear_tensor(prefix, part) in weights}
+            if linear == names.ATTN_QKV and spec.qkv_bias:
+                w["bias"] = weights[names.layer_tensor(i, names.ATTN_QKV_BIAS)]
+            _export_linear(out, i, modules, kind, w, dtype)
+        if quant.get("kv_cache", "none") != "none":
+            scale = _kv_scale(weights[names.layer_tensor(i, names.ATTN_KV_SCALES)].float(), quant, spec)
+            out[names.TRTLLM_LAYER.format(i) + names.TRTLLM_KV_SCALE] = scale.reshape(1)
+    quant_config = {"quant_algo": QUANT_ALGOS.get(kind), "kv_cache_quant_algo": KV_ALGOS.get(quant.get("kv_cache")),
+                    "exclude_modules": ["lm_head"] if kind else None}
+    if kind == names.LINEAR_INT4:
+        quant_config.update(group_size=quant["group_size"], has_zero_point=False, pre_quant_scale=True)
+    output = Path(output)
+    output.mkdir(parents=True, exist_ok=True)
+    save_file(out, output / names.TRTLLM_WEIGHTS)
+    (output / names.TRTLLM_CONFIG).write_text(json.dumps(_config(spec, dtype_name, quant_config), indent=2) + "\n")
+    for tokenizer_file in (engine_dir / names.TOKENIZER_DIR).iterdir():
+        shutil.copy(tokenizer_file, output / tokenizer_file.name)
+    return output
+
+

@@ -1,0 +1,48 @@
+// Which ISA's kernel table runs: chosen once when the library loads (KILN_ISA overrides, e.g. to
+// run the scalar reference path), switched only by the select_isa op (tests, benchmarks).
+
+static bool host_supports(const std::string& isa) {
+  if (isa == "avx512bf16")
+    return host_supports("avx512") && __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512vnni");
+  if (isa == "avx512")
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+  if (isa == "avx2") return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  return isa == "scalar";
+}
+
+static Kernels kernels_for(const std::string& requested) {
+  std::string isa = requested;
+  if (isa == "auto")
+    isa = host_supports("avx512bf16") ? "avx512bf16"
+          : host_supports("avx512")   ? "avx512"
+          : host_supports("avx2")     ? "avx2"
+                                      : "scalar";
+  TORCH_CHECK(isa == "avx512bf16" || isa == "avx512" || isa == "avx2" || isa == "scalar",
+              "kiln: unknown ISA '", requested, "'; expected auto, avx512bf16, avx512, avx2 or scalar");
+  TORCH_CHECK(host_supports(isa), "kiln: this CPU does not support ISA '", isa, "'");
+  if (isa == "avx512bf16") return KILN_KERNELS_OF(avx512bf16);
+  if (isa == "avx512") return KILN_KERNELS_OF(avx512);
+  if (isa == "avx2") return KILN_KERNELS_OF(avx2);
+  return KILN_KERNELS_OF(scalar);
+}
+
+static Kernels& active() {
+  static Kernels k = kernels_for(std::getenv("KILN_ISA") ? std::getenv("KILN_ISA") : "auto");
+  return k;
+}
+
+std::string select_isa(std::string isa) {
+  active() = kernels_for(isa);
+  return active().isa;
+}
+
+std::string active_isa() { return active().isa; }
+
+// The weight layouts the runtime should make at load for the active ISA, comma-separated
+// ("int4,int8": both tiled)
+std::string tiled_layouts() {
+  std::string out = active().tiled_int4 ? "int4" : "";
+  if (active().tiled_int8) out += out.empty() ? "int8" : ",int8";
+  return out;
+}

@@ -1,0 +1,16 @@
+// Every kernel family, in dependency order, for one ISA namespace (library.cpp includes this once
+// per instruction set, with its KILN_ISA_* macros defined). select.h, last, chooses what runs.
+#include "vec.h"
+#include "norms.h"
+#include "dense.h"
+#include "hadamard.h"
+#include "attention.h"
+#include "gemv.h"
+#include "int8.h"
+#include "int8_tiled.h"
+#include "int4.h"
+#include "int4_tiled.h"
+#include "w8a8.h"
+#include "w4a8.h"
+#include "fp8.h"
+#include "select.h"

@@ -1,0 +1,279 @@
+// The drivers and input quantizers every quantized GEMV shares (int8, int4, W8A8, W4A8, FP8;
+// rows and tiled layouts). Included per ISA inside kiln::<isa> after vec.h.
+//
+//   with_rows / gemv_rows / gemv_float_rows  one weight row at a time against up to four input
+//                                             rows (the row-layout kernels)
+//   dot_rows_bytes                            R float rows . one row of one-byte weights
+//   AVX-512 only:
+//   dp16, dpbusd, broadcast4                  the integer dot-product steps (VNNI or emulated)
+//   quantize_rows_i16, split_rows_i8          input rows to int16, or to two int8 planes (15 bits)
+//   tiles_i16                                 the int16-activation GEMV driver (tiles of 16 rows)
+//   tiled_gemv                                the tiled layouts' driver (formats.h, TiledLayout)
+//   bf16x16, store_rows2 / 4                  16 floats out to 2 or 4 rows (the dequantizers)
+
+// f(std::integral_constant<int, R>{}) for R = mr (1..4): kernels take the row count as a
+// template argument so their accumulators stay in registers
+template <typename F>
+inline void with_rows(int64_t mr, F&& f) {
+  switch (mr) {
+    case 4: f(std::integral_constant<int, 4>{}); break;
+    case 3: f(std::integral_constant<int, 3>{}); break;
+    case 2: f(std::integral_constant<int, 2>{}); break;
+    default: f(std::integral_constant<int, 1>{});
+  }
+}
+
+// The GEMV driver: each weight row o against the input rows xs (as the kernel reads them) four at
+// a time; dot(R, xs + m0 * k, o, sums) fills sums[0, R) and out = sums + bias.
+template <typename X, typename T, typename Dot>
+void gemv_rows(const X* xs, const T* bias, T* out, int64_t rows, int64_t k, int64_t n, Dot dot) {
+  at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
+    float sums[4];
+    for (int64_t o = begin; o < end; ++o) {
+      const float b = bias ? to_f32(bias[o]) : 0.f;
+      for (int64_t m0 = 0; m0 < rows; m0 += 4) {
+        const int64_t mr = std::min<int64_t>(4, rows - m0);
+        with_rows(mr, [&](auto R) { dot(R, xs + m0 * k, o, sums); });
+        for (int64_t r = 0; r < mr; ++r) store_as(out + (m0 + r) * n + o, sums[r] + b);
+      }
+    }
+  });
+}
+
+// The float-input GEMV (AVX2 / scalar paths): the input rows widened to fp32 once first.
+template <typename T, typename Dot>
+void gemv_float_rows(const T* x, const T* bias, T* out, int64_t rows, int64_t k, int64_t n, Dot dot) {
+  std::vector<float> xf(rows * k);
+  for (int64_t i = 0; i < rows * k; ++i) xf[i] = to_f32(x[i]);
+  gemv_rows(xf.data(), bias, out, rows, k, n, dot);
+}
+
+// R input rows against one weight row of one-byte elements W (int8_t, fp8e4m3: vec.h's vload and
+// to_f32 widen them exactly); R is fixed at compile time so the accumulators stay in registers
+template <int R, typename W>
+inline void dot_rows_bytes(const float* xf, int64_t k, const W* wrow, float* sums) {
+  int64_t i = 0;
+  for (int r = 0; r < R; ++r) sums[r] = 0.f;
+#if !defined(KILN_ISA_SCALAR)
+  vfloat acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = vzero();
+  for (; i + kLanes <= k; i += kLanes) {
+    const vfloat wv = vload(wrow + i);
+    for (int r = 0; r < R; ++r) acc[r] = vfma(vload(xf + r * k + i), wv, acc[r]);
+  }
+  for (int r = 0; r < R; ++r) sums[r] = vsum(acc[r]);
+#endif
+  for (; i < k; ++i)
+    for (int r = 0; r < R; ++r) sums[r] += xf[r * k + i] * to_f32(wrow[i]);
+}
+
+#if defined(KILN_ISA_AVX512)
+// int16 pairs multiplied and summed into int32 lanes (vpdpwssd with VNNI, vpmaddwd otherwise)
+inline __m512i dp16(__m512i acc, __m512i a, __m512i b) {
+#if defined(KILN_ISA_VNNI)
+  return _mm512_dpwssd_epi32(acc, a, b);
+#else
+  return _mm512_add_epi32(acc, _mm512_madd_epi16(a, b));
+#endif
+}
+
+// rows x k -> int16 rows padded to kp (a multiple of 32) with zeros; per-row scales. The
+// order within a row matches the order int4 weights unpack in: `order` 0 keeps it, 32 stores
+// each block of 32 as its 16 even then 16 odd elements, 64 stores each block of 64 as the evens
+// of its first 32, the evens of its second 32, then the odds of each.
+inline int64_t permuted(int64_t i, int order) {
+  if (order == 32) {
+    const int64_t j = i % 32;
+    return i - j + (j % 2) * 16 + j / 2;
+  }
+  if (order == 64) {
+    const int64_t j = i % 64, jj = j % 32;
+    return i - j + (jj % 2) * 32 + (j / 32) * 16 + jj / 2;
+  }
+  return i;
+}
+
+// A row's quantization step absmax / qmax, and its inverse into inv (0 for an all-zero row)
+template <typename T>
+inline float row_step(const T* xr, int64_t k, float qmax, float& inv) {
+  int64_t i = 0;
+  __m512 vmax = _mm512_setzero_ps();
+  for (; i + 16 <= k; i += 16) vmax = _mm512_max_ps(vmax, _mm512_abs_ps(vload(xr + i)));
+  float amax = _mm512_reduce_max_ps(vmax);
+  for (; i < k; ++i) amax = std::max(amax, std::fabs(to_f32(xr[i])));
+  inv = amax > 0.f ? qmax / amax : 0.f;
+  return amax / qmax;
+}
+
+// The int16-activation GEMVs' inputs: each row quantized to int16 (absmax / 32767: a relative
+// error of 1.5e-5 of the row's largest value, far below bf16's 4e-3)
+template <typename T>
+void quantize_rows_i16(const T* x, int64_t rows, int64_t k, int64_t kp, int order, int16_t* q, float* scale) {
+  for (int64_t m = 0; m < rows; ++m) {
+    const T* xr = x + m * k;
+    float inv;
+    scale[m] = row_step(xr, k, 32767.f, inv);
+    int16_t* qr = q + m * kp;
+    for (int64_t i = 0; i < kp; ++i) {
+      const int16_t v = i < k ? static_cast<int16_t>(std::nearbyint(to_f32(xr[i]) * inv)) : 0;
+      qr[permuted(i, order)] = v;
+    }
+  }
+}
+
+// The int16-activation GEMV driver: weight rows in tiles of 16 against the input rows four at a
+// time; tile(R, m0, o0, o1, sums) fills sums[(o - o0) * R + r] for rows m0 + r, and
+// out = sums * xs[m] * out_scale(o) + bias.
+template <typename T, typename Tile, typename OutScale>
+void tiles_i16(const T* bias, T* out, const float* xs, int64_t rows, int64_t n, Tile tile, OutScale out_scale) {
+  at::parallel_for(0, (n + 15) / 16, 1, [&](int64_t begin, int64_t end) {
+    float sums[16 * 4];
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t o0 = t * 16, o1 = std::min(n, o0 + 16);
+      for (int64_t m0 = 0; m0 < rows; m0 += 4) {
+        const int64_t mr = std::min<int64_t>(4, rows - m0);
+        with_rows(mr, [&](auto R) { tile(R, m0, o0, o1, sums); });
+        for (int64_t o = o0; o < o1; ++o) {
+          const float b = bias ? to_f32(bias[o]) : 0.f, so = out_scale(o);
+          for (int64_t r = 0; r < mr; ++r)
+            store_as(out + (m0 + r) * n + o, sums[(o - o0) * mr + r] * xs[m0 + r] * so + b);
+        }
+      }
+    }
+  });
+}
+
+// Each input row quantized to 15 bits (absmax / 16383) and split into two int8 planes,
+// q = 256 * h + l (l in [-128, 127], h in [-64, 64]), for vpdpbusd (u8 x s8) kernels.
+template <typename T>
+void split_rows_i8(const T* x, int64_t rows, int64_t k, int64_t kp, int64_t group, int8_t* hi, int8_t* lo,
+                   float* scale, int32_t* hsum, int32_t* lsum) {
+  const int64_t groups = (kp + group - 1) / group;  // hsum / lsum [rows, groups]: the planes' sums per group
+  for (int64_t m = 0; m < rows; ++m) {
+    const T* xr = x + m * k;
+    float inv;
+    scale[m] = row_step(xr, k, 16383.f, inv);
+    for (int64_t g = 0; g < groups; ++g) hsum[m * groups + g] = lsum[m * groups + g] = 0;
+    int64_t i = 0;
+    if (group % 16 == 0) {  // 16 at a time (nearest-even conversion, as nearbyint); a chunk is in one group
+      const __m512 vinv = _mm512_set1_ps(inv);
+      for (; i + 16 <= k; i += 16) {
+        const __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(vload(xr + i), vinv));
+        const __m512i l = _mm512_sub_epi32(_mm512_and_si512(_mm512_add_epi32(q, _mm512_set1_epi32(128)),
+                                                            _mm512_set1_epi32(255)), _mm512_set1_epi32(128));
+        const __m512i h = _mm512_srai_epi32(_mm512_sub_epi32(q, l), 8);
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(hi + m * kp + i), _mm512_cvtepi32_epi8(h));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(lo + m * kp + i), _mm512_cvtepi32_epi8(l));
+        hsum[m * groups + i / group] += _mm512_reduce_add_epi32(h);
+        lsum[m * groups + i / group] += _mm512_reduce_add_epi32(l);
+      }
+    }
+    for (; i < kp; ++i) {
+      const int q = i < k ? static_cast<int>(std::nearbyint(to_f32(xr[i]) * inv)) : 0;
+      const int l = ((q + 128) & 255) - 128;
+      const int h = (q - l) / 256;
+      hi[m * kp + i] = static_cast<int8_t>(h);
+      lo[m * kp + i] = static_cast<int8_t>(l);
+      hsum[m * groups + i / group] += h;
+      lsum[m * groups + i / group] += l;
+    }
+  }
+}
+
+// u8 x s8 products summed by fours into int32 lanes (the emulation is exact here: the weights
+// are nibbles, so vpmaddubsw's int16 pairs cannot saturate)
+inline __m512i dpbusd(__m512i acc, __m512i u, __m512i s) {
+#if defined(KILN_ISA_VNNI)
+  return _mm512_dpbusd_epi32(acc, u, s);
+#else
+  return _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(u, s), _mm512_set1_epi16(1)));
+#endif
+}
+
+inline __m512i broadcast4(const int8_t* p) {  // four int8 inputs into every 32-bit lane
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm512_set1_epi32(v);
+}
+
+// The tiled GEMVs' driver: tile groups in parallel, input rows four at a time. One row (decode):
+// the group's U tiles side by side, one stream (tiles(R = 1, V = U, u0 = 0)); more rows: tile by
+// tile (V = 1). tiles(R, V, t0, U, u0, m0, acc) fills acc[v * R + r] for tiles t0 + u0 + v and
+// input rows m0 + r (R and V as std::integral_constant); row(m, o0, acc, sums) turns one
+// accumulator into the 16 outputs of row m from o0 (before the bias), which is added here.
+template <typename T, typename Tiles, typename Row>
+void tiled_gemv(const TiledLayout& L, const T* bias, T* out, int64_t rows, int64_t n, Tiles tiles, Row row) {
+  at::parallel_for(0, (L.tiles + kTileGroup - 1) / kTileGroup, 1, [&](int64_t begin, int64_t end) {
+    __m512 acc[kTileGroup * 4];
+    float sums[kTileRows];
+    for (int64_t tg = begin; tg < end; ++tg) {
+      const int64_t t0 = tg * kTileGroup, U = L.width(t0);
+      for (int64_t m0 = 0; m0 < rows; m0 += 4) {
+        const int64_t mr = std::min<int64_t>(4, rows - m0);
+        auto emit = [&](int64_t V, int64_t R, int64_t u0) {
+          for (int64_t v = 0; v < V; ++v)
+            for (int64_t r = 0; r < R; ++r) {
+              const int64_t o0 = (t0 + u0 + v) * kTileRows;
+              row(m0 + r, o0, acc[v * R + r], sums);
+              for (int64_t j = 0; j < kTileRows; ++j)
+                store_as(out + (m0 + r) * n + o0 + j, sums[j] + (bias ? to_f32(bias[o0 + j]) : 0.f));
+            }
+        };
+        using One = std::integral_constant<int, 1>;
+        if (mr == 1) {
+          switch (U) {
+            case 4: tiles(One{}, std::integral_constant<int, 4>{}, t0, U, 0, m0, acc); break;
+            case 3: tiles(One{}, std::integral_constant<int, 3>{}, t0, U, 0, m0, acc); break;
+            case 2: tiles(One{}, std::integral_constant<int, 2>{}, t0, U, 0, m0, acc); break;
+            default: tiles(One{}, One{}, t0, U, 0, m0, acc);
+          }
+          emit(U, 1, 0);
+        } else {
+          for (int64_t u0 = 0; u0 < U; ++u0)
+            with_rows(mr, [&](auto R) {
+              tiles(R, One{}, t0, U, u0, m0, acc);
+              emit(1, decltype(R)::value, u0);
+            });
+        }
+      }
+    }
+  });
+}
+
+// 16 floats -> 16 bf16, rounded to nearest even (as c10::BFloat16; the values are finite)
+inline __m256i bf16x16(__m512 v) {
+#if defined(KILN_ISA_AVX512BF16)
+  return (__m256i)_mm512_cvtneps_pbh(v);
+#else
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  return _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF))), 16));
+#endif
+}
+
+// lanes [8j, 8j + 8) of v to row j (j = 0, 1) at base + j * stride
+inline void store_rows2(float* base, int64_t stride, __m512 v) {
+  _mm256_storeu_ps(base, _mm512_castps512_ps256(v));
+  _mm256_storeu_ps(base + stride, _mm512_extractf32x8_ps(v, 1));
+}
+inline void store_rows2(bf16* base, int64_t stride, __m512 v) {
+  const __m256i b = bf16x16(v);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(base), _mm256_castsi256_si128(b));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(base + stride), _mm256_extracti128_si256(b, 1));
+}
+// lanes [4j, 4j + 4) of v to row j (j = 0..3)
+inline void store_rows4(float* base, int64_t stride, __m512 v) {
+  _mm_storeu_ps(base, _mm512_castps512_ps128(v));
+  _mm_storeu_ps(base + stride, _mm512_extractf32x4_ps(v, 1));
+  _mm_storeu_ps(base + 2 * stride, _mm512_extractf32x4_ps(v, 2));
+  _mm_storeu_ps(base + 3 * stride, _mm512_extractf32x4_ps(v, 3));
+}
+inline void store_rows4(bf16* base, int64_t stride, __m512 v) {
+  const __m256i b = bf16x16(v);
+  const __m128i lo = _mm256_castsi256_si128(b), hi = _mm256_extracti128_si256(b, 1);
+  _mm_storel_epi64(reinterpret_cast<__m128i*>(base), lo);
+  _mm_storel_epi64(reinterpret_cast<__m128i*>(base + stride), _mm_unpackhi_epi64(lo, lo));
+  _mm_storel_epi64(reinterpret_cast<__m128i*>(base + 2 * stride), hi);
+  _mm_storel_epi64(reinterpret_cast<__m128i*>(base + 3 * stride), _mm_unpackhi_epi64(hi, hi));
+}
+#endif

@@ -1,0 +1,146 @@
+// int8 weights, one scale per output channel, float / bf16 activations (W8A16), in the row
+// layout the engine stores ([out, in] int8). Included per ISA inside kiln::<isa> after gemv.h.
+//
+//   linear_w8_float   inputs widened to fp32, weights widened per vector, FMAs (scalar, AVX2)
+//   linear_w8_i16     AVX-512: inputs quantized to int16, weights widened to int16, vpdpwssd /
+//                     vpmaddwd: one instruction per 32 weights and row
+//   linear_w8_vnni    AVX512-VNNI, rows of kVnniBytesMinK inputs or more: inputs as two int8
+//                     planes, the weights as bytes with vpdpbusd (64 multiply-adds a step)
+// The decode path on AVX-512 is the tiled layout (int8_tiled.h); select.h chooses.
+
+template <typename T>
+void linear_w8_float(const T* x, const int8_t* w, const float* scale, const T* bias, T* out, int64_t rows,
+                     int64_t k, int64_t n) {
+  gemv_float_rows(x, bias, out, rows, k, n, [&](auto R, const float* xr, int64_t o, float* sums) {
+    dot_rows_bytes<decltype(R)::value>(xr, k, w + o * k, sums);
+    for (int r = 0; r < R; ++r) sums[r] *= scale[o];
+  });
+}
+
+#if defined(KILN_ISA_AVX512)
+constexpr int64_t kFlush = 1024;  // int32 partial sums go to float this often (no overflow)
+
+// O weight rows (int8) x R input rows (int16): each weight chunk is loaded once for R rows,
+// each input chunk once for O weight rows
+template <int R, int O>
+inline void tile_w8(const int16_t* xq, int64_t kp, const int8_t* w, int64_t k, float* sums) {
+  static_assert(O == 1, "one weight row at a time");
+  // four independent accumulator chains per row: vpdpwssd's latency, not its throughput,
+  // bounds a single chain
+  constexpr int C = 4;
+  __m512 facc[R];
+  for (int r = 0; r < R; ++r) facc[r] = _mm512_setzero_ps();
+  const int64_t full = k / 32 * 32;
+  for (int64_t b0 = 0; b0 < kp; b0 += kFlush) {
+    const int64_t b1 = std::min(kp, b0 + kFlush);
+    __m512i acc[R][C];
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_si512();
+    int64_t i = b0;
+    for (; i + 32 * C <= b1 && i + 32 * C <= full; i += 32 * C) {
+      for (int c = 0; c < C; ++c) {
+        const __m512i wv = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + i + 32 * c)));
+        for (int r = 0; r < R; ++r) acc[r][c] = dp16(acc[r][c], _mm512_loadu_si512(xq + r * kp + i + 32 * c), wv);
+      }
+    }
+    for (; i < b1; i += 32) {
+      const __m256i raw = i < full ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + i))
+                                   : _mm256_maskz_loadu_epi8((1u << (k - i)) - 1, w + i);
+      const __m512i wv = _mm512_cvtepi8_epi16(raw);
+      for (int r = 0; r < R; ++r) acc[r][0] = dp16(acc[r][0], _mm512_loadu_si512(xq + r * kp + i), wv);
+    }
+    for (int r = 0; r < R; ++r) {
+      const __m512i total = _mm512_add_epi32(_mm512_add_epi32(acc[r][0], acc[r][1]),
+                                             _mm512_add_epi32(acc[r][2], acc[r][3]));
+      facc[r] = _mm512_add_ps(facc[r], _mm512_cvtepi32_ps(total));
+    }
+  }
+  for (int r = 0; r < R; ++r) sums[r] = _mm512_reduce_add_ps(facc[r]);
+}
+
+// one weight row after the other (see rows_w4); sums[(o - o0) * R + r]
+template <int R>
+inline void rows_w8(const int16_t* xq, int64_t kp, const int8_t* w, int64_t k, int64_t o0, int64_t o1,
+                    float* sums) {
+  for (int64_t o = o0; o < o1; ++o) tile_w8<R, 1>(xq, kp, w + o * k, k, sums + (o - o0) * R);
+}
+
+template <typename T>
+void linear_w8_i16(const T* x, const int8_t* w, const float* scale, const T* bias, T* out, int64_t rows,
+                   int64_t k, int64_t n) {
+  const int64_t kp = (k + 31) / 32 * 32;
+  std::vector<int16_t> xq(rows * kp);
+  std::vector<float> xs(rows);
+  quantize_rows_i16(x, rows, k, kp, 0, xq.data(), xs.data());
+  tiles_i16(bias, out, xs.data(), rows, n, [&](auto R, int64_t m0, int64_t o0, int64_t o1, float* sums) {
+    rows_w8<decltype(R)::value>(xq.data() + m0 * kp, kp, w, k, o0, o1, sums);
+  }, [&](int64_t o) { return scale[o]; });
+}
+
+#if defined(KILN_ISA_VNNI)
+// W8A16 with VNNI bytes: each input row split into two int8 planes (split_rows_i8); the int8 weights, offset
+// to u8 by + 128 (one XOR), meet each plane with vpdpbusd: 64 multiply-adds per instruction and
+// no widening, half the instructions of the int16 path, so the GEMV keeps up with memory. The
+// offset is taken off exactly in the integer domain (128 * sum of the plane). Rows shorter than
+// kVnniBytesMinK take the int16 path (select.h): their per-row reductions (two planes) cost more than the
+// instructions saved (measured one thread: k 576 / 1536 int16 1.2x faster; k 2048 - 8192 this
+// path 1.15-1.5x faster, at memory bandwidth for 8192 x 8192; benchmarks/ablations/gemv_shapes.py).
+constexpr int64_t kVnniBytesMinK = 2048;
+
+// R input rows (two planes each) against one int8 weight row; sums[r] = the exact integer dot
+// product of the row with the 15-bit input row r, as float
+template <int R>
+inline void dot_rows_w8_vnni(const int8_t* hi, const int8_t* lo, int64_t kp, const int32_t* hsum,
+                             const int32_t* lsum, const int8_t* w, int64_t k, float* sums) {
+  constexpr int C = R == 1 ? 2 : 1;  // independent chains per plane: vpdpbusd's latency
+  const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
+  __m512i ah[R][C], al[R][C];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) ah[r][c] = al[r][c] = _mm512_setzero_si512();
+  int64_t i = 0;
+  for (; i + 64 * C <= k; i += 64 * C) {
+    for (int c = 0; c < C; ++c) {
+      const __m512i wv = _mm512_xor_si512(_mm512_loadu_si512(w + i + 64 * c), flip);
+      for (int r = 0; r < R; ++r) {
+        ah[r][c] = _mm512_dpbusd_epi32(ah[r][c], wv, _mm512_loadu_si512(hi + r * kp + i + 64 * c));
+        al[r][c] = _mm512_dpbusd_epi32(al[r][c], wv, _mm512_loadu_si512(lo + r * kp + i + 64 * c));
+      }
+    }
+  }
+  for (; i < k; i += 64) {  // the tail: weights past k read as 0 (x planes are zero there)
+    const __mmask64 mask = k - i >= 64 ? ~0ull : (1ull << (k - i)) - 1;
+    const __m512i wv = _mm512_xor_si512(_mm512_maskz_loadu_epi8(mask, w + i), flip);
+    for (int r = 0; r < R; ++r) {
+      ah[r][0] = _mm512_dpbusd_epi32(ah[r][0], wv, _mm512_loadu_si512(hi + r * kp + i));
+      al[r][0] = _mm512_dpbusd_epi32(al[r][0], wv, _mm512_loadu_si512(lo + r * kp + i));
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    __m512i h = ah[r][0], l = al[r][0];
+    for (int c = 1; c < C; ++c) {
+      h = _mm512_add_epi32(h, ah[r][c]);
+      l = _mm512_add_epi32(l, al[r][c]);
+    }
+    const int32_t th = _mm512_reduce_add_epi32(h) - 128 * hsum[r];
+    const int32_t tl = _mm512_reduce_add_epi32(l) - 128 * lsum[r];
+    sums[r] = static_cast<float>(th) * 256.f + static_cast<float>(tl);
+  }
+}
+
+template <typename T>
+void linear_w8_vnni(const T* x, const int8_t* w, const float* scale, const T* bias, T* out, int64_t rows,
+                    int64_t k, int64_t n) {
+  const int64_t kp = (k + 63) / 64 * 64;
+  std::vector<int8_t> hi(rows * kp), lo(rows * kp);
+  std::vector<float> xs(rows);
+  std::vector<int32_t> hsum(rows), lsum(rows);
+  split_rows_i8(x, rows, k, kp, kp, hi.data(), lo.data(), xs.data(), hsum.data(), lsum.data());
+  tiles_i16(bias, out, xs.data(), rows, n, [&](auto R, int64_t m0, int64_t o0, int64_t o1, float* sums) {
+    constexpr int r = decltype(R)::value;
+    for (int64_t o = o0; o < o1; ++o)
+      dot_rows_w8_vnni<r>(hi.data() + m0 * kp, lo.data() + m0 * kp, kp, hsum.data() + m0, lsum.data() + m0,
+                          w + o * k, k, sums + (o - o0) * r);
+  }, [&](int64_t o) { return scale[o]; });
+}
+#endif
+#endif

@@ -1,0 +1,138 @@
+// int8 weights in the tiled layout (formats.h: blocks of 4 inputs, 16 rows x 4 bytes per vector,
+// stored + 128; made at load by pack_int8_tiled), one scale per output channel, float / bf16
+// activations (W8A16). Included per ISA inside kiln::<isa> after gemv.h.
+//
+//   linear_w8_tiled_ref          plain loops (the layout is used on AVX-512 hosts only: select.h)
+//   linear_w8_tiled_avx512       the input's two 15-bit planes each meet a vector with one
+//                                vpdpbusd (64 multiply-adds); the + 128 comes off once per row as
+//                                128 * sum(q); int32 sums go to float every kTiled8Flush blocks
+//   dequantize_int8_tiled_avx512 / _rows  the weights back to [out, in] (prefill)
+
+constexpr int64_t kTiled8Flush = 1024;  // blocks of 4 inputs: 4,096 inputs
+
+template <typename T>
+void linear_w8_tiled_ref(const T* x, const uint8_t* w, const float* scale, const T* bias, T* out, int64_t rows,
+                         int64_t k, int64_t n) {
+  const TiledLayout L = tiled_int8_layout(k, n);
+  at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t o = begin; o < end; ++o)
+      for (int64_t m = 0; m < rows; ++m) {
+        float acc = 0.f;
+        for (int64_t i = 0; i < k; ++i) acc += to_f32(x[m * k + i]) * static_cast<float>(tiled_int8_at(w, L, o, i));
+        store_as(out + m * n + o, acc * scale[o] + (bias ? to_f32(bias[o]) : 0.f));
+      }
+  });
+}
+
+#if defined(KILN_ISA_AVX512)
+// vpdpbusd for any u8 (without VNNI exactly: the bytes split into nibbles, as vpmaddubsw's int16
+// pairs would saturate on 255 * 128 * 2)
+inline __m512i dpbusd_u8(__m512i acc, __m512i u, __m512i s) {
+#if defined(KILN_ISA_VNNI)
+  return _mm512_dpbusd_epi32(acc, u, s);
+#else
+  const __m512i nib = _mm512_set1_epi8(0x0F);
+  const __m512i low = dpbusd(_mm512_setzero_si512(), _mm512_and_si512(u, nib), s);
+  const __m512i high = dpbusd(_mm512_setzero_si512(), _mm512_and_si512(_mm512_srli_epi16(u, 4), nib), s);
+  return _mm512_add_epi32(acc, _mm512_add_epi32(low, _mm512_slli_epi32(high, 4)));
+#endif
+}
+
+// V tiles x R input rows (two planes each, row stride k) of the int8 tiling; acc[v * R + r] =
+// the integer dot products (weights still + 128) as float
+template <int R, int V>
+__attribute__((noinline)) void tiles_w8t(const int8_t* hi, const int8_t* lo, const uint8_t* w, const TiledLayout& L,
+                                         int64_t U, int64_t u0, int64_t k, __m512* acc) {
+  constexpr int C = V * R;
+  static_assert(C <= 4, "at most four (tile, row) pairs");
+  __m512 fh[C], fl[C];
+  for (int c = 0; c < C; ++c) fh[c] = fl[c] = _mm512_setzero_ps();
+  for (int64_t b0 = 0; b0 < L.kb; b0 += kTiled8Flush) {
+    const int64_t b1 = std::min(L.kb, b0 + kTiled8Flush);
+    __m512i h[C], l[C];
+    for (int c = 0; c < C; ++c) h[c] = l[c] = _mm512_setzero_si512();
+    for (int64_t b = b0; b < b1; ++b) {
+      __m512i xh[R], xl[R];
+      for (int r = 0; r < R; ++r) xh[r] = broadcast4(hi + r * k + 4 * b), xl[r] = broadcast4(lo + r * k + 4 * b);
+      for (int v = 0; v < V; ++v) {
+        const __m512i wv = _mm512_loadu_si512(w + (b * U + u0 + v) * 64);
+        for (int r = 0; r < R; ++r) {
+          h[v * R + r] = dpbusd_u8(h[v * R + r], wv, xh[r]);
+          l[v * R + r] = dpbusd_u8(l[v * R + r], wv, xl[r]);
+        }
+      }
+    }
+    for (int c = 0; c < C; ++c) {
+      fh[c] = _mm512_add_ps(fh[c], _mm512_cvtepi32_ps(h[c]));
+      fl[c] = _mm512_add_ps(fl[c], _mm512_cvtepi32_ps(l[c]));
+    }
+  }
+  for (int c = 0; c < C; ++c) acc[c] = _mm512_fmadd_ps(fh[c], _mm512_set1_ps(256.f), fl[c]);
+}
+
+template <typename T>
+void linear_w8_tiled_avx512(const T* x, const uint8_t* w, const float* scale, const T* bias, T* out, int64_t rows,
+                            int64_t k, int64_t n) {
+  const TiledLayout L = tiled_int8_layout(k, n);
+  std::vector<int8_t> hi(rows * k), lo(rows * k);
+  std::vector<float> xs(rows), offset(rows);
+  std::vector<int32_t> hsum(rows), lsum(rows);
+  split_rows_i8(x, rows, k, k, k, hi.data(), lo.data(), xs.data(), hsum.data(), lsum.data());
+  for (int64_t m = 0; m < rows; ++m)  // 128 * sum(q): the weights' + 128
+    offset[m] = 128.f * (256.f * static_cast<float>(hsum[m]) + static_cast<float>(lsum[m]));
+  tiled_gemv(L, bias, out, rows, n,
+             [&](auto R, auto V, int64_t t0, int64_t U, int64_t u0, int64_t m0, __m512* acc) {
+               tiles_w8t<decltype(R)::value, decltype(V)::value>(hi.data() + m0 * k, lo.data() + m0 * k,
+                                                                 w + t0 * L.kb * 64, L, U, u0, k, acc);
+             },
+             [&](int64_t m, int64_t o0, __m512 acc, float* sums) {
+               const __m512 centred = _mm512_sub_ps(acc, _mm512_set1_ps(offset[m]));
+               _mm512_storeu_ps(sums, _mm512_mul_ps(_mm512_mul_ps(centred, _mm512_set1_ps(xs[m])),
+                                                    _mm512_loadu_ps(scale + o0)));
+             });
+}
+#endif
+
+#if defined(KILN_ISA_AVX512)
+// int8: a vector's 16 bytes q hold rows 4q .. 4q + 3, four inputs each
+template <typename T>
+void dequantize_int8_tiled_avx512(const uint8_t* w, const float* scale, T* out, int64_t k, int64_t n) {
+  const TiledLayout L = tiled_int8_layout(k, n);
+  at::parallel_for(0, (L.tiles + kTileGroup - 1) / kTileGroup, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t tg = begin; tg < end; ++tg) {
+      const int64_t t0 = tg * kTileGroup, U = L.width(t0);
+      for (int64_t u = 0; u < U; ++u) {
+        T* rows = out + (t0 + u) * kTileRows * k;
+        const __m512 s16 = _mm512_loadu_ps(scale + (t0 + u) * kTileRows);
+        __m512 sq[4];
+        for (int q = 0; q < 4; ++q)
+          sq[q] = _mm512_permutexvar_ps(_mm512_set_epi32(4 * q + 3, 4 * q + 3, 4 * q + 3, 4 * q + 3, 4 * q + 2,
+                                                         4 * q + 2, 4 * q + 2, 4 * q + 2, 4 * q + 1, 4 * q + 1,
+                                                         4 * q + 1, 4 * q + 1, 4 * q, 4 * q, 4 * q, 4 * q), s16);
+        for (int64_t b = 0; b < L.kb; ++b) {
+          const uint8_t* p = w + (t0 * L.kb + b * U + u) * 64;
+          for (int q = 0; q < 4; ++q) {
+            const __m512i v = _mm512_sub_epi32(
+                _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16 * q))),
+                _mm512_set1_epi32(128));
+            store_rows4(rows + 4 * q * k + 4 * b, k, _mm512_mul_ps(_mm512_cvtepi32_ps(v), sq[q]));
+          }
+        }
+      }
+    }
+  });
+}
+#endif
+
+// The tiled int8 weights back to rows of T, one value at a time
+template <typename T>
+void dequantize_int8_tiled_rows(const uint8_t* w, const float* scale, T* out, int64_t k, int64_t n) {
+  const TiledLayout L = tiled_int8_layout(k, n);
+  at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t o = begin; o < end; ++o) {
+      T* orow = out + o * k;
+      const float s = scale[o];
+      for (int64_t i = 0; i < k; ++i) store_as(orow + i, static_cast<float>(tiled_int8_at(w, L, o, i)) * s);
+    }
+  });
+}

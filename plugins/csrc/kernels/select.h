@@ -1,0 +1,98 @@
+// Which implementation each kernel runs on this instruction set: the one place that chooses.
+// Included last, per ISA inside kiln::<isa> (library.cpp); kernel_table.h takes every entry point
+// below by name for each ISA namespace. An entry is either one implementation (the ISA paths
+// side by side inside it) or a choice here, by ISA and, where a kernel needs it, by shape.
+
+// --- norms and activations (norms.h), dense linears (dense.h), attention (attention.h) ------
+template <typename T> constexpr auto rms_norm = rms_norm_rows<T>;
+template <typename T> constexpr auto add_rms_norm = add_rms_norm_rows<T>;
+template <typename T> constexpr auto silu_mul = silu_mul_rows<T>;
+template <typename T, typename P> constexpr auto paged_attention = paged_attention_impl<T, P>;
+
+template <typename T>
+void linear(const T* x, const T* w, const T* bias, T* out, int64_t rows, int64_t k, int64_t n) {
+#if defined(KILN_ISA_AVX512BF16)
+  if constexpr (std::is_same_v<T, bf16>) return linear_bf16_dp(x, w, bias, out, rows, k, n);
+#endif
+  linear_float<T>(x, w, bias, out, rows, k, n);
+}
+
+// --- int8 weights, rows (int8.h) -------------------------------------------------------------
+template <typename T>
+void linear_w8(const T* x, const int8_t* w, const float* s, const T* bias, T* out, int64_t rows, int64_t k,
+               int64_t n) {
+#if defined(KILN_ISA_VNNI)
+  if (k >= kVnniBytesMinK) return linear_w8_vnni<T>(x, w, s, bias, out, rows, k, n);
+#endif
+#if defined(KILN_ISA_AVX512)
+  linear_w8_i16<T>(x, w, s, bias, out, rows, k, n);
+#else
+  linear_w8_float<T>(x, w, s, bias, out, rows, k, n);
+#endif
+}
+
+// --- int8 weights, tiled (int8_tiled.h) ------------------------------------------------------
+// Whether the runtime lays int8 weights out tiled on this ISA (elsewhere the row layout's
+// kernels are the faster ones)
+#if defined(KILN_ISA_AVX512)
+constexpr bool kTiledInt8 = true;
+template <typename T> constexpr auto linear_w8_tiled = linear_w8_tiled_avx512<T>;
+template <typename T> constexpr auto dequantize_int8_tiled = dequantize_int8_tiled_avx512<T>;
+#else
+constexpr bool kTiledInt8 = false;
+template <typename T> constexpr auto linear_w8_tiled = linear_w8_tiled_ref<T>;
+template <typename T> constexpr auto dequantize_int8_tiled = dequantize_int8_tiled_rows<T>;
+#endif
+
+// --- int4 weights, rows (int4.h) -------------------------------------------------------------
+template <typename T> constexpr auto dequantize_int4 = dequantize_int4_rows<T>;
+
+template <typename T>
+void linear_w4(const T* x, const uint8_t* w, const float* s, int64_t group, const T* bias, T* out, int64_t rows,
+               int64_t k, int64_t n) {
+#if defined(KILN_ISA_AVX512)
+  if (k % 32 == 0 && group % 32 == 0) return linear_w4_i16<T>(x, w, s, group, bias, out, rows, k, n);
+#endif
+  linear_w4_float<T>(x, w, s, group, bias, out, rows, k, n);
+}
+
+// --- int4 weights, tiled (int4_tiled.h): the layout wherever the shape allows it ----------
+constexpr bool kTiledInt4 = true;
+#if defined(KILN_ISA_AVX512)
+template <typename T> constexpr auto linear_w4_tiled = linear_w4_tiled_avx512<T>;
+template <typename T> constexpr auto dequantize_int4_tiled = dequantize_int4_tiled_avx512<T>;
+#else
+template <typename T> constexpr auto linear_w4_tiled = linear_w4_tiled_ref<T>;
+template <typename T> constexpr auto dequantize_int4_tiled = dequantize_int4_tiled_rows<T>;
+#endif
+
+// --- W8A8 (w8a8.h) and W4A8 (w4a8.h) ---------------------------------------------------------
+template <typename T> constexpr auto linear_w8a8 = linear_w8a8_rows<T>;
+
+template <typename T>
+void linear_w4a8(const T* x, const uint8_t* w, const float* s, int64_t group, const T* bias, T* out, int64_t rows,
+                 int64_t k, int64_t n) {
+#if defined(KILN_ISA_VNNI)
+  if (k % 64 == 0 && group % 64 == 0) return linear_w4a8_vnni<T>(x, w, s, group, bias, out, rows, k, n);
+#endif
+  linear_w4a8_rows<T>(x, w, s, group, bias, out, rows, k, n);
+}
+
+#if defined(KILN_ISA_AVX512)
+template <typename T> constexpr auto linear_w4a8_tiled = linear_w4a8_tiled_avx512<T>;
+#else
+template <typename T> constexpr auto linear_w4a8_tiled = linear_w4a8_tiled_ref<T>;
+#endif
+
+// --- FP8 (fp8.h) ------------------------------------------------------------------------------
+template <typename T> constexpr auto quantize_fp8 = quantize_fp8_elements<T>;
+template <typename T> constexpr auto dequantize_fp8 = dequantize_fp8_elements<T>;
+
+template <typename T>
+void linear_fp8(const T* x, const uint8_t* w, const float* s, const T* bias, T* out, int64_t rows, int64_t k,
+                int64_t n) {
+#if defined(KILN_ISA_AVX512BF16)
+  if constexpr (std::is_same_v<T, bf16>) return linear_fp8_dp(x, w, s, bias, out, rows, k, n);
+#endif
+  linear_fp8_float<T>(x, w, s, bias, out, rows, k, n);
+}

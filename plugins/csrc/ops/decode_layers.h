@@ -1,0 +1,86 @@
+// Every decoder layer of a decode step in one call: LlamaModel.forward's layer loop for a few
+// rows (runtime/model.py), run here instead of op by op from Python. The same functions in
+// the same order, so the numbers are bit for bit those of the Python loop, without the
+// interpreter and the dispatcher between the ~240 kernel calls of a step. The plan (one record
+// per linear and layer) is laid out as decode_plan.h declares.
+
+using OptionalTensors = c10::List<c10::optional<at::Tensor>>;
+
+// One linear of the plan: its record starts at tensors[t], ints[i], floats[f]
+static at::Tensor planned_linear(const at::Tensor& x, const OptionalTensors& tensors, int64_t t, const int64_t* ints,
+                                 const double* floats) {
+  auto tensor = [&](plan::LinearTensor which) { return tensors.get(t + which); };
+  const c10::optional<at::Tensor> weight = tensor(plan::weight), scales = tensor(plan::scales),
+                                  bias = tensor(plan::bias), pre_scale = tensor(plan::pre_scale),
+                                  weight_sum = tensor(plan::weight_sum);
+  const int64_t kind = ints[plan::kind], group = ints[plan::group_size];
+  const double input_scale = floats[plan::input_scale], inv_input_scale = floats[plan::inv_input_scale];
+  TORCH_CHECK(kind >= 0 && kind < plan::kKinds, "kiln::decode_layers: unknown linear kind ", kind);
+  TORCH_CHECK(weight.has_value() && (kind == plan::dense || scales.has_value()),
+              "kiln::decode_layers: a linear's plan lacks its weight or scales");
+  at::Tensor in = pre_scale.has_value() ? x * *pre_scale : x;  // as QuantLinear.__call__
+  if (inv_input_scale > 0) in = quantize_fp8(in, inv_input_scale);
+#pragma GCC diagnostic push
+#pragma GCC diagnostic error "-Wswitch"  // every kind of KILN_LINEAR_KINDS has its case
+  switch (static_cast<plan::LinearKind>(kind)) {
+    case plan::dense: return in.scalar_type() == at::kBFloat16 ? kiln::linear(in, *weight, bias) : at::linear(in, *weight, bias);
+    case plan::int8: return linear_w8(in, *weight, *scales, bias);
+    case plan::int8_tiled: return linear_w8_tiled(in, *weight, *scales, bias);
+    case plan::int4: return linear_w4(in, *weight, *scales, group, bias);
+    case plan::int4_tiled: return linear_w4_tiled(in, *weight, *scales, group, bias);
+    case plan::w4a8: return linear_w4a8(in, *weight, *scales, group, bias);
+    case plan::w4a8_tiled: return linear_w4a8_tiled(in, *weight, *scales, group, bias);
+    case plan::w8a8:
+      TORCH_CHECK(weight_sum.has_value(), "kiln::decode_layers: a W8A8 linear's plan lacks weight_sum");
+      return linear_w8a8(in, *weight, *scales, *weight_sum, bias, input_scale);
+    case plan::fp8: return linear_fp8(in, *weight, *scales, bias);
+  }
+#pragma GCC diagnostic pop
+  TORCH_CHECK(false, "kiln::decode_layers: unknown linear kind ", kind);
+}
+
+at::Tensor decode_layers(at::Tensor& h, const at::Tensor& x0, const OptionalTensors& tensors, at::IntArrayRef ints,
+                         at::ArrayRef<double> floats, at::Tensor& kv, const at::Tensor& block_tables,
+                         const at::Tensor& query_start, const at::Tensor& context_lens, const at::Tensor& cos,
+                         const at::Tensor& sin, int64_t heads, double scale, double eps, int64_t key_hadamard) {
+  using namespace plan;
+  const int64_t layers = kv.dim() == 6 ? kv.size(0) : -1;
+  TORCH_CHECK(layers > 0 && kv.size(1) == 2 && kv.is_contiguous(),
+              "kiln::decode_layers: kv must be the pool's contiguous [layers, 2, blocks, block_size, kv_heads, "
+              "head_dim] storage, got ", kv.sizes());
+  TORCH_CHECK(static_cast<int64_t>(tensors.size()) == layers * kLayerTensors &&
+                  static_cast<int64_t>(ints.size()) == layers * kLayerInts &&
+                  static_cast<int64_t>(floats.size()) == layers * kLayerFloats,
+              "kiln::decode_layers: the plan has ", tensors.size(), " tensors, ", ints.size(), " ints and ",
+              floats.size(), " floats; ", layers, " layers need ", layers * kLayerTensors, ", ", layers * kLayerInts,
+              " and ", layers * kLayerFloats);
+  at::Tensor x = x0;
+  PagedShape shape{};
+  std::vector<int32_t> token_seq;
+  const bool quantized = kv.scalar_type() == at::kChar || kv.scalar_type() == at::kFloat8_e4m3fn;
+  for (int64_t i = 0; i < layers; ++i) {
+    const int64_t t0 = i * kLayerTensors;
+    auto run = [&](const at::Tensor& in, LayerLinear j) {  // linear j of the layer
+      return planned_linear(in, tensors, t0 + j * kLinearTensors, ints.data() + i * kLayerInts + j * kLinearInts,
+                            floats.data() + i * kLayerFloats + j * kLinearFloats);
+    };
+    auto own = [&](LayerTensor which) { return tensors.get(t0 + kLayerLinears * kLinearTensors + which); };
+    const c10::optional<at::Tensor> post_norm = own(post_attention_norm), after = own(next_norm),
+                                    kv_scales = own(plan::kv_scales);
+    TORCH_CHECK(post_norm.has_value() && after.has_value(), "kiln::decode_layers: layer ", i, "'s plan lacks a norm");
+    const at::Tensor qkv_out = run(x, qkv);
+    if (i == 0)  // the step's metadata and shapes, checked once: every layer's pool is alike
+      shape = check_paged(qkv_out, kv.select(0, 0).select(0, 0), kv.select(0, 0).select(0, 1), block_tables,
+                          query_start, context_lens, cos, sin, heads, kv_scales, key_hadamard, token_seq);
+    TORCH_CHECK(kv_scales.has_value() == quantized &&
+                    (!quantized || kv_scales->numel() == 2 * shape.kv_heads * shape.head_dim),
+                "kiln::decode_layers: layer ", i, "'s kv_scales do not match its pool");
+    char* k_pool = static_cast<char*>(kv.data_ptr()) + i * kv.stride(0) * kv.element_size();
+    const at::Tensor attn = run_paged(qkv_out, k_pool, k_pool + kv.stride(1) * kv.element_size(), kv.scalar_type(),
+                                      block_tables, query_start, context_lens, cos, sin, shape, token_seq, scale,
+                                      kv_scales);
+    x = add_rms_norm(h, run(attn, out), *post_norm, eps);
+    x = add_rms_norm(h, run(silu_mul(run(x, gate_up)), down), *after, eps);
+  }
+  return x;
+}

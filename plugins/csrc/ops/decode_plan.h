@@ -1,0 +1,56 @@
+// The decode plan: how runtime/linear.py describes each linear, and runtime/model.py each layer,
+// to decode_layers. Declared here once; the Python side reads these names and their order from
+// the library (library_info) and builds the plan by name (plugins/ops.py, decode_plan), so the two
+// sides cannot disagree on a position.
+//
+// A linear is one record: its kind (how to run it), tensors, ints and floats, each by name; a
+// layer is its linears' records in KILN_LAYER_LINEARS order, then its own tensors. The plan of
+// a step is the layers' records one after the other, as three flat lists (tensors, ints, floats).
+#define KILN_LINEAR_KINDS(X) X(dense) X(int8) X(int8_tiled) X(int4) X(int4_tiled) X(w4a8) X(w4a8_tiled) X(w8a8) X(fp8)
+// weight (or qweight), scales, bias, the AWQ / SmoothQuant input pre-scale, W8A8's sum of each weight row
+#define KILN_LINEAR_TENSORS(X) X(weight) X(scales) X(bias) X(pre_scale) X(weight_sum)
+#define KILN_LINEAR_INTS(X) X(kind) X(group_size)
+// W8A8's static input scale (0: per-row dynamic); FP8 activations' 1 / input_scale (0: none)
+#define KILN_LINEAR_FLOATS(X) X(input_scale) X(inv_input_scale)
+#define KILN_LAYER_LINEARS(X) X(qkv) X(out) X(gate_up) X(down)
+// the post-attention norm, the norm after the layer (the next layer's input norm or the final
+// norm), and the KV-cache scales of a quantized pool
+#define KILN_LAYER_TENSORS(X) X(post_attention_norm) X(next_norm) X(kv_scales)
+
+namespace plan {
+#define KILN_PLAN_ENUM(name) name,
+#define KILN_PLAN_COUNT(name) +1
+enum LinearKind : int64_t { KILN_LINEAR_KINDS(KILN_PLAN_ENUM) };
+enum LinearTensor : int64_t { KILN_LINEAR_TENSORS(KILN_PLAN_ENUM) };
+enum LinearInt : int64_t { KILN_LINEAR_INTS(KILN_PLAN_ENUM) };
+enum LinearFloat : int64_t { KILN_LINEAR_FLOATS(KILN_PLAN_ENUM) };
+enum LayerLinear : int64_t { KILN_LAYER_LINEARS(KILN_PLAN_ENUM) };
+enum LayerTensor : int64_t { KILN_LAYER_TENSORS(KILN_PLAN_ENUM) };
+
+constexpr int64_t kKinds = 0 KILN_LINEAR_KINDS(KILN_PLAN_COUNT);
+constexpr int64_t kLinearTensors = 0 KILN_LINEAR_TENSORS(KILN_PLAN_COUNT);
+constexpr int64_t kLinearInts = 0 KILN_LINEAR_INTS(KILN_PLAN_COUNT);
+constexpr int64_t kLinearFloats = 0 KILN_LINEAR_FLOATS(KILN_PLAN_COUNT);
+constexpr int64_t kLayerLinears = 0 KILN_LAYER_LINEARS(KILN_PLAN_COUNT);
+constexpr int64_t kLayerTensors = kLayerLinears * kLinearTensors + (0 KILN_LAYER_TENSORS(KILN_PLAN_COUNT));
+constexpr int64_t kLayerInts = kLayerLinears * kLinearInts;
+constexpr int64_t kLayerFloats = kLayerLinears * kLinearFloats;
+#undef KILN_PLAN_ENUM
+#undef KILN_PLAN_COUNT
+
+// The layout as JSON for library_info: {"linear_kinds": [...], "linear_tensors": [...], ...}
+inline std::string layout_json() {
+#define KILN_PLAN_NAME(name) "\"" #name "\","
+  auto list = [](const char* key, std::string names) {
+    if (!names.empty()) names.pop_back();  // the last comma
+    return std::string("\"") + key + "\": [" + names + "]";
+  };
+  return "{" + list("linear_kinds", KILN_LINEAR_KINDS(KILN_PLAN_NAME)) + ", " +
+         list("linear_tensors", KILN_LINEAR_TENSORS(KILN_PLAN_NAME)) + ", " +
+         list("linear_ints", KILN_LINEAR_INTS(KILN_PLAN_NAME)) + ", " +
+         list("linear_floats", KILN_LINEAR_FLOATS(KILN_PLAN_NAME)) + ", " +
+         list("layer_linears", KILN_LAYER_LINEARS(KILN_PLAN_NAME)) + ", " +
+         list("layer_tensors", KILN_LAYER_TENSORS(KILN_PLAN_NAME)) + "}";
+#undef KILN_PLAN_NAME
+}
+}  // namespace plan
