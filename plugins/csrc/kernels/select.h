@@ -31,58 +31,50 @@ void linear_w8(const T* x, const int8_t* w, const float* s, const T* bias, T* ou
 #endif
 }
 
-// --- int8 weights, tiled (int8_tiled.h) ------------------------------------------------------
-// Whether the runtime lays int8 weights out tiled on this ISA (elsewhere the row layout's
-// kernels are the faster ones)
+// --- int4 weights, rows (int4.h), and W4A8 on them (w4a8.h) -----------------------------------
+// An int4 row-layout kernel that needs in_features and group_size to be multiples of M where
+// they are, the general one elsewhere
+template <int64_t M, auto Fast, auto General, typename T>
+void int4_by_shape(const T* x, const uint8_t* w, const float* s, int64_t group, const T* bias, T* out, int64_t rows,
+                   int64_t k, int64_t n) {
+  if (k % M == 0 && group % M == 0) return Fast(x, w, s, group, bias, out, rows, k, n);
+  General(x, w, s, group, bias, out, rows, k, n);
+}
+
+template <typename T> constexpr auto dequantize_int4 = dequantize_int4_rows<T>;
+#if defined(KILN_ISA_AVX512)
+template <typename T> constexpr auto linear_w4 = int4_by_shape<32, linear_w4_i16<T>, linear_w4_float<T>, T>;
+#else
+template <typename T> constexpr auto linear_w4 = linear_w4_float<T>;
+#endif
+#if defined(KILN_ISA_VNNI)
+template <typename T> constexpr auto linear_w4a8 = int4_by_shape<64, linear_w4a8_vnni<T>, linear_w4a8_rows<T>, T>;
+#else
+template <typename T> constexpr auto linear_w4a8 = linear_w4a8_rows<T>;
+#endif
+
+// --- the tiled layouts (int8_tiled.h, int4_tiled.h, w4a8.h) ---------------------------------
+// Which weights the runtime lays out tiled on this ISA: int4 wherever the shape allows it; int8
+// on AVX-512 (elsewhere the row layout's int8 kernels are the faster ones)
+constexpr bool kTiledInt4 = true;
 #if defined(KILN_ISA_AVX512)
 constexpr bool kTiledInt8 = true;
 template <typename T> constexpr auto linear_w8_tiled = linear_w8_tiled_avx512<T>;
 template <typename T> constexpr auto dequantize_int8_tiled = dequantize_int8_tiled_avx512<T>;
+template <typename T> constexpr auto linear_w4_tiled = linear_w4_tiled_avx512<T>;
+template <typename T> constexpr auto dequantize_int4_tiled = dequantize_int4_tiled_avx512<T>;
+template <typename T> constexpr auto linear_w4a8_tiled = linear_w4a8_tiled_avx512<T>;
 #else
 constexpr bool kTiledInt8 = false;
 template <typename T> constexpr auto linear_w8_tiled = linear_w8_tiled_ref<T>;
 template <typename T> constexpr auto dequantize_int8_tiled = dequantize_int8_tiled_rows<T>;
-#endif
-
-// --- int4 weights, rows (int4.h) -------------------------------------------------------------
-template <typename T> constexpr auto dequantize_int4 = dequantize_int4_rows<T>;
-
-template <typename T>
-void linear_w4(const T* x, const uint8_t* w, const float* s, int64_t group, const T* bias, T* out, int64_t rows,
-               int64_t k, int64_t n) {
-#if defined(KILN_ISA_AVX512)
-  if (k % 32 == 0 && group % 32 == 0) return linear_w4_i16<T>(x, w, s, group, bias, out, rows, k, n);
-#endif
-  linear_w4_float<T>(x, w, s, group, bias, out, rows, k, n);
-}
-
-// --- int4 weights, tiled (int4_tiled.h): the layout wherever the shape allows it ----------
-constexpr bool kTiledInt4 = true;
-#if defined(KILN_ISA_AVX512)
-template <typename T> constexpr auto linear_w4_tiled = linear_w4_tiled_avx512<T>;
-template <typename T> constexpr auto dequantize_int4_tiled = dequantize_int4_tiled_avx512<T>;
-#else
 template <typename T> constexpr auto linear_w4_tiled = linear_w4_tiled_ref<T>;
 template <typename T> constexpr auto dequantize_int4_tiled = dequantize_int4_tiled_rows<T>;
-#endif
-
-// --- W8A8 (w8a8.h) and W4A8 (w4a8.h) ---------------------------------------------------------
-template <typename T> constexpr auto linear_w8a8 = linear_w8a8_rows<T>;
-
-template <typename T>
-void linear_w4a8(const T* x, const uint8_t* w, const float* s, int64_t group, const T* bias, T* out, int64_t rows,
-                 int64_t k, int64_t n) {
-#if defined(KILN_ISA_VNNI)
-  if (k % 64 == 0 && group % 64 == 0) return linear_w4a8_vnni<T>(x, w, s, group, bias, out, rows, k, n);
-#endif
-  linear_w4a8_rows<T>(x, w, s, group, bias, out, rows, k, n);
-}
-
-#if defined(KILN_ISA_AVX512)
-template <typename T> constexpr auto linear_w4a8_tiled = linear_w4a8_tiled_avx512<T>;
-#else
 template <typename T> constexpr auto linear_w4a8_tiled = linear_w4a8_tiled_ref<T>;
 #endif
+
+// --- W8A8 (w8a8.h) ---------------------------------------------------------------------------
+template <typename T> constexpr auto linear_w8a8 = linear_w8a8_rows<T>;
 
 // --- FP8 (fp8.h) ------------------------------------------------------------------------------
 template <typename T> constexpr auto quantize_fp8 = quantize_fp8_elements<T>;

@@ -41,27 +41,36 @@ void quantize_groups_i8(const T* x, int64_t rows, int64_t k, int64_t group, bool
   }
 }
 
+// The input quantized per row and group: q [rows, k], scale and sum of q [rows, groups]
+struct GroupedInput {
+  std::vector<int8_t> q;
+  std::vector<float> scale;
+  std::vector<int32_t> sum;
+  template <typename T>
+  GroupedInput(const T* x, int64_t rows, int64_t k, int64_t group, bool permute64)
+      : q(rows * k), scale(rows * ((k + group - 1) / group)), sum(scale.size()) {
+    quantize_groups_i8(x, rows, k, group, permute64, q.data(), scale.data(), sum.data());
+  }
+};
+
 template <typename T>
 void linear_w4a8_rows(const T* x, const uint8_t* w, const float* scale, int64_t group, const T* bias, T* out,
                       int64_t rows, int64_t k, int64_t n) {
   const int64_t row_bytes = k / 2, groups = (k + group - 1) / group;
-  std::vector<int8_t> xq(rows * k);
-  std::vector<float> xs(rows * groups);
-  std::vector<int32_t> xsum(rows * groups);
-  quantize_groups_i8(x, rows, k, group, false, xq.data(), xs.data(), xsum.data());
+  GroupedInput in(x, rows, k, group, false);
   at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
     for (int64_t o = begin; o < end; ++o) {
       const uint8_t* wrow = w + o * row_bytes;
       const float* srow = scale + o * groups;
       const float b = bias ? to_f32(bias[o]) : 0.f;
       for (int64_t m = 0; m < rows; ++m) {
-        const int8_t* xr = xq.data() + m * k;
+        const int8_t* xr = in.q.data() + m * k;
         float total = 0.f;
         for (int64_t g = 0; g < groups; ++g) {
           const int64_t g0 = g * group, g1 = std::min(k, g0 + group);
           int32_t acc = 0;
           for (int64_t i = g0; i < g1; ++i) acc += int4_at(wrow, i) * static_cast<int32_t>(xr[i]);
-          total += static_cast<float>(acc) * srow[g] * xs[m * groups + g];
+          total += static_cast<float>(acc) * srow[g] * in.scale[m * groups + g];
         }
         store_as(out + m * n + o, total + b);
       }
@@ -74,14 +83,11 @@ template <typename T>
 void linear_w4a8_vnni(const T* x, const uint8_t* w, const float* scale, int64_t group, const T* bias, T* out,
                       int64_t rows, int64_t k, int64_t n) {
   const int64_t row_bytes = k / 2, groups = (k + group - 1) / group;
-  std::vector<int8_t> xq(rows * k);
-  std::vector<float> xs(rows * groups);
-  std::vector<int32_t> xsum(rows * groups);
-  quantize_groups_i8(x, rows, k, group, true, xq.data(), xs.data(), xsum.data());
+  GroupedInput in(x, rows, k, group, true);
   // four weight rows side by side: four independent chains (one row alone is latency-bound)
   auto four_rows = [&](int64_t o, int64_t m, float* totals) {
     const __m256i nib = _mm256_set1_epi8(0x0F);
-    const int8_t* xr = xq.data() + m * k;
+    const int8_t* xr = in.q.data() + m * k;
     __m512 facc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
     for (int64_t g = 0; g < groups; ++g) {
       const int64_t g0 = g * group, g1 = std::min(k, g0 + group);
@@ -96,8 +102,8 @@ void linear_w4a8_vnni(const T* x, const uint8_t* w, const float* scale, int64_t 
           acc[r] = _mm512_dpbusd_epi32(acc[r], u, xv);
         }
       }
-      const __m512i offset = _mm512_maskz_set1_epi32(1, 8 * xsum[m * groups + g]);
-      const float xsg = xs[m * groups + g];
+      const __m512i offset = _mm512_maskz_set1_epi32(1, 8 * in.sum[m * groups + g]);
+      const float xsg = in.scale[m * groups + g];
       for (int r = 0; r < 4; ++r)
         facc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(acc[r], offset)),
                                   _mm512_set1_ps(scale[(o + r) * groups + g] * xsg), facc[r]);
@@ -117,7 +123,7 @@ void linear_w4a8_vnni(const T* x, const uint8_t* w, const float* scale, int64_t 
       const float* srow = scale + o * groups;
       const float b = bias ? to_f32(bias[o]) : 0.f;
       for (int64_t m = 0; m < rows; ++m) {
-        const int8_t* xr = xq.data() + m * k;
+        const int8_t* xr = in.q.data() + m * k;
         const __m256i nib = _mm256_set1_epi8(0x0F);
         __m512 facc[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
         auto group_sum = [&](int64_t g) {  // one group's centred int32 dot products, as floats
@@ -129,14 +135,14 @@ void linear_w4a8_vnni(const T* x, const uint8_t* w, const float* scale, int64_t 
                                                  _mm256_and_si256(_mm256_srli_epi16(bytes, 4), nib), 1);
             acc = _mm512_dpbusd_epi32(acc, u, _mm512_loadu_si512(xr + i));
           }
-          return _mm512_cvtepi32_ps(_mm512_sub_epi32(acc, _mm512_maskz_set1_epi32(1, 8 * xsum[m * groups + g])));
+          return _mm512_cvtepi32_ps(_mm512_sub_epi32(acc, _mm512_maskz_set1_epi32(1, 8 * in.sum[m * groups + g])));
         };
         int64_t g = 0;
         for (; g + 2 <= groups; g += 2) {  // two independent chains
-          facc[0] = _mm512_fmadd_ps(group_sum(g), _mm512_set1_ps(srow[g] * xs[m * groups + g]), facc[0]);
-          facc[1] = _mm512_fmadd_ps(group_sum(g + 1), _mm512_set1_ps(srow[g + 1] * xs[m * groups + g + 1]), facc[1]);
+          facc[0] = _mm512_fmadd_ps(group_sum(g), _mm512_set1_ps(srow[g] * in.scale[m * groups + g]), facc[0]);
+          facc[1] = _mm512_fmadd_ps(group_sum(g + 1), _mm512_set1_ps(srow[g + 1] * in.scale[m * groups + g + 1]), facc[1]);
         }
-        if (g < groups) facc[0] = _mm512_fmadd_ps(group_sum(g), _mm512_set1_ps(srow[g] * xs[m * groups + g]), facc[0]);
+        if (g < groups) facc[0] = _mm512_fmadd_ps(group_sum(g), _mm512_set1_ps(srow[g] * in.scale[m * groups + g]), facc[0]);
         const __m512 facc_total = _mm512_add_ps(facc[0], facc[1]);
         store_as(out + m * n + o, _mm512_reduce_add_ps(facc_total) + b);
       }
@@ -151,10 +157,7 @@ template <typename T>
 void linear_w4a8_tiled_ref(const T* x, const uint8_t* w, const float* s, int64_t group, const T* bias, T* out,
                            int64_t rows, int64_t k, int64_t n) {
   const int64_t groups = (k + group - 1) / group;
-  std::vector<int8_t> xq(rows * k);
-  std::vector<float> xs(rows * groups);
-  std::vector<int32_t> xsum(rows * groups);
-  quantize_groups_i8(x, rows, k, group, false, xq.data(), xs.data(), xsum.data());
+  GroupedInput in(x, rows, k, group, false);
   const TiledLayout L = tiled_int4_layout(k, n, group);
   at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
     for (int64_t o = begin; o < end; ++o)
@@ -163,8 +166,8 @@ void linear_w4a8_tiled_ref(const T* x, const uint8_t* w, const float* s, int64_t
         for (int64_t g = 0; g < groups; ++g) {
           int32_t acc = 0;
           for (int64_t i = g * group; i < std::min(k, (g + 1) * group); ++i)
-            acc += (tiled_nibble(w, L, o, i) - 8) * static_cast<int32_t>(xq[m * k + i]);
-          total += static_cast<float>(acc) * (s[L.scale(o, g)] * xs[m * groups + g]);
+            acc += (tiled_nibble(w, L, o, i) - 8) * static_cast<int32_t>(in.q[m * k + i]);
+          total += static_cast<float>(acc) * (s[L.scale(o, g)] * in.scale[m * groups + g]);
         }
         store_as(out + m * n + o, total + (bias ? to_f32(bias[o]) : 0.f));
       }
@@ -176,12 +179,8 @@ void linear_w4a8_tiled_ref(const T* x, const uint8_t* w, const float* s, int64_t
 template <typename T>
 void linear_w4a8_tiled_avx512(const T* x, const uint8_t* w, const float* s, int64_t group, const T* bias, T* out,
                               int64_t rows, int64_t k, int64_t n) {
-  const int64_t groups = (k + group - 1) / group;
-  std::vector<int8_t> xq(rows * k);
-  std::vector<float> xs(rows * groups);
-  std::vector<int32_t> xsum(rows * groups);
-  quantize_groups_i8(x, rows, k, group, false, xq.data(), xs.data(), xsum.data());
-  for (auto& v : xsum) v *= 8;  // the nibbles' + 8
-  tiled_w4_rows<true>(nullptr, xq.data(), xsum.data(), xs.data(), nullptr, w, s, group, bias, out, rows, k, n);
+  GroupedInput in(x, rows, k, group, false);
+  for (auto& v : in.sum) v *= 8;  // the nibbles' + 8
+  tiled_w4_rows<true>(nullptr, in.q.data(), in.sum.data(), in.scale.data(), nullptr, w, s, group, bias, out, rows, k, n);
 }
 #endif

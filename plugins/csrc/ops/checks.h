@@ -1,6 +1,15 @@
 // Argument checks and the drivers every op wrapper shares: dtypes, a linear's operands, and
 // running a kernel table entry for float32 or bfloat16 activations.
 
+// call(kernel, out) with the float32 or bfloat16 kernel and out's data as that type
+template <typename F32, typename BF16, typename Call>
+static void for_dtype(at::Tensor& out, F32 f32, BF16 bf, Call call) {
+  if (out.scalar_type() == at::kFloat)
+    call(f32, out.data_ptr<float>());
+  else
+    call(bf, reinterpret_cast<bf16*>(out.data_ptr()));
+}
+
 static void check_float_or_bf16(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16, "kiln: ", name,
               " must be float32 or bfloat16, got ", t.scalar_type());
@@ -61,6 +70,26 @@ static int64_t check_int4(const char* op, const at::Tensor& qweight, const at::T
   return k;
 }
 
+// An int4 weight's tensors (either layout: the shapes are the same) -> in_features
+static int64_t check_int4_weight(const char* op, const at::Tensor& qweight, const at::Tensor& scales, int64_t group) {
+  TORCH_CHECK(qweight.dim() == 2 && qweight.scalar_type() == at::kByte && qweight.is_contiguous() &&
+                  scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.size(0) == qweight.size(0),
+              "kiln::", op, ": qweight must be contiguous uint8 [out, in / 2], scales float32 [out, groups]");
+  return check_int4(op, qweight, scales, group);
+}
+
+// An int4 weight (checked) back to [out, in] of dtype by the f32 / bf16 kernel
+template <typename F32, typename BF16>
+static at::Tensor dequantize_groups(const char* op, const at::Tensor& qweight, const at::Tensor& scales, int64_t group,
+                                    at::ScalarType dtype, F32 f32, BF16 bf) {
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "kiln::", op, ": dtype must be float32 or bfloat16");
+  const int64_t k = qweight.size(1) * 2, n = qweight.size(0);
+  auto out = at::empty({n, k}, qweight.options().dtype(dtype));
+  const auto* w = static_cast<const uint8_t*>(qweight.data_ptr());
+  for_dtype(out, f32, bf, [&](auto kernel, auto* o) { kernel(w, scales.data_ptr<float>(), group, o, k, n); });
+  return out;
+}
+
 // int4 weights packed two per byte along `in` [out, in / 2], one scale per group of inputs
 template <typename F32, typename BF16>
 static at::Tensor group_linear(const char* op, const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
@@ -75,10 +104,7 @@ static at::Tensor group_linear(const char* op, const at::Tensor& x, const at::Te
 // The tiled int4 layout (formats.h, TiledLayout): the same bytes and scales as the stored [out, in / 2]
 // and [out, groups] tensors, reordered for linear_w4_tiled; shapes are kept.
 static void check_tiled(const char* op, const at::Tensor& qweight, const at::Tensor& scales, int64_t group) {
-  TORCH_CHECK(qweight.dim() == 2 && qweight.scalar_type() == at::kByte && qweight.is_contiguous() &&
-                  scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.size(0) == qweight.size(0),
-              "kiln::", op, ": qweight must be contiguous uint8 [out, in / 2], scales float32 [out, groups]");
-  const int64_t k = check_int4(op, qweight, scales, group), n = qweight.size(0);
+  const int64_t k = check_int4_weight(op, qweight, scales, group), n = qweight.size(0);
   TORCH_CHECK(n % kTileRows == 0 && k % 8 == 0 && group % 8 == 0 && group <= kTiledMaxGroup, "kiln::", op,
               ": the tiled int4 layout needs out % ", kTileRows, " == 0, in % 8 == 0 and group_size a multiple of 8 "
               "up to ", kTiledMaxGroup, ", got out ", n, ", in ", k, ", group_size ", group);

@@ -21,18 +21,9 @@ at::Tensor linear_w4a8(const at::Tensor& x, const at::Tensor& qweight, const at:
 
 at::Tensor dequantize_int4(const at::Tensor& qweight, const at::Tensor& scales, int64_t group_size,
                            at::ScalarType dtype) {
-  TORCH_CHECK(qweight.dim() == 2 && qweight.scalar_type() == at::kByte && qweight.is_contiguous() &&
-                  scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.size(0) == qweight.size(0),
-              "kiln::dequantize_int4: qweight must be contiguous uint8 [out, in / 2], scales float32 [out, groups]");
-  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "kiln::dequantize_int4: dtype must be float32 or bfloat16");
-  const int64_t k = check_int4("dequantize_int4", qweight, scales, group_size), n = qweight.size(0);
-  auto out = at::empty({n, k}, qweight.options().dtype(dtype));
-  const auto* w = static_cast<const uint8_t*>(qweight.data_ptr());
-  if (dtype == at::kFloat)
-    active().dequantize_int4_f32(w, scales.data_ptr<float>(), group_size, out.data_ptr<float>(), k, n);
-  else
-    active().dequantize_int4_bf16(w, scales.data_ptr<float>(), group_size, reinterpret_cast<bf16*>(out.data_ptr()), k, n);
-  return out;
+  check_int4_weight("dequantize_int4", qweight, scales, group_size);
+  return dequantize_groups("dequantize_int4", qweight, scales, group_size, dtype, active().dequantize_int4_f32,
+                           active().dequantize_int4_bf16);
 }
 
 at::Tensor linear_w4_tiled(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
@@ -60,12 +51,8 @@ at::Tensor dequantize_int8_tiled(const at::Tensor& qweight, const at::Tensor& sc
               "kiln::dequantize_int8_tiled: dtype must be float32 or bfloat16");
   auto out = at::empty(qweight.sizes(), qweight.options().dtype(dtype));
   const auto* w = static_cast<const uint8_t*>(qweight.data_ptr());
-  if (dtype == at::kFloat)
-    active().dequantize_int8_tiled_f32(w, scales.data_ptr<float>(), out.data_ptr<float>(), qweight.size(1),
-                                       qweight.size(0));
-  else
-    active().dequantize_int8_tiled_bf16(w, scales.data_ptr<float>(), reinterpret_cast<bf16*>(out.data_ptr()),
-                                        qweight.size(1), qweight.size(0));
+  for_dtype(out, active().dequantize_int8_tiled_f32, active().dequantize_int8_tiled_bf16,
+            [&](auto kernel, auto* o) { kernel(w, scales.data_ptr<float>(), o, qweight.size(1), qweight.size(0)); });
   return out;
 }
 
@@ -79,17 +66,8 @@ at::Tensor linear_w4a8_tiled(const at::Tensor& x, const at::Tensor& qweight, con
 at::Tensor dequantize_int4_tiled(const at::Tensor& qweight, const at::Tensor& scales, int64_t group_size,
                                  at::ScalarType dtype) {
   check_tiled("dequantize_int4_tiled", qweight, scales, group_size);
-  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16,
-              "kiln::dequantize_int4_tiled: dtype must be float32 or bfloat16");
-  const int64_t k = qweight.size(1) * 2, n = qweight.size(0);
-  auto out = at::empty({n, k}, qweight.options().dtype(dtype));
-  const auto* w = static_cast<const uint8_t*>(qweight.data_ptr());
-  if (dtype == at::kFloat)
-    active().dequantize_int4_tiled_f32(w, scales.data_ptr<float>(), group_size, out.data_ptr<float>(), k, n);
-  else
-    active().dequantize_int4_tiled_bf16(w, scales.data_ptr<float>(), group_size,
-                                        reinterpret_cast<bf16*>(out.data_ptr()), k, n);
-  return out;
+  return dequantize_groups("dequantize_int4_tiled", qweight, scales, group_size, dtype,
+                           active().dequantize_int4_tiled_f32, active().dequantize_int4_tiled_bf16);
 }
 
 at::Tensor linear_w8a8(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
@@ -118,10 +96,8 @@ at::Tensor dequantize_fp8(const at::Tensor& qweight, at::ScalarType dtype) {
   TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "kiln::dequantize_fp8: dtype must be float32 or bfloat16");
   auto out = at::empty(qweight.sizes(), qweight.options().dtype(dtype));
   const auto* w = static_cast<const uint8_t*>(qweight.data_ptr());
-  if (dtype == at::kFloat)
-    active().dequantize_fp8_f32(w, out.data_ptr<float>(), qweight.numel());
-  else
-    active().dequantize_fp8_bf16(w, reinterpret_cast<bf16*>(out.data_ptr()), qweight.numel());
+  for_dtype(out, active().dequantize_fp8_f32, active().dequantize_fp8_bf16,
+            [&](auto kernel, auto* o) { kernel(w, o, qweight.numel()); });
   return out;
 }
 
@@ -132,11 +108,9 @@ at::Tensor quantize_fp8(const at::Tensor& x, double inv_scale) {
   auto xc = x.contiguous();
   auto out = at::empty_like(xc);
   const float inv = static_cast<float>(inv_scale);
-  if (x.scalar_type() == at::kFloat)
-    active().quantize_fp8_f32(xc.data_ptr<float>(), out.data_ptr<float>(), xc.numel(), inv);
-  else
-    active().quantize_fp8_bf16(reinterpret_cast<const bf16*>(xc.data_ptr()), reinterpret_cast<bf16*>(out.data_ptr()),
-                               xc.numel(), inv);
+  for_dtype(out, active().quantize_fp8_f32, active().quantize_fp8_bf16, [&](auto kernel, auto* o) {
+    kernel(static_cast<const std::remove_pointer_t<decltype(o)>*>(xc.data_ptr()), o, xc.numel(), inv);
+  });
   return out;
 }
 
