@@ -9,13 +9,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import statistics
 import time
 from pathlib import Path
 
 import torch
+from host import host_info
 from rich.console import Console
 from rich.table import Table
 
@@ -112,8 +111,7 @@ def main() -> None:
     Console().print(table)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        meta = {"machine": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
-                "load_avg": os.getloadavg(), "torch": torch.__version__, "args": {k: str(v) for k, v in vars(args).items()}}
+        meta = {**host_info(), "torch": torch.__version__, "args": {k: str(v) for k, v in vars(args).items()}}
         args.json.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
 
 

@@ -1,0 +1,53 @@
+"""What a benchmark ran on, for its JSON: the CPU and its vector extensions, the kernels kiln
+runs there, the kiln commit, the date, the machine's load."""
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+import subprocess
+from pathlib import Path
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def cpu_flags() -> list[str]:
+    """The AVX family flags /proc/cpuinfo lists (as `grep -o 'avx[^ ]*' /proc/cpuinfo`)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return sorted({f for f in line.split(":", 1)[1].split() if f.startswith("avx")})
+    except OSError:
+        pass
+    return []
+
+
+def kiln_commit() -> str:
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                             cwd=Path(__file__).parent, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
+                               text=True, cwd=Path(__file__).parent).stdout.strip()
+        return out + ("+changes" if dirty else "")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def host_info() -> dict:
+    info = {"cpu": cpu_model(), "cpu_flags": cpu_flags(), "cpus": os.cpu_count(), "load_avg": os.getloadavg(),
+            "kiln_commit": kiln_commit(), "date": datetime.date.today().isoformat()}
+    try:
+        from kiln.plugins import ops
+
+        info["kiln_isa"] = ops.active_isa()
+    except Exception:  # the plugin library is not loaded (no kiln engine in this run)
+        pass
+    return info
