@@ -12,19 +12,22 @@ from kiln.errors import KilnError
 def _serve(args) -> int:
     from kiln.triton_repo.serve import TritonServer
 
-    server = TritonServer(args.repo, args.grpc_port, args.http_port, args.metrics_port, args.log_file)
+    server = TritonServer(args.repo, args.grpc_port, args.http_port, args.metrics_port, args.log_file, args.address)
     print(f"starting tritonserver on {args.repo} ...", file=sys.stderr)
     server.start(args.timeout)
-    print(f"ready: gRPC {server.grpc_url}  HTTP {server.http_url}  metrics 127.0.0.1:{server.metrics_port}",
+    print(f"ready: gRPC {server.grpc_url}  HTTP {server.http_url}  metrics {server.address}:{server.metrics_port}",
           file=sys.stderr, flush=True)
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # SIGTERM stops it like Ctrl-C
     try:
-        code = server.process.wait()
+        problem = server.watch()
     except KeyboardInterrupt:
         server.stop()
         return 0
-    print(f"tritonserver exited with code {code}", file=sys.stderr)
-    return code
+    # a dead backend process leaves Triton answering "ready" while its requests hang: stop the whole
+    # server instead, so its clients get errors at once and a supervisor can start it again
+    server.stop()
+    print(f"error: {problem}\nkiln serve stopped the server (exit code 3); start it again", file=sys.stderr)
+    return 3
 
 
 def _generate(args) -> int:
@@ -66,7 +69,10 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--grpc-port", type=int, default=8001)
     serve.add_argument("--http-port", type=int, default=8000)
     serve.add_argument("--metrics-port", type=int, default=8002)
-    serve.add_argument("--log-file", default=None, help="tritonserver's log (default: discarded)")
+    serve.add_argument("--log-file", default=None,
+                       help="tritonserver's log (default: a temporary file, kept when the server fails)")
+    serve.add_argument("--address", default="127.0.0.1",
+                       help="the interface to listen on (default loopback only; 0.0.0.0 for every interface)")
     serve.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for readiness")
     serve.set_defaults(run=_serve)
 

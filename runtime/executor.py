@@ -255,6 +255,9 @@ class Executor:
 
     def _on_token(self, sample: Sample) -> None:  # with the lock held
         seq, token = sample.seq, sample.token
+        if sample.error is not None:
+            self._finish(seq, FINISH_ERROR, sample.error)
+            return
         response = Response(seq.request_id, [])
         if seq.num_generated == 0 and seq.context_logits is not None:
             response.context_logits, seq.context_logits = seq.context_logits, None

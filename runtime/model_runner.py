@@ -16,6 +16,7 @@ class Sample:
     token: int
     log_prob: float | None = None  # when the request returns log probs
     logits: torch.Tensor | None = None  # the raw row, when it returns generation logits
+    error: str | None = None  # sampling this sequence failed (its request fails, not the step)
 
 
 @dataclass
@@ -83,7 +84,10 @@ class ModelRunner:
             samples += [Sample(seq, token) for (seq, _), token in zip(plain, best)]
         for seq, row in step.sampling:
             if not seq.params.plain_greedy:
-                samples.append(self._sample_one(seq, logits[row]))
+                try:
+                    samples.append(self._sample_one(seq, logits[row]))
+                except Exception as exc:  # this request's values: fail it alone
+                    samples.append(Sample(seq, -1, error=f"sampling failed: {type(exc).__name__}: {exc}"))
         return samples
 
     @staticmethod

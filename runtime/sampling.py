@@ -7,6 +7,7 @@ top-p and a per-request seeded draw. Stop words are checked by the executor afte
 is appended."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -14,11 +15,14 @@ import torch
 from kiln.errors import RequestError
 
 Words = tuple[tuple[int, ...], ...]  # token sequences (stop words, bad words)
+GREEDY_BELOW = 1e-5  # a temperature under this is decoded greedily (dividing by it overflows)
 
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """Per-request generation settings. temperature 0 (the default) is greedy decoding."""
+    """Per-request generation settings. temperature 0 (the default; or anything under
+    GREEDY_BELOW) is greedy decoding. Every number is checked here, so a request's values
+    cannot fail a step that other requests share."""
 
     max_tokens: int = 16
     temperature: float = 0.0
@@ -39,6 +43,13 @@ class SamplingParams:
     return_generation_logits: bool = False
 
     def __post_init__(self):
+        finite = {name: getattr(self, name) for name in ("temperature", "top_p", "repetition_penalty",
+                                                         "presence_penalty", "frequency_penalty")}
+        for name, value in finite.items():
+            if not math.isfinite(value):
+                raise RequestError(f"{name} must be a finite number, got {value}")
+        if self.embedding_bias is not None and any(math.isnan(v) or v == math.inf for v in self.embedding_bias):
+            raise RequestError("embedding_bias must hold numbers or -inf (to ban a token), not NaN or +inf")
         checks = [
             (self.max_tokens >= 1, f"max_tokens must be >= 1, got {self.max_tokens}"),
             (self.temperature >= 0, f"temperature must be >= 0, got {self.temperature}"),
@@ -55,7 +66,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0 or self.top_k == 1
+        return self.temperature < GREEDY_BELOW or self.top_k == 1
 
     @property
     def processes_logits(self) -> bool:

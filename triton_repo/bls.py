@@ -91,7 +91,8 @@ class TritonPythonModel:
             ids = [int(t) for t in tokens.as_numpy().reshape(-1)]
             prefix = [int(t) for t in pb_utils.get_output_tensor_by_name(response, names.PREFIX_IDS).as_numpy().reshape(-1)]
             text = decode_delta(self.tokenizer, prefix, ids).encode("utf-8")
-            tensors = [pb_utils.Tensor(names.TEXT_OUTPUT, np.array([[text]], dtype=np.object_))]
+            # flat, as TensorRT-LLM's BLS (its postprocessing's OUTPUT) returns it: [1] for one request
+            tensors = [pb_utils.Tensor(names.TEXT_OUTPUT, np.array([text], dtype=np.object_))]
             for spec in RESULT_OUTPUTS:  # those the request asked for
                 result = pb_utils.get_output_tensor_by_name(response, spec.name)
                 if result is not None:

@@ -7,7 +7,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from dataclasses import dataclass, field
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
@@ -17,7 +18,9 @@ from kiln.triton_repo.model_utils import error_response, input_array, optional_s
 
 log = logging.getLogger("kiln.triton")
 
-POLL_S = 0.05  # how often the dispatcher looks for cancelled requests while idle
+POLL_S = 0.05  # the dispatcher's longest wait for responses
+CANCEL_CHECK_S = 0.2  # how often it asks whether a client cancelled (each ask is a call to Triton)
+SEND_WORKERS = 8  # responses go out on these threads: a send that blocks holds up its own stream only
 METRICS_INTERVAL_S = 0.5  # gauges refresh this often, and when a request ends (not per token:
 # stats() takes the executor's lock)
 
@@ -55,18 +58,21 @@ class EngineMetrics:
             gauge.set(float(stats[key]))
 
 
-@dataclass
 class Active:
-    sender: object
-    triton_id: str
-    prompt_ids: list[int]
-    options: OutputOptions
-    assembler: object
-    # non-streaming: everything, sent at the end
-    tokens: list[int] = field(default_factory=list)
-    log_probs: list[float] = field(default_factory=list)
-    generation_logits: list = field(default_factory=list)
-    context_logits: object = None
+    """One request in flight: what it asked for, what it has produced, and its responses waiting
+    to be sent (in order, by one send worker at a time; never under the model's lock)."""
+
+    def __init__(self, sender, triton_id: str, prompt_ids: list[int], options: OutputOptions, assembler):
+        self.sender, self.triton_id, self.prompt_ids = sender, triton_id, prompt_ids
+        self.options, self.assembler = options, assembler
+        # non-streaming: everything, sent at the end
+        self.tokens: list[int] = []
+        self.log_probs: list[float] = []
+        self.generation_logits: list = []
+        self.context_logits = None
+        self.outbox: deque = deque()  # (response or None, flags)
+        self.sending = False  # a send worker is draining the outbox
+        self.outbox_lock = threading.Lock()
 
 
 def _batched(array: np.ndarray) -> np.ndarray:
@@ -102,16 +108,16 @@ def output_arrays(active: Active, tokens: list[int], prefix: list[int], log_prob
 
 class TritonPythonModel:
     def initialize(self, args):
-        from kiln.runtime.llm import LLM
-
         from kiln.runtime.detokenizer import TokenBytes
+        from kiln.runtime.llm import LLM
 
         self.llm = LLM(repo_path(args, parameter(args, names.ENGINE_DIR_PARAMETER)))
         self.executor = self.llm.executor
         # chunks are cut where text can be decoded whole; postprocessing / BLS make the text
         self.token_bytes = TokenBytes.of(self.llm.tokenizer)
         self.active: dict[int, Active] = {}
-        self.lock = threading.Lock()
+        self.lock = threading.Lock()  # guards `active` only; nothing is sent while it is held
+        self.senders = ThreadPoolExecutor(SEND_WORKERS, thread_name_prefix="kiln-send")
         self.stopping = threading.Event()
         self.metrics = EngineMetrics(args["model_name"])
         self.dispatcher = threading.Thread(target=self._dispatch, name="kiln-dispatch", daemon=True)
@@ -139,11 +145,10 @@ class TritonPythonModel:
                     sender.send(flags=final)
                     continue
                 prompt_ids, params, options = parse_engine_request(lambda name, r=request: input_array(r, name))
+                state = Active(sender, request.request_id(), prompt_ids, options,
+                               ChunkAssembler(self.llm.tokenizer, prompt_ids, self.token_bytes))
                 with self.lock:  # registered before the dispatcher can see its first response
-                    request_id = self.executor.enqueue(prompt_ids, params)
-                    self.active[request_id] = Active(sender, request.request_id(), prompt_ids, options,
-                                                     ChunkAssembler(self.llm.tokenizer, prompt_ids,
-                                                                    self.token_bytes))
+                    self.active[self.executor.enqueue(prompt_ids, params)] = state
             except (KilnError, ValueError, TypeError) as exc:
                 sender.send(error_response(f"{type(exc).__name__}: {exc}"), flags=final)
         return None
@@ -165,37 +170,58 @@ class TritonPythonModel:
         from kiln.runtime.executor import FINISH_ERROR
 
         final = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
-        next_metrics = 0.0
+        next_metrics = next_cancel_check = 0.0
         while not self.stopping.is_set():
             responses = self.executor.await_responses(timeout=POLL_S)
             with self.lock:
+                states = [self.active.get(r.request_id) for r in responses]
                 for response in responses:
-                    state = self.active.get(response.request_id)
-                    if state is None:
-                        continue
-                    if response.finish_reason == FINISH_ERROR:
-                        self._send(state, error_response(response.error), final)
-                    else:
-                        self._forward(state, response, final)
                     if response.finished:
-                        del self.active[response.request_id]
-                for request_id, state in self.active.items():
+                        self.active.pop(response.request_id, None)
+            for response, state in zip(responses, states):
+                if state is None:
+                    continue
+                if response.finish_reason == FINISH_ERROR:
+                    self._post(state, error_response(response.error), final)
+                else:
+                    self._forward(state, response, final)
+            now = time.monotonic()
+            if now >= next_cancel_check:  # outside the lock: each ask is a call into Triton
+                next_cancel_check = now + CANCEL_CHECK_S
+                with self.lock:
+                    live = list(self.active.items())
+                for request_id, state in live:
                     if state.sender.is_cancelled():
                         self.executor.cancel(request_id)
             # refresh when due, and whenever a request ends (per request, not per token)
-            if time.monotonic() >= next_metrics or any(r.finished for r in responses):
+            if now >= next_metrics or any(r.finished for r in responses):
                 self.metrics.update(self.executor.stats())
-                next_metrics = time.monotonic() + METRICS_INTERVAL_S
+                next_metrics = now + METRICS_INTERVAL_S
+
+    def _post(self, state: Active, response=None, flags=0) -> None:
+        """Queue a response for its stream; a send worker takes the stream's queue in order."""
+        with state.outbox_lock:
+            state.outbox.append((response, flags))
+            if state.sending:
+                return
+            state.sending = True
+        self.senders.submit(self._drain, state)
 
     @staticmethod
-    def _send(state: Active, response=None, flags=0) -> None:
-        try:  # a client that went away must not take the dispatcher down with it
-            if response is None:
-                state.sender.send(flags=flags)
-            else:
-                state.sender.send(response, flags=flags)
-        except Exception:
-            log.warning("could not send a response (client gone?)", exc_info=True)
+    def _drain(state: Active) -> None:
+        while True:
+            with state.outbox_lock:
+                if not state.outbox:
+                    state.sending = False
+                    return
+                response, flags = state.outbox.popleft()
+            try:  # a client that went away must not take the worker down with it
+                if response is None:
+                    state.sender.send(flags=flags)
+                else:
+                    state.sender.send(response, flags=flags)
+            except Exception:
+                log.warning("could not send a response (client gone?)", exc_info=True)
 
     def _forward(self, state: Active, response, final_flag) -> None:
         chunk = state.assembler.add(response)
@@ -203,7 +229,7 @@ class TritonPythonModel:
             if chunk is not None and (chunk.token_ids or chunk.context_logits is not None):
                 arrays = output_arrays(state, chunk.token_ids, chunk.prefix_ids, chunk.log_probs,
                                        chunk.context_logits, chunk.generation_logits, streaming=True)
-                self._send(state, self._response(arrays))
+                self._post(state, self._response(arrays))
         elif chunk is not None:
             state.tokens += chunk.token_ids
             state.log_probs += chunk.log_probs
@@ -214,10 +240,11 @@ class TritonPythonModel:
             if not state.options.streaming:
                 arrays = output_arrays(state, state.tokens, [], state.log_probs, state.context_logits,
                                        state.generation_logits, streaming=False)
-                self._send(state, self._response(arrays))
-            self._send(state, flags=final_flag)
+                self._post(state, self._response(arrays))
+            self._post(state, flags=final_flag)
 
     def finalize(self):
         self.stopping.set()
         self.dispatcher.join()
+        self.senders.shutdown(wait=False, cancel_futures=False)
         self.llm.close()

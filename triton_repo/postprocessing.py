@@ -13,7 +13,8 @@ from kiln.triton_repo.model_utils import engine_tokenizer, error_response, input
 
 
 def decode_batch(tokenizer, tokens: np.ndarray, lengths: np.ndarray | None, prefixes: np.ndarray | None) -> np.ndarray:
-    """[batch, beams] UTF-8 texts (one beam is what kiln produces)."""
+    """The UTF-8 texts, batch x beams of them in one flat array, as TensorRT-LLM's postprocessing
+    returns them ([1] for one request of one beam; its clients read `output[0].decode()`)."""
     from kiln.runtime.detokenizer import decode_delta
 
     tokens = tokens.reshape(tokens.shape[0], -1, tokens.shape[-1])
@@ -24,7 +25,7 @@ def decode_batch(tokenizer, tokens: np.ndarray, lengths: np.ndarray | None, pref
         for k, beam in enumerate(beams):
             n = beam.size if lengths is None else int(lengths.reshape(tokens.shape[0], -1)[b, k])
             row.append(decode_delta(tokenizer, prefix, [int(t) for t in beam[:n] if t >= 0]).encode("utf-8"))
-        texts.append(row)
+        texts += row
     return np.array(texts, dtype=np.object_)
 
 

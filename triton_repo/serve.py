@@ -6,19 +6,24 @@ install can be used by setting KILN_TRITONSERVER (binary) and KILN_TRITON_BACKEN
 holding python/)."""
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
 import sysconfig
+import tempfile
 import time
 from pathlib import Path
 
 from kiln.errors import KilnError
 
 READY_TIMEOUT_S = 300.0
+# what tritonserver says on every machine without a GPU: harmless, and never the reason it failed
+CPU_NOISE = ("CUDA", "Cuda", "NVML", "DCGM", "GPU")
 
 
 def _pytriton_root() -> Path:
@@ -37,7 +42,10 @@ def tritonserver_binary() -> Path:
 
 
 def backend_directory() -> Path:
-    """A folder with python/ = libtriton_python.so + utils + the stub for this Python."""
+    """A folder with python/ = libtriton_python.so + utils + the stub for this Python, linked
+    from this environment's nvidia-pytriton. The folder is named by what it links to, so servers
+    from other environments (other pytriton installs) get folders of their own, and a folder a
+    running server uses is never changed."""
     env = os.environ.get("KILN_TRITON_BACKENDS")
     if env:
         return Path(env)
@@ -46,16 +54,22 @@ def backend_directory() -> Path:
     stub = root / "python_backend_stubs" / version / "triton_python_backend_stub"
     if not stub.exists():
         raise KilnError(f"nvidia-pytriton has no Python backend stub for Python {version}")
-    cache = Path(os.environ.get("KILN_CACHE_DIR", Path.home() / ".cache" / "kiln"))
-    folder = cache / "triton_backends" / version
-    python = folder / "python"
-    python.mkdir(parents=True, exist_ok=True)
-    for source in (root / "backends" / "python" / "libtriton_python.so",
-                   root / "backends" / "python" / "triton_python_backend_utils.py", stub):
-        link = python / source.name
-        if not link.exists() or link.resolve() != source.resolve():
-            link.unlink(missing_ok=True)
-            link.symlink_to(source)
+    sources = [root / "backends" / "python" / "libtriton_python.so",
+               root / "backends" / "python" / "triton_python_backend_utils.py", stub]
+    key = hashlib.sha256("\n".join(str(p.resolve()) for p in sources).encode()).hexdigest()[:16]
+    cache = Path(os.environ.get("KILN_CACHE_DIR", Path.home() / ".cache" / "kiln")) / "triton_backends"
+    folder = cache / f"{version}-{key}"
+    if (folder / "python").is_dir():
+        return folder
+    cache.mkdir(parents=True, exist_ok=True)
+    staged = Path(tempfile.mkdtemp(prefix=f".{version}-{key}-", dir=cache))
+    (staged / "python").mkdir()
+    for source in sources:
+        (staged / "python" / source.name).symlink_to(source.resolve())
+    try:
+        staged.rename(folder)
+    except OSError:  # another process made the same folder first
+        shutil.rmtree(staged, ignore_errors=True)
     return folder
 
 
@@ -83,49 +97,117 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def _proc_stat(pid: int) -> tuple[str, int, int] | None:
+    """(state, parent pid, process group) of a process from /proc, or None when it is gone."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = stat[stat.rindex(")") + 2:].split()  # after "pid (comm) "
+    return fields[0], int(fields[1]), int(fields[2])
+
+
+def group_members(pgid: int) -> dict[int, str]:
+    """The processes of a process group that are not yet reaped: pid -> state (Z: a zombie)."""
+    members = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            stat = _proc_stat(int(entry.name))
+            if stat is not None and stat[2] == pgid:
+                members[int(entry.name)] = stat[0]
+    return members
+
+
+def _adopt_orphans() -> None:
+    """Make this process the reaper of its orphaned descendants (Linux PR_SET_CHILD_SUBREAPER):
+    backend stubs whose server died come to us, so stop() can reap them instead of leaving
+    zombies to an init that may never collect them."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0)
+    except (OSError, AttributeError):
+        pass
+
+
 class TritonServer:
-    """A running tritonserver process; use as a context manager so it is always stopped."""
+    """A running tritonserver process; use as a context manager so it is always stopped.
+
+    Every way out (a failed start included) ends the server's whole process group, so no Python
+    backend stub outlives it, and removes the shared-memory regions its stubs made (named with
+    this server's own prefix). `watch()` returns when the server exits or one of its backend
+    stubs dies (Triton itself keeps answering ready then), saying which."""
 
     def __init__(self, repo: str | Path, grpc_port: int | None = None, http_port: int | None = None,
-                 metrics_port: int | None = None, log_file: str | Path | None = None):
+                 metrics_port: int | None = None, log_file: str | Path | None = None, address: str = "127.0.0.1"):
         self.repo = Path(repo).resolve()
         if not (self.repo / "ensemble").is_dir():
             raise KilnError(f"{self.repo} is not a kiln Triton repository (no ensemble/ folder)")
         self.grpc_port = grpc_port or free_port()
         self.http_port = http_port or free_port()
         self.metrics_port = metrics_port or free_port()
-        self.log_file = Path(log_file) if log_file else None
+        self.address = address
+        self.run_dir = Path(tempfile.mkdtemp(prefix="kiln-serve-"))
+        # the server's output always goes to a file, so a failure can say why
+        self.log_file = Path(log_file) if log_file else self.run_dir / "tritonserver.log"
+        self.shm_prefix = f"kiln{os.getpid()}x{self.grpc_port}_"
         self.process: subprocess.Popen | None = None
+        self.stubs: dict[int, str] = {}  # backend stub pid -> its model, seen once the server is ready
+        self.failed = False  # set when a start failed or health() found a problem
 
     @property
     def grpc_url(self) -> str:
-        return f"127.0.0.1:{self.grpc_port}"
+        return f"{self._client_host}:{self.grpc_port}"
 
     @property
     def http_url(self) -> str:
-        return f"127.0.0.1:{self.http_port}"
+        return f"{self._client_host}:{self.http_port}"
+
+    @property
+    def _client_host(self) -> str:
+        return "127.0.0.1" if self.address in ("0.0.0.0", "::") else self.address
 
     def command(self) -> list[str]:
         return [
             str(tritonserver_binary()),
             f"--model-repository={self.repo}",
             f"--backend-directory={backend_directory()}",
+            f"--backend-config=python,shm-region-prefix-name={self.shm_prefix}",
             f"--grpc-port={self.grpc_port}",
             f"--http-port={self.http_port}",
             f"--metrics-port={self.metrics_port}",
-            "--http-address=127.0.0.1",
-            "--grpc-address=127.0.0.1",
+            f"--http-address={self.address}",
+            f"--grpc-address={self.address}",
             "--allow-sagemaker=false",
             "--log-verbose=0",
             "--exit-timeout-secs=10",
         ]
 
     def start(self, timeout: float = READY_TIMEOUT_S) -> "TritonServer":
-        output = open(self.log_file, "ab") if self.log_file else subprocess.DEVNULL
+        _adopt_orphans()
+        output = open(self.log_file, "ab")
         self.process = subprocess.Popen(self.command(), env=server_environment(), stdout=output,
                                         stderr=subprocess.STDOUT, start_new_session=True)
-        self.wait_ready(timeout)
+        output.close()
+        try:
+            self.wait_ready(timeout)
+        except BaseException:
+            self.failed = True
+            self.stop()
+            raise
+        self.stubs = self._find_stubs()
         return self
+
+    def reason(self, lines: int = 6) -> str:
+        """The server's own words on what went wrong: its last error lines (or last lines)."""
+        try:
+            text = self.log_file.read_text(errors="replace").splitlines()
+        except OSError:
+            return "(no server log)"
+        errors = [line for line in text if (line[:1] == "E" and line[1:5].isdigit() or "error" in line.lower())
+                  and not any(noise in line for noise in CPU_NOISE)]
+        chosen = (errors or text)[-lines:]
+        return "\n".join(line.strip() for line in chosen if line.strip()) or "(the server printed nothing)"
 
     def wait_ready(self, timeout: float) -> None:
         import tritonclient.http as http
@@ -134,8 +216,8 @@ class TritonServer:
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
                 raise KilnError(
-                    f"tritonserver exited with code {self.process.returncode} while loading "
-                    f"{self.repo}" + (f"; see {self.log_file}" if self.log_file else "")
+                    f"tritonserver exited with code {self.process.returncode} while loading {self.repo}:\n"
+                    f"{self.reason()}\n(the whole log: {self.log_file})"
                 )
             client = http.InferenceServerClient(self.http_url)
             try:
@@ -146,8 +228,46 @@ class TritonServer:
             finally:
                 client.close()
             time.sleep(0.5)
-        self.stop()
-        raise KilnError(f"tritonserver was not ready after {timeout:.0f}s")
+        raise KilnError(f"tritonserver was not ready after {timeout:.0f}s; its last words:\n{self.reason()}")
+
+    def _find_stubs(self) -> dict[int, str]:
+        """The server's Python backend stubs (its children) and the model each serves."""
+        stubs = {}
+        for entry in Path("/proc").iterdir():
+            if not entry.name.isdigit():
+                continue
+            stat = _proc_stat(int(entry.name))
+            if stat is None or stat[1] != self.process.pid:
+                continue
+            try:
+                args = (entry / "cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if args and args[0].endswith(b"triton_python_backend_stub") and len(args) > 1:
+                stubs[int(entry.name)] = Path(args[1].decode(errors="replace")).parent.parent.name
+        return stubs
+
+    def health(self) -> str | None:
+        """None while the server and every backend stub it started run; else what stopped."""
+        problem = None
+        if self.process is None or self.process.poll() is not None:
+            code = None if self.process is None else self.process.returncode
+            problem = f"tritonserver exited with code {code}:\n{self.reason()}"
+        for pid, model in self.stubs.items():
+            stat = _proc_stat(pid)
+            if problem is None and (stat is None or stat[0] in "ZX"):
+                problem = (f"the Python backend process of model {model!r} (pid {pid}) died; its requests cannot "
+                           f"be served and Triton does not restart it")
+        self.failed |= problem is not None
+        return problem
+
+    def watch(self, interval: float = 1.0) -> str:
+        """Block until health() reports a problem; returns it (the server is left to stop())."""
+        while True:
+            problem = self.health()
+            if problem is not None:
+                return problem
+            time.sleep(interval)
 
     def stop(self, timeout: float = 30.0) -> None:
         if self.process is None:
@@ -160,15 +280,32 @@ class TritonServer:
                 os.killpg(self.process.pid, signal.SIGKILL)
                 self.process.wait()
         # Python backend stubs still busy with a request when the server gave up waiting
-        # (--exit-timeout-secs) outlive it in its process group: end them too.
+        # (--exit-timeout-secs), or left by a server that died, outlive it in its process group
         try:
             os.killpg(self.process.pid, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
             pass
+        deadline = time.monotonic() + 10
+        while True:  # every member dead, and reaped where it came to us (_adopt_orphans)
+            pending = False
+            for pid, state in group_members(self.process.pid).items():
+                if state not in "ZX":
+                    pending = True
+                    continue
+                try:  # a zombie leader whose threads are still exiting cannot be reaped yet
+                    pending |= os.waitpid(pid, os.WNOHANG)[0] == 0
+                except ChildProcessError:  # not ours: its parent (or init) reaps it
+                    pass
+            if not pending or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+        for region in Path("/dev/shm").glob(f"{self.shm_prefix}*"):
+            region.unlink(missing_ok=True)
+        if self.log_file.parent != self.run_dir or not self.failed:  # a failure's log stays to be read
+            shutil.rmtree(self.run_dir, ignore_errors=True)
 
     def __enter__(self):
         return self.start() if self.process is None else self
 
     def __exit__(self, *exc):
         self.stop()
-

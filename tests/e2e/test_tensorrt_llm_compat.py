@@ -292,6 +292,66 @@ def test_separately_called_pipeline_equals_the_ensemble(server, exclude):
     client.close()
 
 
+def trt_client_run(server, model, streaming, **extra):
+    """What TensorRT-LLM's end_to_end_grpc_client.py does, step for step: one stream, no empty
+    final response asked for, then each result read as `result.as_numpy('text_output')[0]
+    .decode()` (and the other outputs by their first indices)."""
+    import tritonclient.grpc as grpcclient
+    from tritonclient.utils import InferenceServerException, np_to_triton_dtype
+
+    arrays = {"text_input": np.array([[PROMPT]]).astype(object), "max_tokens": np.array([[12]], dtype=np.int32),
+              "stream": np.array([[streaming]], dtype=bool), "beam_width": np.array([[1]], dtype=np.int32),
+              "temperature": np.array([[1.0]], dtype=np.float32), "top_k": np.array([[1]], dtype=np.int32),
+              "return_log_probs": np.array([[True]], dtype=bool), **extra}
+    inputs = []
+    for name, array in arrays.items():
+        t = grpcclient.InferInput(name, array.shape, np_to_triton_dtype(array.dtype))
+        t.set_data_from_numpy(array)
+        inputs.append(t)
+    results: queue.Queue = queue.Queue()
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    client.start_stream(callback=lambda result, error: results.put(error or result))
+    client.async_stream_infer(model, inputs, request_id="trt-client")
+    client.stop_stream()  # waits for the server to close the stream
+    client.close()
+    texts, extras = [], []
+    while not results.empty():
+        result = results.get()
+        assert not isinstance(result, InferenceServerException), result
+        texts.append(result.as_numpy("text_output")[0].decode("utf-8"))
+        extras.append((float(result.as_numpy("cum_log_probs")[0][0]), result.as_numpy("output_log_probs")[0][0],
+                       int(result.as_numpy("batch_index")[0][0])))
+    return texts, extras
+
+
+@pytest.mark.parametrize("streaming", [False, True], ids=["whole", "streamed"])
+@pytest.mark.parametrize("model", ["ensemble", "tensorrt_llm_bls"])
+def test_outputs_read_the_way_tensorrt_llms_clients_read_them(server, model, streaming):
+    texts, extras = trt_client_run(server, model, streaming)
+    answer = text_of(server, model, max_tokens=12)  # a streamed answer never repeats the prompt
+    assert len(texts) > (1 if streaming else 0) and "".join(texts) == (answer if streaming else PROMPT + answer)
+    assert all(batch_index == 0 for _, _, batch_index in extras)
+    if not streaming:
+        (cum, per_token, _), = extras
+        assert cum == pytest.approx(float(per_token.sum()), abs=1e-4)
+
+
+def test_engine_outputs_read_the_way_tensorrt_llms_clients_read_them(server, llm):
+    """inflight_batcher_llm_client.py against the engine model: output_ids[0][0][:sequence_length[0][0]]."""
+    ids = np.array([llm.encode(PROMPT)], dtype=np.int32)
+    (result,) = infer_stream(server, "tensorrt_llm", [
+        tensor("input_ids", ids), tensor("input_lengths", np.array([[ids.shape[1]]], dtype=np.int32)),
+        tensor("request_output_len", np.array([[10]], dtype=np.int32)),
+        tensor("return_log_probs", np.array([[True]])), tensor("exclude_input_in_output", np.array([[True]]))])
+    output_ids, lengths = result.as_numpy("output_ids"), result.as_numpy("sequence_length")
+    tokens = output_ids[0][0][:lengths[0][0]].tolist()
+    assert tokens == llm.generate(PROMPT, max_tokens=10).token_ids
+    assert result.as_numpy("output_log_probs")[0][0].shape == (len(tokens),)
+    assert result.as_numpy("cum_log_probs")[0][0] == pytest.approx(result.as_numpy("output_log_probs")[0][0].sum(),
+                                                                   abs=1e-4)
+    assert result.as_numpy("batch_index")[0][0] == 0 and result.as_numpy("sequence_index")[0][0] == 0
+
+
 @pytest.mark.parametrize("model", ["ensemble", "tensorrt_llm_bls"])
 def test_cjk_and_emoji_stream_equals_the_whole_answer_byte_for_byte(server, model):
     whole = generate(server, {"text_input": CJK_PROMPT, "max_tokens": 24, "exclude_input_in_output": True}, model)

@@ -165,3 +165,30 @@ def test_pool_sized_from_a_fraction_of_free_memory(batch_engine, llm_for):
     llm = llm_for(batch_engine, kv_cache_memory=0.001)
     expected = int(0.001 * available_memory()) // 8192
     assert abs(llm.stats()["blocks_total"] - expected) <= expected * 0.2 + 8
+
+
+def test_a_request_whose_sampling_fails_fails_alone(batch_engine, llm_for):
+    """Every token banned (an embedding bias of -inf everywhere) leaves nothing to draw from: that
+    request gets an error, the one sampled in the same steps finishes as usual."""
+    llm = llm_for(batch_engine)
+    banned = (float("-inf"),) * llm.engine.spec.vocab_size
+    bad = llm.stream([5, 6, 7], max_tokens=8, temperature=1.0, embedding_bias=banned)
+    good = llm.stream([5, 6, 7, 8], max_tokens=8, temperature=1.0, seed=3, ignore_eos=True)
+    with pytest.raises(RequestError, match="sampling failed"):
+        list(bad)
+    assert sum(len(chunk.token_ids) for chunk in good) == 8
+    assert_pool_empty(llm)
+
+
+@pytest.mark.parametrize("values", [{"presence_penalty": float("nan")}, {"temperature": float("inf")},
+                                    {"frequency_penalty": float("-inf")}, {"top_p": float("nan")},
+                                    {"repetition_penalty": float("nan")}])
+def test_sampling_values_that_are_not_numbers_are_refused(values):
+    with pytest.raises(RequestError, match="must be a finite number"):
+        SamplingParams(**values)
+
+
+def test_a_bias_of_nan_is_refused_and_a_tiny_temperature_is_greedy():
+    with pytest.raises(RequestError, match="embedding_bias"):
+        SamplingParams(embedding_bias=(0.0, float("nan")))
+    assert SamplingParams(temperature=1e-40).greedy and not SamplingParams(temperature=0.5).greedy
