@@ -209,6 +209,7 @@ def summarize(records: list[Record], duration: float, **label) -> dict:
         "requests": len(records),
         "failed": len(records) - len(ok),
         "errors": sorted({r.error for r in records if r.error})[:5],
+        "error_counts": {e: sum(r.error == e for r in records) for e in sorted({r.error for r in records if r.error})},
         "output_tokens": tokens,
         "duration_s": duration,
         "output_tokens_per_s": tokens / duration if duration else 0.0,
@@ -330,10 +331,13 @@ def table(results: list[dict], title: str):
         t.add_column(column, justify="right")
     for r in results:
         kv = r.get("kv_cache")
+        def ms(value: float, digits: int) -> str:  # "-" where no request succeeded
+            return "-" if value != value else f"{value:.{digits}f}"
+
         t.add_row(str(r[key]), str(r["requests"]), str(r["failed"]), f"{r['output_tokens_per_s']:.1f}",
-                  f"{r['requests_per_s']:.2f}", f"{r['ttft_ms']['p50']:.0f}", f"{r['ttft_ms']['p99']:.0f}",
-                  f"{r['itl_ms']['p50']:.1f}", f"{r['itl_ms']['p99']:.1f}", f"{r['e2e_ms']['p50']:.0f}",
-                  f"{r['e2e_ms']['p99']:.0f}", f"{100 * kv['utilization_max']:.0f}%" if kv else "-")
+                  f"{r['requests_per_s']:.2f}", ms(r["ttft_ms"]["p50"], 0), ms(r["ttft_ms"]["p99"], 0),
+                  ms(r["itl_ms"]["p50"], 1), ms(r["itl_ms"]["p99"], 1), ms(r["e2e_ms"]["p50"], 0),
+                  ms(r["e2e_ms"]["p99"], 0), f"{100 * kv['utilization_max']:.0f}%" if kv else "-")
     return t
 
 
@@ -403,6 +407,12 @@ def main(argv: list[str] | None = None) -> int:
                     results.append(run_concurrency(target, prompts, int(level), args.output_tokens, advance))
     finally:
         target.close()
+    errors = {}  # each distinct error once, with how many requests it ended
+    for r in results:
+        for error, count in r["error_counts"].items():
+            errors[error] = errors.get(error, 0) + count
+    for error, count in errors.items():
+        console.print(f"[red]{count} request{'s' * (count > 1)} failed:[/red] {error}")
     Console(width=160).print(table(results, f"kiln bench: {target.name}, input {args.input_tokens if not args.prompts else 'file'}, "
                                            f"output {args.output_tokens} tokens (latencies in ms)"))
     report = {"target": target.name, "input_tokens": None if args.prompts else args.input_tokens,

@@ -63,9 +63,17 @@ def verify_manifest(engine_dir: Path) -> None:
     path = engine_dir / names.MANIFEST_FILE
     if not path.is_file():
         raise EngineError(f"{engine_dir}: {names.MANIFEST_FILE} is missing; rebuild the engine")
-    manifest = json.loads(path.read_text())
-    for rel, expected in manifest["files"].items():
-        file = engine_dir / rel
+    try:
+        manifest = json.loads(path.read_text())
+        files = dict(manifest["files"])
+    except (ValueError, KeyError, TypeError) as exc:
+        raise EngineError(f"{path} is not a valid manifest ({exc}); rebuild the engine") from None
+    root = engine_dir.resolve()
+    for rel, expected in files.items():
+        file = (engine_dir / rel).resolve()
+        if not file.is_relative_to(root):  # a manifest names files of the engine, nothing else
+            raise EngineError(f"{engine_dir}: {names.MANIFEST_FILE} names {rel!r}, outside the engine folder; "
+                              f"the engine was tampered with: rebuild it")
         if not file.is_file():
             raise EngineError(f"{engine_dir}: {rel} is missing; rebuild the engine")
         if sha256_file(file) != expected:

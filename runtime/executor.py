@@ -44,6 +44,7 @@ class Response:
     finished: bool = False
     finish_reason: str | None = None
     error: str | None = None
+    busy: bool = False  # the error is a full queue: the same request may succeed later
     # what the request asked to get back, for the tokens of this response
     log_probs: list[float] = field(default_factory=list)
     generation_logits: list[torch.Tensor] = field(default_factory=list)
@@ -144,7 +145,7 @@ class Executor:
             if self._queued >= self.options.max_queue_size:
                 error = (f"busy: {self._queued} requests are queued (max_queue_size "
                          f"{self.options.max_queue_size}); retry later")
-                self._emit(Response(request_id, [], True, FINISH_ERROR, error))
+                self._emit(Response(request_id, [], True, FINISH_ERROR, error, busy=True))
                 return request_id
             self._incoming.append(Sequence(request_id, list(prompt_ids), params, self._stop_ids(params)))
             self._queued += 1
@@ -229,6 +230,8 @@ class Executor:
                     seq = self._live.get(request_id)
                     if seq is not None:
                         self._finish(seq, FINISH_CANCELLED)
+                if cancelled:  # a cancelled request may have been waiting: no step may follow to recount
+                    self._queued = len(self._incoming) + len(self.scheduler.waiting)
             try:
                 self.step()
             except Exception as exc:  # keep serving: fail what was in flight, not the server

@@ -22,7 +22,13 @@ log = logging.getLogger("kiln.triton.bls")
 
 
 class RequestFailed(Exception):
-    pass
+    """A step (preprocessing, the engine) answered with an error: passed on with its status code."""
+
+    def __init__(self, error):
+        from kiln.triton_repo.model_utils import error_code
+
+        super().__init__(error.message())
+        self.code = error_code(error)
 
 
 class TritonPythonModel:
@@ -48,7 +54,7 @@ class TritonPythonModel:
         try:
             self._generate(request, sender)
         except RequestFailed as exc:
-            sender.send(error_response(str(exc)), flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+            sender.send(error_response(str(exc), exc.code), flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
         except Exception as exc:  # report, keep serving
             log.exception("BLS request failed")
             sender.send(error_response(f"{type(exc).__name__}: {exc}"),
@@ -69,7 +75,7 @@ class TritonPythonModel:
             inputs=[pb_utils.Tensor(TO_PREPROCESSING[k], v) for k, v in given.items() if k in TO_PREPROCESSING],
         ).exec()
         if pre.has_error():
-            raise RequestFailed(pre.error().message())
+            raise RequestFailed(pre.error())
         engine_inputs = [pb_utils.Tensor(engine, pb_utils.get_output_tensor_by_name(pre, out).as_numpy())
                          for out, engine in PREPROCESSING_TO_ENGINE.items()]
         engine_inputs += [pb_utils.Tensor(TO_ENGINE[k], v) for k, v in given.items() if k in TO_ENGINE]
@@ -81,7 +87,7 @@ class TritonPythonModel:
         final = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
         for response in responses:
             if response.has_error():
-                raise RequestFailed(response.error().message())
+                raise RequestFailed(response.error())
             if sender.is_cancelled():
                 self._stop(inner_id, engine_inputs)
                 break

@@ -40,16 +40,30 @@ def ensemble_inputs(prompt: str, max_tokens: int, stream: bool, module=None, **o
     return inputs
 
 
+def connect(url: str):
+    """A tritonclient.grpc client for url, checked to answer: KilnError saying so when nothing
+    serves there (instead of the stream's own error, which names no address)."""
+    import tritonclient.grpc as grpcclient
+    from tritonclient.utils import InferenceServerException
+
+    client = grpcclient.InferenceServerClient(url)
+    try:
+        client.is_server_live(client_timeout=10)
+    except InferenceServerException as exc:
+        client.close()
+        raise KilnError(f"cannot connect to {url} (is `kiln serve` running?): {exc.message()}") from None
+    return client
+
+
 def stream_responses(url: str, prompt: str, max_tokens: int = 64, model: str = names.MODEL_ENSEMBLE,
                      timeout: float = 600.0, request_id: str | None = None, stream: bool = True,
                      **options) -> Iterator:
     """Yield each response (tritonclient.grpc InferResult) of one request, over a gRPC stream
     (stream=False: the ensemble answers once, with everything)."""
-    import tritonclient.grpc as grpcclient
     from tritonclient.utils import InferenceServerException
 
     responses: queue.Queue = queue.Queue()
-    client = grpcclient.InferenceServerClient(url)
+    client = connect(url)
     try:
         client.start_stream(callback=lambda result, error: responses.put((result, error)))
         client.async_stream_infer(model, ensemble_inputs(prompt, max_tokens, stream, **options),

@@ -149,8 +149,8 @@ class TritonPythonModel:
                                ChunkAssembler(self.llm.tokenizer, prompt_ids, self.token_bytes))
                 with self.lock:  # registered before the dispatcher can see its first response
                     self.active[self.executor.enqueue(prompt_ids, params)] = state
-            except (KilnError, ValueError, TypeError) as exc:
-                sender.send(error_response(f"{type(exc).__name__}: {exc}"), flags=final)
+            except (KilnError, ValueError, TypeError) as exc:  # what the client sent
+                sender.send(error_response(f"{type(exc).__name__}: {exc}", "INVALID_ARG"), flags=final)
         return None
 
     def _stop(self, triton_id: str) -> None:
@@ -182,7 +182,8 @@ class TritonPythonModel:
                 if state is None:
                     continue
                 if response.finish_reason == FINISH_ERROR:
-                    self._post(state, error_response(response.error), final)
+                    self._post(state, error_response(response.error, "UNAVAILABLE" if response.busy else "INTERNAL"),
+                               final)
                 else:
                     self._forward(state, response, final)
             now = time.monotonic()

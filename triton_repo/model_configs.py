@@ -4,7 +4,7 @@ config.pbtxt files are rendered from here. Names, types and dims are TensorRT-LL
 (engine) -> `PREFIX_IDS` (postprocessing), which keeps streamed text whole."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from kiln import constants as n
 
@@ -82,8 +82,11 @@ TEXT_OUTPUTS = [TensorSpec(n.TEXT_OUTPUT, "STRING", (-1,))] + RESULT_OUTPUTS
 
 # --- preprocessing ---------------------------------------------------------------------
 PREPROCESSING_INPUTS = [
-    TensorSpec(n.QUERY, "STRING", (1,)),
-    TensorSpec(n.REQUEST_OUTPUT_LEN_UPPER, "INT32", (1,)),
+    # optional here, required by preprocessing itself: a streamed ensemble request missing them
+    # then gets preprocessing's error (Triton's own check of a step's inputs answers such a
+    # request with an empty stream)
+    opt(n.QUERY, "STRING", (1,)),
+    opt(n.REQUEST_OUTPUT_LEN_UPPER, "INT32", (1,)),
     opt(n.BAD_WORDS_DICT, "STRING", (-1,)),
     opt(n.STOP_WORDS_DICT, "STRING", (-1,)),
     opt(n.EMBEDDING_BIAS_WORDS_UPPER, "STRING", (-1,)),
@@ -196,6 +199,11 @@ def ensemble(models: dict[str, str], max_batch_size: int) -> str:
     engine = _step(models[n.ROLE_ENGINE], engine_inputs, engine_outputs)
     post = _step(models[n.ROLE_POSTPROCESSING], {v: f"_{k}" for k, v in ENGINE_TO_POSTPROCESSING.items()},
                  {n.OUTPUT: n.TEXT_OUTPUT})
+    # text_input and max_tokens are checked by preprocessing, not by Triton: given any two inputs,
+    # Triton 2.51 lets a request missing them into the ensemble, whose steps then never start, and
+    # a streamed request gets an empty answer instead of an error
+    inputs = [replace(spec, optional=True) if spec.name in (n.TEXT_INPUT, n.MAX_TOKENS) else spec
+              for spec in TEXT_INPUTS]
     return (f'name: "{models[n.ROLE_ENSEMBLE]}"\nplatform: "ensemble"\nmax_batch_size: {max_batch_size}\n'
-            + _tensors("input", TEXT_INPUTS) + _tensors("output", TEXT_OUTPUTS)
+            + _tensors("input", inputs) + _tensors("output", TEXT_OUTPUTS)
             + "ensemble_scheduling {\n  step [\n" + ",\n".join([pre, engine, post]) + "\n  ]\n}\n")

@@ -24,8 +24,14 @@ def engine_tokenizer(args: dict):
 
     from kiln import constants as names
 
-    folder = repo_path(args, parameter(args, names.TOKENIZER_DIR_PARAMETER))
-    return Tokenizer.from_file(os.path.join(folder, names.TOKENIZER_JSON))
+    path = os.path.join(repo_path(args, parameter(args, names.TOKENIZER_DIR_PARAMETER)), names.TOKENIZER_JSON)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"the engine's tokenizer {path} is missing: rebuild the engine (build-engine) "
+                                f"or point the repository at a complete one")
+    try:
+        return Tokenizer.from_file(path)
+    except Exception as exc:  # tokenizers raises its own error type, naming no file
+        raise ValueError(f"cannot read the tokenizer {path}: {exc}; rebuild the engine") from None
 
 
 def input_array(request, name: str) -> np.ndarray | None:
@@ -41,7 +47,18 @@ def optional_scalar(request, name: str, default=None):
     return default if array is None else array.reshape(-1)[0].item()
 
 
-def error_response(message: str):
+def error_response(message: str, code: str = "INTERNAL"):
+    """A response carrying an error with a Triton status code: INVALID_ARG for what the client
+    sent (HTTP 400), UNAVAILABLE for a full queue (HTTP 503: retry later), INTERNAL otherwise."""
     import triton_python_backend_utils as pb_utils
 
-    return pb_utils.InferenceResponse(output_tensors=[], error=pb_utils.TritonError(message))
+    return pb_utils.InferenceResponse(output_tensors=[], error=pb_utils.TritonError(message, getattr(pb_utils.TritonError, code)))
+
+
+def error_code(error) -> str:
+    """The status code name of a pb_utils.TritonError (a response's error from another model)."""
+    import triton_python_backend_utils as pb_utils
+
+    code = error.code()
+    return next((name for name in ("INVALID_ARG", "UNAVAILABLE", "CANCELLED", "NOT_FOUND", "UNSUPPORTED")
+                 if getattr(pb_utils.TritonError, name) == code), "INTERNAL")

@@ -40,7 +40,8 @@ class TritonPythonModel:
         for request in requests:
             tokens = input_array(request, names.TOKENS_BATCH)
             if tokens is None:
-                responses.append(error_response(f"postprocessing: input {names.TOKENS_BATCH!r} is required"))
+                responses.append(error_response(f"postprocessing: input {names.TOKENS_BATCH!r} is required",
+                                                "INVALID_ARG"))
                 continue
             texts = decode_batch(self.tokenizer, tokens, input_array(request, names.SEQUENCE_LENGTH_UPPER),
                                  input_array(request, names.PREFIX_IDS_UPPER))

@@ -83,7 +83,7 @@ class TritonPythonModel:
             try:
                 outputs = self._one(lambda name, r=request: input_array(r, name))
             except (ValueError, UnicodeDecodeError) as exc:
-                responses.append(error_response(f"preprocessing: {exc}"))
+                responses.append(error_response(f"preprocessing: {exc}", "INVALID_ARG"))
                 continue
             responses.append(pb_utils.InferenceResponse(
                 output_tensors=[pb_utils.Tensor(name, array) for name, array in outputs.items()]))
@@ -92,8 +92,10 @@ class TritonPythonModel:
     def _one(self, get) -> dict[str, np.ndarray]:
         query = get(names.QUERY)
         output_len = get(names.REQUEST_OUTPUT_LEN_UPPER)
-        if query is None or output_len is None:
-            raise ValueError(f"inputs {names.QUERY!r} and {names.REQUEST_OUTPUT_LEN_UPPER!r} are required")
+        for array, name, outer in ((query, names.QUERY, names.TEXT_INPUT),
+                                   (output_len, names.REQUEST_OUTPUT_LEN_UPPER, names.MAX_TOKENS)):
+            if array is None:
+                raise ValueError(f"input {outer!r} ({name!r} here) is required")
         if query.size != 1:
             raise ValueError(f"{names.QUERY!r} must hold one text per request, got shape {list(query.shape)}")
         raw = query.reshape(-1)[0]

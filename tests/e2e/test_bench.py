@@ -6,7 +6,7 @@ import pytest
 from kiln.bench import main, percentile
 from kiln.triton_repo.serve import TritonServer
 
-FIELDS = {"mode", "requests", "failed", "errors", "output_tokens", "duration_s", "output_tokens_per_s",
+FIELDS = {"mode", "requests", "failed", "errors", "error_counts", "output_tokens", "duration_s", "output_tokens_per_s",
           "requests_per_s", "ttft_ms", "itl_ms", "e2e_ms", "kv_cache"}
 DISTRIBUTION = {"p50", "p90", "p99", "mean"}
 
@@ -73,3 +73,22 @@ def test_bench_against_tritonserver(tiny_engines, tmp_path):
     report = check_report(out, [2], "concurrency", 3, 5, in_process=False, kv_reported=True)
     kv = report["results"][0]["kv_cache"]  # a 45-token sequence holds 2 blocks of 32
     assert kv["blocks_used_peak_since_start"] >= 2 and kv["blocks_total"] > kv["blocks_used_peak_since_start"]
+
+
+def test_nothing_listening_is_said_once_and_plainly(tiny_engines, tmp_path, capsys):
+    """No server at the address: kiln generate says so and exits non-zero; kiln bench counts the
+    failures and prints the reason once, not a traceback or a NaN."""
+    from kiln.cli import main as kiln_main
+    from kiln.triton_repo.serve import free_port
+
+    url = f"127.0.0.1:{free_port()}"
+    assert kiln_main(["generate", "--url", url, "hello"]) == 2
+    assert f"cannot connect to {url} (is `kiln serve` running?)" in capsys.readouterr().err
+    out = tmp_path / "down.json"
+    code = main(["--url", url, "--tokenizer", str(tiny_engines("llama")), "--concurrency", "1", "--requests", "3",
+                 "--input-tokens", "10", "--output-tokens", "5", "--json", str(out)])
+    printed = capsys.readouterr()
+    assert code == 1 and "nan" not in printed.out
+    (result,) = json.loads(out.read_text())["results"]
+    assert result["failed"] == 3 and list(result["error_counts"].values()) == [3]
+    assert "cannot connect" in next(iter(result["error_counts"]))

@@ -234,6 +234,30 @@ def test_inputs_kiln_cannot_honour_get_a_clear_error(server, model, body, messag
     assert text_of(server, model, beam_width=1)  # and it keeps serving
 
 
+@pytest.mark.parametrize("model", ["ensemble", "tensorrt_llm_bls"])
+def test_a_bad_request_is_a_client_error_over_http(server, model):
+    """What the client sent is wrong: HTTP 400 (Triton's INVALID_ARG), not a server error."""
+    request = urllib.request.Request(f"http://{server.http_url}/v2/models/{model}/generate",
+                                     data=json.dumps({"text_input": PROMPT, "max_tokens": 4, "beam_width": 2}).encode(),
+                                     headers={"Content-Type": "application/json"})
+    with pytest.raises(urllib.error.HTTPError) as caught:
+        urllib.request.urlopen(request, timeout=60)
+    assert caught.value.code == 400 and "beam_width 2" in caught.value.read().decode()
+
+
+@pytest.mark.parametrize("missing", ["text_input", "max_tokens"])
+@pytest.mark.parametrize("stream", [False, True], ids=["generate", "generate_stream"])
+@pytest.mark.parametrize("model", ["ensemble", "tensorrt_llm_bls"])
+def test_a_request_missing_a_required_input_says_which(server, model, stream, missing):
+    body = {"text_input": PROMPT, "max_tokens": 4, "stream": stream}
+    del body[missing]
+    path = f"/v2/models/{model}/generate" + ("_stream" if stream else "")
+    request = urllib.request.Request(f"http://{server.http_url}{path}", data=json.dumps(body).encode())
+    with pytest.raises(urllib.error.HTTPError) as caught:
+        urllib.request.urlopen(request, timeout=60)
+    assert caught.value.code == 400 and missing in caught.value.read().decode()
+
+
 # --- the pipeline, BLS, streaming -------------------------------------------------------
 def infer_stream(server, model, inputs, request_id="r"):
     """All responses of one request on a gRPC stream (decoupled models answer only there)."""

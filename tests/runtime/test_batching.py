@@ -192,3 +192,19 @@ def test_a_bias_of_nan_is_refused_and_a_tiny_temperature_is_greedy():
     with pytest.raises(RequestError, match="embedding_bias"):
         SamplingParams(embedding_bias=(0.0, float("nan")))
     assert SamplingParams(temperature=1e-40).greedy and not SamplingParams(temperature=0.5).greedy
+
+
+def test_queued_count_falls_to_zero_when_waiting_requests_are_cancelled(batch_engine, llm_for):
+    """Cancelled requests that never ran leave no step behind to recount the queue: the count (a
+    Triton gauge) must still fall to zero."""
+    llm = llm_for(batch_engine)
+    executor = llm.executor
+    ids = [executor.enqueue([7] * 250, SamplingParams(max_tokens=50)) for _ in range(40)]  # one prefill a step
+    for request_id in ids:
+        executor.cancel(request_id)
+    for request_id in ids:
+        while not any(r.finished for r in executor.await_responses(request_id, timeout=30)):
+            pass
+    stats = executor.stats()
+    assert stats["queued"] == 0 and stats["running"] == 0
+    assert_pool_empty(llm)

@@ -62,3 +62,20 @@ def test_manifest_covers_every_file(engine_copy):
     files = {str(p.relative_to(engine_copy)) for p in engine_copy.rglob("*") if p.is_file()}
     assert set(manifest) == files - {names.MANIFEST_FILE}
     assert any(f.startswith(names.PLUGINS_DIR + "/") for f in manifest)
+
+
+@pytest.mark.parametrize("entry", ["../../../../etc/hostname", "/etc/hostname", "tokenizer/../../outside.txt"])
+def test_manifest_entries_outside_the_engine_are_refused(engine_copy, entry):
+    """A tampered manifest must not make the loader read (hash) files elsewhere."""
+    path = engine_copy / names.MANIFEST_FILE
+    manifest = json.loads(path.read_text())
+    manifest["files"][entry] = "0" * 64
+    path.write_text(json.dumps(manifest))
+    with pytest.raises(EngineError, match="outside the engine folder"):
+        Engine(engine_copy)
+
+
+def test_a_manifest_that_is_not_one_is_refused(engine_copy):
+    (engine_copy / names.MANIFEST_FILE).write_text('{"files": 3}')
+    with pytest.raises(EngineError, match="not a valid manifest"):
+        Engine(engine_copy)
