@@ -9,10 +9,20 @@ from pathlib import Path
 from kiln.errors import KilnError
 
 
+def _size_or_fraction(text: str) -> str | float:
+    try:
+        return float(text)
+    except ValueError:
+        return text
+
+
 def _serve(args) -> int:
     from kiln.triton_repo.serve import TritonServer
 
-    server = TritonServer(args.repo, args.grpc_port, args.http_port, args.metrics_port, args.log_file, args.address)
+    runtime = {"kv_cache_memory": args.kv_cache_memory, "max_queue_size": args.max_queue_size,
+               "scheduler": args.scheduler, "enable_prefix_reuse": args.enable_prefix_reuse}
+    server = TritonServer(args.repo, args.grpc_port, args.http_port, args.metrics_port, args.log_file, args.address,
+                          {key: value for key, value in runtime.items() if value is not None})
     print(f"starting tritonserver on {args.repo} ...", file=sys.stderr)
     server.start(args.timeout)
     print(f"ready: gRPC {server.grpc_url}  HTTP {server.http_url}  metrics {server.address}:{server.metrics_port}",
@@ -74,6 +84,13 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--address", default="127.0.0.1",
                        help="the interface to listen on (default loopback only; 0.0.0.0 for every interface)")
     serve.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for readiness")
+    runtime = serve.add_argument_group("run-time options (default: the engine's build config)")
+    runtime.add_argument("--kv-cache-memory", default=None, type=_size_or_fraction,
+                         help="the KV block pool: bytes ('4GiB') or a fraction of available memory ('0.5')")
+    runtime.add_argument("--max-queue-size", type=int, default=None, help="waiting requests before 'busy'")
+    runtime.add_argument("--scheduler", choices=["max_utilization", "guaranteed_no_evict"], default=None)
+    runtime.add_argument("--enable-prefix-reuse", type=lambda v: v.lower() in ("1", "true", "yes"), default=None,
+                         metavar="true|false")
     serve.set_defaults(run=_serve)
 
     gen = sub.add_parser("generate", help="stream a completion over gRPC (tritonclient)")

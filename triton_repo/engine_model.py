@@ -4,7 +4,9 @@ batches them in flight; one dispatcher thread sends each request's responses bac
 It translates tensors to requests and executor responses back to tensors; nothing else."""
 from __future__ import annotations
 
+import json
 import logging
+import os
 import threading
 import time
 from collections import deque
@@ -111,7 +113,10 @@ class TritonPythonModel:
         from kiln.runtime.detokenizer import TokenBytes
         from kiln.runtime.llm import LLM
 
-        self.llm = LLM(repo_path(args, parameter(args, names.ENGINE_DIR_PARAMETER)))
+        from kiln.triton_repo.serve import RUNTIME_ENV
+
+        overrides = json.loads(os.environ.get(RUNTIME_ENV) or "{}")  # kiln serve --max-queue-size ...
+        self.llm = LLM(repo_path(args, parameter(args, names.ENGINE_DIR_PARAMETER)), **overrides)
         self.executor = self.llm.executor
         # chunks are cut where text can be decoded whole; postprocessing / BLS make the text
         self.token_bytes = TokenBytes.of(self.llm.tokenizer)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import json
 import os
 import shutil
 import signal
@@ -22,6 +23,7 @@ from pathlib import Path
 from kiln.errors import KilnError
 
 READY_TIMEOUT_S = 300.0
+RUNTIME_ENV = "KILN_RUNTIME_OPTIONS"  # JSON run-time options the engine model applies over the engine's
 # what tritonserver says on every machine without a GPU: harmless, and never the reason it failed
 CPU_NOISE = ("CUDA", "Cuda", "NVML", "DCGM", "GPU")
 
@@ -139,7 +141,10 @@ class TritonServer:
     stubs dies (Triton itself keeps answering ready then), saying which."""
 
     def __init__(self, repo: str | Path, grpc_port: int | None = None, http_port: int | None = None,
-                 metrics_port: int | None = None, log_file: str | Path | None = None, address: str = "127.0.0.1"):
+                 metrics_port: int | None = None, log_file: str | Path | None = None, address: str = "127.0.0.1",
+                 runtime: dict | None = None):
+        """runtime: run-time options for the engine model, over the engine's defaults
+        (kv_cache_memory, scheduler, enable_prefix_reuse, max_queue_size)."""
         self.repo = Path(repo).resolve()
         if not (self.repo / "ensemble").is_dir():
             raise KilnError(f"{self.repo} is not a kiln Triton repository (no ensemble/ folder)")
@@ -147,6 +152,7 @@ class TritonServer:
         self.http_port = http_port or free_port()
         self.metrics_port = metrics_port or free_port()
         self.address = address
+        self.runtime = dict(runtime or {})
         self.run_dir = Path(tempfile.mkdtemp(prefix="kiln-serve-"))
         # the server's output always goes to a file, so a failure can say why
         self.log_file = Path(log_file) if log_file else self.run_dir / "tritonserver.log"
@@ -186,7 +192,10 @@ class TritonServer:
     def start(self, timeout: float = READY_TIMEOUT_S) -> "TritonServer":
         _adopt_orphans()
         output = open(self.log_file, "ab")
-        self.process = subprocess.Popen(self.command(), env=server_environment(), stdout=output,
+        env = server_environment()
+        if self.runtime:
+            env[RUNTIME_ENV] = json.dumps(self.runtime)
+        self.process = subprocess.Popen(self.command(), env=env, stdout=output,
                                         stderr=subprocess.STDOUT, start_new_session=True)
         output.close()
         try:
