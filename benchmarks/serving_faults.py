@@ -218,7 +218,7 @@ def faults(server: TritonServer) -> dict:
     killed_at[0] = time.monotonic()
     problem = server.watch(interval=0.2)
     noticed = time.monotonic() - killed_at[0]
-    server.stop()
+    server.stop(timeout=1)  # as kiln serve does
     for t in threads:
         t.join(timeout=60)
     return {"nan_request": bad[:200], "healthy_beside_it": healthy, "stub_death_noticed_s": round(noticed, 2),

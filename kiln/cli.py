@@ -34,8 +34,9 @@ def _serve(args) -> int:
         server.stop()
         return 0
     # a dead backend process leaves Triton answering "ready" while its requests hang: stop the whole
-    # server instead, so its clients get errors at once and a supervisor can start it again
-    server.stop()
+    # server at once (it cannot shut down cleanly without that process), so its clients get errors
+    # now and a supervisor can start it again
+    server.stop(timeout=1)
     print(f"error: {problem}\nkiln serve stopped the server (exit code 3); start it again", file=sys.stderr)
     return 3
 

@@ -41,14 +41,20 @@ def sha256_file(path: Path) -> str:
     return digest.hexdigest()
 
 
-def read_engine_json(engine_dir: Path) -> dict:
-    path = engine_dir / names.ENGINE_JSON
+def _engine_file_json(engine_dir: Path, name: str, missing: str):
+    """An engine file's JSON; EngineError saying `missing` or that it is damaged."""
+    path = engine_dir / name
     if not path.is_file():
-        raise EngineError(f"{engine_dir} is not a kiln engine: {names.ENGINE_JSON} is missing")
+        raise EngineError(missing)
     try:
-        meta = json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise EngineError(f"{path} is not valid JSON ({exc}); rebuild the engine") from exc
+        return json.loads(path.read_text())
+    except ValueError as exc:
+        raise EngineError(f"{path} is not valid JSON ({exc}); rebuild the engine") from None
+
+
+def read_engine_json(engine_dir: Path) -> dict:
+    meta = _engine_file_json(engine_dir, names.ENGINE_JSON,
+                             f"{engine_dir} is not a kiln engine: {names.ENGINE_JSON} is missing")
     version = meta.get("format_version")
     if version != names.ENGINE_FORMAT_VERSION:
         raise EngineError(
@@ -60,14 +66,13 @@ def read_engine_json(engine_dir: Path) -> dict:
 
 
 def verify_manifest(engine_dir: Path) -> None:
-    path = engine_dir / names.MANIFEST_FILE
-    if not path.is_file():
-        raise EngineError(f"{engine_dir}: {names.MANIFEST_FILE} is missing; rebuild the engine")
+    manifest = _engine_file_json(engine_dir, names.MANIFEST_FILE,
+                                 f"{engine_dir}: {names.MANIFEST_FILE} is missing; rebuild the engine")
     try:
-        manifest = json.loads(path.read_text())
         files = dict(manifest["files"])
-    except (ValueError, KeyError, TypeError) as exc:
-        raise EngineError(f"{path} is not a valid manifest ({exc}); rebuild the engine") from None
+    except (KeyError, TypeError, ValueError) as exc:
+        raise EngineError(f"{engine_dir / names.MANIFEST_FILE} is not a valid manifest ({exc}); "
+                          f"rebuild the engine") from None
     root = engine_dir.resolve()
     for rel, expected in files.items():
         file = (engine_dir / rel).resolve()

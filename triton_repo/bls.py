@@ -85,12 +85,20 @@ class TritonPythonModel:
             model_name=self.engine, requested_output_names=outputs, inputs=engine_inputs, request_id=inner_id,
         ).exec(decoupled=True)
         final = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+        stopped = False
         for response in responses:
+            # Every response of the engine request is taken, up to its final one, even after the
+            # client cancelled: Triton holds one of its few BLS threads until an inner request's
+            # responses are all taken, and a loop that left early leaked one per cancellation
+            # until every BLS call froze (seen under load with a quarter of clients cancelling).
+            if stopped:
+                continue
             if response.has_error():
                 raise RequestFailed(response.error())
             if sender.is_cancelled():
-                self._stop(inner_id, engine_inputs)
-                break
+                self._stop(inner_id, engine_inputs)  # the engine ends it: its final response follows
+                stopped = True
+                continue
             tokens = pb_utils.get_output_tensor_by_name(response, names.OUTPUT_IDS)
             if tokens is None:  # the engine's empty final response
                 continue

@@ -240,6 +240,27 @@ void tiled_gemv(const TiledLayout& L, const T* bias, T* out, int64_t rows, int64
   });
 }
 
+// Four int4 weight rows side by side, group by group (four independent chains: one row alone is
+// bound by its dot product's latency): block(i, acc) adds the 64 inputs from i into the rows' four
+// int32 accumulators; each group's sums, less offset(g) (the nibbles' + 8 times the inputs' sum),
+// go to fp32 times scale(r, g). sums[r] = row r's total.
+template <typename Block, typename Offset, typename Scale>
+inline void four_rows_by_group(int64_t k, int64_t group, int64_t groups, Block block, Offset offset, Scale scale,
+                               float* sums) {
+  __m512 facc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+  for (int64_t g = 0; g < groups; ++g) {
+    const int64_t g0 = g * group, g1 = std::min(k, g0 + group);
+    __m512i acc[4] = {_mm512_setzero_si512(), _mm512_setzero_si512(), _mm512_setzero_si512(),
+                      _mm512_setzero_si512()};
+    for (int64_t i = g0; i < g1; i += 64) block(i, acc);
+    const __m512i off = _mm512_maskz_set1_epi32(1, offset(g));
+    for (int r = 0; r < 4; ++r)
+      facc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(acc[r], off)), _mm512_set1_ps(scale(r, g)),
+                                facc[r]);
+  }
+  for (int r = 0; r < 4; ++r) sums[r] = _mm512_reduce_add_ps(facc[r]);
+}
+
 // 16 floats -> 16 bf16, rounded to nearest even (as c10::BFloat16; the values are finite)
 inline __m256i bf16x16(__m512 v) {
 #if defined(KILN_ISA_AVX512BF16)

@@ -164,27 +164,18 @@ inline void tile_w4(const int16_t* xq, int64_t kp, const int32_t* xsum8, const u
 inline void four_rows_w4(const int16_t* xq, const int32_t* xsum8, const uint8_t* w, int64_t row_bytes,
                          const float* scale, int64_t group, int64_t groups, float* sums) {
   const __m512i nib = _mm512_set1_epi16(0x0F);
-  const int64_t k = row_bytes * 2;
-  __m512 facc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
-  for (int64_t g = 0; g < groups; ++g) {
-    const int64_t g0 = g * group, g1 = std::min(k, g0 + group);
-    __m512i acc[4] = {_mm512_setzero_si512(), _mm512_setzero_si512(), _mm512_setzero_si512(),
-                      _mm512_setzero_si512()};
-    for (int64_t i = g0; i < g1; i += 64) {
-      const __m512i x_lo = _mm512_loadu_si512(xq + i), x_hi = _mm512_loadu_si512(xq + i + 32);
-      for (int r = 0; r < 4; ++r) {
-        const __m512i bytes =
-            _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + r * row_bytes + i / 2)));
-        acc[r] = dp16(acc[r], x_lo, _mm512_and_si512(bytes, nib));
-        acc[r] = dp16(acc[r], x_hi, _mm512_srli_epi16(bytes, 4));
-      }
-    }
-    const __m512i offset = _mm512_maskz_set1_epi32(1, xsum8[g]);
-    for (int r = 0; r < 4; ++r)
-      facc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(acc[r], offset)),
-                                _mm512_set1_ps(scale[r * groups + g]), facc[r]);
-  }
-  for (int r = 0; r < 4; ++r) sums[r] = _mm512_reduce_add_ps(facc[r]);
+  four_rows_by_group(
+      row_bytes * 2, group, groups,
+      [&](int64_t i, __m512i* acc) {
+        const __m512i x_lo = _mm512_loadu_si512(xq + i), x_hi = _mm512_loadu_si512(xq + i + 32);
+        for (int r = 0; r < 4; ++r) {
+          const __m512i bytes =
+              _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + r * row_bytes + i / 2)));
+          acc[r] = dp16(acc[r], x_lo, _mm512_and_si512(bytes, nib));
+          acc[r] = dp16(acc[r], x_hi, _mm512_srli_epi16(bytes, 4));
+        }
+      },
+      [&](int64_t g) { return xsum8[g]; }, [&](int r, int64_t g) { return scale[r * groups + g]; }, sums);
 }
 
 // one weight row after the other: streaming several rows side by side measured 2.5x slower

@@ -88,27 +88,19 @@ void linear_w4a8_vnni(const T* x, const uint8_t* w, const float* scale, int64_t 
   auto four_rows = [&](int64_t o, int64_t m, float* totals) {
     const __m256i nib = _mm256_set1_epi8(0x0F);
     const int8_t* xr = in.q.data() + m * k;
-    __m512 facc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
-    for (int64_t g = 0; g < groups; ++g) {
-      const int64_t g0 = g * group, g1 = std::min(k, g0 + group);
-      __m512i acc[4] = {_mm512_setzero_si512(), _mm512_setzero_si512(), _mm512_setzero_si512(),
-                        _mm512_setzero_si512()};
-      for (int64_t i = g0; i < g1; i += 64) {
-        const __m512i xv = _mm512_loadu_si512(xr + i);
-        for (int r = 0; r < 4; ++r) {
-          const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + (o + r) * row_bytes + i / 2));
-          const __m512i u = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(bytes, nib)),
-                                               _mm256_and_si256(_mm256_srli_epi16(bytes, 4), nib), 1);
-          acc[r] = _mm512_dpbusd_epi32(acc[r], u, xv);
-        }
-      }
-      const __m512i offset = _mm512_maskz_set1_epi32(1, 8 * in.sum[m * groups + g]);
-      const float xsg = in.scale[m * groups + g];
-      for (int r = 0; r < 4; ++r)
-        facc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(acc[r], offset)),
-                                  _mm512_set1_ps(scale[(o + r) * groups + g] * xsg), facc[r]);
-    }
-    for (int r = 0; r < 4; ++r) totals[r] = _mm512_reduce_add_ps(facc[r]);
+    four_rows_by_group(
+        k, group, groups,
+        [&](int64_t i, __m512i* acc) {
+          const __m512i xv = _mm512_loadu_si512(xr + i);
+          for (int r = 0; r < 4; ++r) {
+            const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + (o + r) * row_bytes + i / 2));
+            const __m512i u = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(bytes, nib)),
+                                                 _mm256_and_si256(_mm256_srli_epi16(bytes, 4), nib), 1);
+            acc[r] = _mm512_dpbusd_epi32(acc[r], u, xv);
+          }
+        },
+        [&](int64_t g) { return 8 * in.sum[m * groups + g]; },
+        [&](int r, int64_t g) { return scale[(o + r) * groups + g] * in.scale[m * groups + g]; }, totals);
   };
   at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
     int64_t o = begin;
