@@ -10,7 +10,7 @@ load      `--streams` clients for `--minutes`, each sending streamed gRPC reques
           blocks must drain (the Triton gauges), and the server processes' memory (RSS) is sampled
           from warm-up to the end.
 overload  with `--queue-size` waiting requests allowed (kiln serve --max-queue-size), a burst of
-          requests larger than that: the surplus must be refused at once with UNAVAILABLE, and a
+          requests larger than that: the surplus must be refused at once ('busy', UNAVAILABLE), and a
           request right after must succeed.
 faults    a request with NaN sampling values beside healthy ones (they must finish); then the
           engine model's process killed with streams in flight: they must get errors within 5 s
@@ -52,16 +52,21 @@ def gauges(server: TritonServer) -> dict[str, float]:
     return out
 
 
-def rss_mb(server: TritonServer) -> float:
-    total = 0
+def rss_mb(server: TritonServer) -> dict[str, float]:
+    """Resident memory (MB) of each of the server's processes (tritonserver and one Python
+    backend stub per model), and their total."""
+    names = {server.process.pid: "tritonserver", **server.stubs}
+    out: dict[str, float] = {}
     for pid in group_members(server.process.pid):
         try:
             for line in Path(f"/proc/{pid}/status").read_text().splitlines():
                 if line.startswith("VmRSS:"):
-                    total += int(line.split()[1])
+                    name = names.get(pid, "other")
+                    out[name] = out.get(name, 0.0) + int(line.split()[1]) / 1024
         except OSError:
             pass
-    return total / 1024
+    out = {f"rss_mb.{name}": round(mb, 1) for name, mb in sorted(out.items())}
+    return {"rss_mb": round(sum(out.values()), 1), **out}
 
 
 def one_request(server: TritonServer, model: str, rng: random.Random, cancel: float, timeout: float,
@@ -123,7 +128,7 @@ def load(server: TritonServer, streams: int, seconds: float, cancel: float, time
         t.start()
     start = time.monotonic()
     while any(t.is_alive() for t in threads):
-        samples.append({"t": round(time.monotonic() - start, 1), "rss_mb": round(rss_mb(server), 1), **gauges(server)})
+        samples.append({"t": round(time.monotonic() - start, 1), **rss_mb(server), **gauges(server)})
         time.sleep(5)
     drained_after = None
     for waited in range(120):  # the engine's requests and blocks must come back
@@ -132,7 +137,7 @@ def load(server: TritonServer, streams: int, seconds: float, cancel: float, time
             drained_after = waited
             break
         time.sleep(1)
-    samples.append({"t": round(time.monotonic() - start, 1), "rss_mb": round(rss_mb(server), 1), **gauges(server)})
+    samples.append({"t": round(time.monotonic() - start, 1), **rss_mb(server), **gauges(server)})
     counts: dict[str, dict[str, int]] = {}
     errors: dict[str, int] = {}
     for model, outcome in outcomes:
@@ -141,11 +146,15 @@ def load(server: TritonServer, streams: int, seconds: float, cancel: float, time
         counts[model][kind] += 1
         if kind == "error":
             errors[outcome[6:][:160]] = errors.get(outcome[6:][:160], 0) + 1
-    warm = [s["rss_mb"] for s in samples if s["t"] >= min(60, seconds / 3)] or [samples[-1]["rss_mb"]]
+    warm_samples = [s for s in samples if s["t"] >= min(60, seconds / 3)] or samples[-1:]
+    warm = [s["rss_mb"] for s in warm_samples]
+    by_process = {key[len("rss_mb."):]: [warm_samples[0].get(key), warm_samples[-1].get(key)]
+                  for key in warm_samples[-1] if key.startswith("rss_mb.")}
     return {"streams": streams, "seconds": seconds, "cancel_share": cancel, "requests": len(outcomes),
             "by_model": counts, "errors": errors, "lost": sum(o == "lost" for _, o in outcomes),
             "drained_after_s": drained_after, "end": samples[-1],
-            "rss_mb_after_warmup": {"first": warm[0], "last": warm[-1], "max": max(warm)}, "samples": samples}
+            "rss_mb_after_warmup": {"first": warm[0], "last": warm[-1], "max": max(warm)},
+            "rss_mb_by_process_after_warmup": by_process, "samples": samples}
 
 
 def overload(server: TritonServer, queue_size: int, burst: int) -> dict:
@@ -225,20 +234,59 @@ def faults(server: TritonServer) -> dict:
             "problem": problem, "inflight_after_kill": [(o[:120], round(s, 2)) for o, s in inflight]}
 
 
+def plot_load(report: dict, path: Path) -> None:
+    """Memory of each server process and the engine's running requests / KV blocks over the load."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    samples = report["load"]["samples"]
+    t = [s["t"] / 60 for s in samples]
+    fig, (memory, engine) = plt.subplots(2, 1, figsize=(8, 6), sharex=True)
+    for key in sorted({k for s in samples for k in s if k.startswith("rss_mb.")}):
+        memory.plot(t, [s.get(key) for s in samples], label=key[len("rss_mb."):])
+    memory.plot(t, [s["rss_mb"] for s in samples], "k--", label="all")
+    memory.set_ylabel("resident memory (MB)")
+    memory.legend(fontsize=8)
+    engine.plot(t, [s.get("kiln_requests.running") for s in samples], label="running requests")
+    engine.plot(t, [s.get("kiln_kv_cache_blocks.used") for s in samples], label="KV blocks used")
+    engine.set_xlabel("minutes")
+    engine.legend(fontsize=8)
+    load = report["load"]
+    fig.suptitle(f"{load['streams']} streams, {load['cancel_share']:.0%} cancelled or dropped: "
+                 f"{load['requests']} requests, {load['lost']} lost\n{report['host'].get('cpu', '')}", fontsize=9)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("repo", type=Path)
+    parser.add_argument("repo", type=Path, nargs="?", help="the Triton repository (not with --from-json)")
     parser.add_argument("--minutes", type=float, default=10.0)
     parser.add_argument("--streams", type=int, default=64)
     parser.add_argument("--cancel", type=float, default=0.25, help="share of requests cancelled or dropped")
     parser.add_argument("--request-timeout", type=float, default=300.0)
     parser.add_argument("--queue-size", type=int, default=8)
+    parser.add_argument("--kv-cache-memory", default=None,
+                        help="the load's KV budget (kiln serve --kv-cache-memory): the prefix cache fills "
+                             "it, so the engine's memory grows until it is all in use")
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--plot", type=Path, default=None, help="PNG of memory and engine load over time")
+    parser.add_argument("--from-json", type=Path, default=None, help="plot an earlier run's JSON; run nothing")
     args = parser.parse_args()
+    if args.from_json:
+        plot_load(json.loads(args.from_json.read_text()), args.plot or args.from_json.with_suffix(".png"))
+        return
+    if args.repo is None:
+        parser.error("the Triton repository to serve is required")
 
     report = {"host": host_info(), "args": {k: str(v) for k, v in vars(args).items()}}
-    with TritonServer(args.repo) as server:
+    runtime = {"kv_cache_memory": args.kv_cache_memory} if args.kv_cache_memory else {}
+    with TritonServer(args.repo, runtime=runtime) as server:
         print(f"load: {args.streams} streams for {args.minutes} min ...", file=sys.stderr, flush=True)
         report["load"] = load(server, args.streams, args.minutes * 60, args.cancel, args.request_timeout, args.seed)
         print(json.dumps({k: v for k, v in report["load"].items() if k != "samples"}, indent=1), flush=True)
@@ -251,6 +299,8 @@ def main() -> None:
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(report, indent=2))
+    if args.plot:
+        plot_load(report, args.plot)
 
 
 if __name__ == "__main__":

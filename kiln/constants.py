@@ -88,6 +88,14 @@ TOKENIZER_DIR_PARAMETER = "tokenizer_dir"
 PREPROCESSING_MODEL_PARAMETER = "preprocessing_model_name"  # the BLS model's partners
 ENGINE_MODEL_PARAMETER = "tensorrt_llm_model_name"
 POSTPROCESSING_MODEL_PARAMETER = "postprocessing_model_name"
+# what `kiln serve` tells the models it starts (environment variables of the server)
+RUNTIME_OPTIONS_ENV = "KILN_RUNTIME_OPTIONS"  # JSON run-time options applied over the engine's
+SERVER_GRPC_URL_ENV = "KILN_TRITON_GRPC_URL"  # host:port of the server's own gRPC endpoint (the BLS
+# streams from the engine model through it)
+# a request parameter: the engine model starts its error messages with the Triton status code
+# name and ERROR_CODE_SEPARATOR (a gRPC stream carries an error's message, not its code)
+CODED_ERRORS_PARAMETER = "kiln_coded_errors"
+ERROR_CODE_SEPARATOR = ": "
 
 # ensemble and BLS inputs (TensorRT-LLM's names, types and dims)
 TEXT_INPUT = "text_input"

@@ -30,7 +30,9 @@ class KVCacheManager:
         self.block_size = block_size
         self.enable_prefix_reuse = enable_prefix_reuse
         self.blocks = [Block(i) for i in range(num_blocks)]
-        self.free: deque[int] = deque(range(num_blocks))  # unreferenced, no content worth keeping
+        # unreferenced, no content worth keeping; taken last-freed first, so a pool whose blocks
+        # are not kept for prefix reuse touches (and keeps resident) only the blocks a load needs
+        self.free: deque[int] = deque(reversed(range(num_blocks)))
         self.evictable: OrderedDict[int, None] = OrderedDict()  # unreferenced, hashed (LRU order)
         self.by_hash: dict[int, int] = {}
         self.queried_tokens = 0
@@ -51,7 +53,7 @@ class KVCacheManager:
 
     def _take(self) -> int:
         if self.free:
-            block_id = self.free.popleft()
+            block_id = self.free.pop()
         else:
             block_id, _ = self.evictable.popitem(last=False)
             block = self.blocks[block_id]

@@ -126,3 +126,26 @@ def forward_logits(engine, ids: list[int], chunks: list[int] | None = None):
         rows.append(engine.model.forward(torch.tensor(ids[start : start + count]), ctx, pool))
         start += count
     return torch.cat(rows)
+
+
+def running_requests(server) -> float:
+    """The served engine's kiln_requests{state="running"} gauge (refreshed every 0.5 s)."""
+    import urllib.request
+
+    from kiln import constants as names
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=10) as response:
+        for line in response.read().decode().splitlines():
+            if line.startswith(names.METRIC_REQUESTS) and 'state="running"' in line:
+                return float(line.rsplit(" ", 1)[1])
+    raise AssertionError("no kiln_requests gauge")
+
+
+def wait_for_running(server, count: int, timeout: float = 20.0) -> float:
+    """The running-requests gauge once it reads `count`, or what it reads after `timeout`."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while running_requests(server) != count and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return running_requests(server)

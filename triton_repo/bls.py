@@ -3,39 +3,40 @@ model that calls preprocessing and the engine model itself (Business Logic Scrip
 
 Each request runs on its own thread, so requests overlap and the engine batches them in
 flight. The engine's streamed token chunks are detokenized here with their prefix ids (the
-text of a multi-byte character is never split). A client that cancels the stream gets the
-engine request stopped with TensorRT-LLM's `stop` input."""
+text of a multi-byte character is never split). The engine model is streamed from over the
+server's own gRPC endpoint where `kiln serve` gave its address (see engine_calls.py for why), in
+process otherwise. A client that cancels gets its engine request ended at once."""
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import threading
 import uuid
 
 import numpy as np
 
 from kiln import constants as names
+from kiln.triton_repo.engine_calls import GrpcEngine, InProcessEngine, RequestFailed
 from kiln.triton_repo.model_configs import PREPROCESSING_TO_ENGINE, RESULT_OUTPUTS, TEXT_INPUTS, TO_ENGINE, \
     TO_PREPROCESSING
-from kiln.triton_repo.model_utils import engine_tokenizer, error_response, input_array, parameter
+from kiln.triton_repo.model_utils import engine_tokenizer, error_code, error_response, input_array, parameter
 
 log = logging.getLogger("kiln.triton.bls")
-
-
-class RequestFailed(Exception):
-    """A step (preprocessing, the engine) answered with an error: passed on with its status code."""
-
-    def __init__(self, error):
-        from kiln.triton_repo.model_utils import error_code
-
-        super().__init__(error.message())
-        self.code = error_code(error)
 
 
 class TritonPythonModel:
     def initialize(self, args):
         self.tokenizer = engine_tokenizer(args)
         self.preprocessing = parameter(args, names.PREPROCESSING_MODEL_PARAMETER)
-        self.engine = parameter(args, names.ENGINE_MODEL_PARAMETER)
+        engine = parameter(args, names.ENGINE_MODEL_PARAMETER)
+        url = os.environ.get(names.SERVER_GRPC_URL_ENV)
+        if url:
+            self.engine = GrpcEngine(url, engine)
+        else:
+            outputs = [names.OUTPUT_IDS, names.SEQUENCE_LENGTH, names.PREFIX_IDS] + [s.name for s in RESULT_OUTPUTS]
+            self.engine = InProcessEngine(engine, outputs)
+        log.info("BLS streams from %s %s", engine, f"over gRPC at {url}" if url else "in process")
         self.threads: set[threading.Thread] = set()
         self.lock = threading.Lock()
 
@@ -66,8 +67,6 @@ class TritonPythonModel:
     def _generate(self, request, sender) -> None:
         import triton_python_backend_utils as pb_utils
 
-        from kiln.runtime.detokenizer import decode_delta
-
         given = {spec.name: input_array(request, spec.name) for spec in TEXT_INPUTS}
         given = {name: array for name, array in given.items() if array is not None}
         pre = pb_utils.InferenceRequest(
@@ -75,55 +74,31 @@ class TritonPythonModel:
             inputs=[pb_utils.Tensor(TO_PREPROCESSING[k], v) for k, v in given.items() if k in TO_PREPROCESSING],
         ).exec()
         if pre.has_error():
-            raise RequestFailed(pre.error())
-        engine_inputs = [pb_utils.Tensor(engine, pb_utils.get_output_tensor_by_name(pre, out).as_numpy())
-                         for out, engine in PREPROCESSING_TO_ENGINE.items()]
-        engine_inputs += [pb_utils.Tensor(TO_ENGINE[k], v) for k, v in given.items() if k in TO_ENGINE]
-        inner_id = uuid.uuid4().hex
-        outputs = [names.OUTPUT_IDS, names.SEQUENCE_LENGTH, names.PREFIX_IDS] + [s.name for s in RESULT_OUTPUTS]
-        responses = pb_utils.InferenceRequest(
-            model_name=self.engine, requested_output_names=outputs, inputs=engine_inputs, request_id=inner_id,
-        ).exec(decoupled=True)
-        final = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
-        stopped = False
-        for response in responses:
-            # Every response of the engine request is taken, up to its final one, even after the
-            # client cancelled: Triton holds one of its few BLS threads until an inner request's
-            # responses are all taken, and a loop that left early leaked one per cancellation
-            # until every BLS call froze (seen under load with a quarter of clients cancelling).
-            if stopped:
+            raise RequestFailed(pre.error().message(), error_code(pre.error()))
+        engine_inputs = {engine: pb_utils.get_output_tensor_by_name(pre, out).as_numpy()
+                         for out, engine in PREPROCESSING_TO_ENGINE.items()}
+        engine_inputs.update((TO_ENGINE[k], v) for k, v in given.items() if k in TO_ENGINE)
+        with contextlib.closing(self.engine.stream(engine_inputs, uuid.uuid4().hex, sender.is_cancelled)) as stream:
+            self._send_text(stream, sender)
+        sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+
+    def _send_text(self, stream, sender) -> None:
+        import triton_python_backend_utils as pb_utils
+
+        from kiln.runtime.detokenizer import decode_delta
+
+        for outputs in stream:
+            tokens = outputs.get(names.OUTPUT_IDS)
+            if tokens is None:
                 continue
-            if response.has_error():
-                raise RequestFailed(response.error())
-            if sender.is_cancelled():
-                self._stop(inner_id, engine_inputs)  # the engine ends it: its final response follows
-                stopped = True
-                continue
-            tokens = pb_utils.get_output_tensor_by_name(response, names.OUTPUT_IDS)
-            if tokens is None:  # the engine's empty final response
-                continue
-            ids = [int(t) for t in tokens.as_numpy().reshape(-1)]
-            prefix = [int(t) for t in pb_utils.get_output_tensor_by_name(response, names.PREFIX_IDS).as_numpy().reshape(-1)]
+            ids = [int(t) for t in tokens.reshape(-1)]
+            prefix = [int(t) for t in outputs[names.PREFIX_IDS].reshape(-1)]
             text = decode_delta(self.tokenizer, prefix, ids).encode("utf-8")
             # flat, as TensorRT-LLM's BLS (its postprocessing's OUTPUT) returns it: [1] for one request
             tensors = [pb_utils.Tensor(names.TEXT_OUTPUT, np.array([text], dtype=np.object_))]
-            for spec in RESULT_OUTPUTS:  # those the request asked for
-                result = pb_utils.get_output_tensor_by_name(response, spec.name)
-                if result is not None:
-                    tensors.append(pb_utils.Tensor(spec.name, result.as_numpy()))
+            tensors += [pb_utils.Tensor(spec.name, outputs[spec.name]) for spec in RESULT_OUTPUTS
+                        if spec.name in outputs]  # those the request asked for
             sender.send(pb_utils.InferenceResponse(output_tensors=tensors))
-        sender.send(flags=final)
-
-    def _stop(self, inner_id: str, engine_inputs) -> None:
-        import triton_python_backend_utils as pb_utils
-
-        required = [t for t in engine_inputs if t.name() in (names.INPUT_LENGTHS, names.REQUEST_OUTPUT_LEN)]
-        stop = pb_utils.InferenceRequest(
-            model_name=self.engine, requested_output_names=[], request_id=inner_id,
-            inputs=required + [pb_utils.Tensor(names.STOP, np.array([[True]]))],
-        )
-        for _ in stop.exec(decoupled=True):
-            pass
 
     def finalize(self):
         with self.lock:

@@ -16,7 +16,8 @@ import numpy as np
 
 from kiln import constants as names
 from kiln.triton_repo.engine_request import OutputOptions
-from kiln.triton_repo.model_utils import error_response, input_array, optional_scalar, parameter, repo_path
+from kiln.triton_repo.model_utils import error_response, input_array, optional_scalar, parameter, repo_path, \
+    wants_coded_errors
 
 log = logging.getLogger("kiln.triton")
 
@@ -64,8 +65,10 @@ class Active:
     """One request in flight: what it asked for, what it has produced, and its responses waiting
     to be sent (in order, by one send worker at a time; never under the model's lock)."""
 
-    def __init__(self, sender, triton_id: str, prompt_ids: list[int], options: OutputOptions, assembler):
+    def __init__(self, sender, triton_id: str, prompt_ids: list[int], options: OutputOptions, assembler,
+                 coded_errors: bool = False):
         self.sender, self.triton_id, self.prompt_ids = sender, triton_id, prompt_ids
+        self.coded_errors = coded_errors  # error messages start with their status code
         self.options, self.assembler = options, assembler
         # non-streaming: everything, sent at the end
         self.tokens: list[int] = []
@@ -113,9 +116,7 @@ class TritonPythonModel:
         from kiln.runtime.detokenizer import TokenBytes
         from kiln.runtime.llm import LLM
 
-        from kiln.triton_repo.serve import RUNTIME_ENV
-
-        overrides = json.loads(os.environ.get(RUNTIME_ENV) or "{}")  # kiln serve --max-queue-size ...
+        overrides = json.loads(os.environ.get(names.RUNTIME_OPTIONS_ENV) or "{}")  # kiln serve --max-queue-size ...
         self.llm = LLM(repo_path(args, parameter(args, names.ENGINE_DIR_PARAMETER)), **overrides)
         self.executor = self.llm.executor
         # chunks are cut where text can be decoded whole; postprocessing / BLS make the text
@@ -144,6 +145,7 @@ class TritonPythonModel:
         final = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
         for request in requests:
             sender = request.get_response_sender()
+            coded = wants_coded_errors(request)
             try:
                 if optional_scalar(request, names.STOP, False):
                     self._stop(request.request_id())
@@ -151,11 +153,11 @@ class TritonPythonModel:
                     continue
                 prompt_ids, params, options = parse_engine_request(lambda name, r=request: input_array(r, name))
                 state = Active(sender, request.request_id(), prompt_ids, options,
-                               ChunkAssembler(self.llm.tokenizer, prompt_ids, self.token_bytes))
+                               ChunkAssembler(self.llm.tokenizer, prompt_ids, self.token_bytes), coded)
                 with self.lock:  # registered before the dispatcher can see its first response
                     self.active[self.executor.enqueue(prompt_ids, params)] = state
             except (KilnError, ValueError, TypeError) as exc:  # what the client sent
-                sender.send(error_response(f"{type(exc).__name__}: {exc}", "INVALID_ARG"), flags=final)
+                sender.send(error_response(f"{type(exc).__name__}: {exc}", "INVALID_ARG", coded), flags=final)
         return None
 
     def _stop(self, triton_id: str) -> None:
@@ -187,8 +189,8 @@ class TritonPythonModel:
                 if state is None:
                     continue
                 if response.finish_reason == FINISH_ERROR:
-                    self._post(state, error_response(response.error, "UNAVAILABLE" if response.busy else "INTERNAL"),
-                               final)
+                    code = "UNAVAILABLE" if response.busy else "INTERNAL"
+                    self._post(state, error_response(response.error, code, state.coded_errors), final)
                 else:
                     self._forward(state, response, final)
             now = time.monotonic()

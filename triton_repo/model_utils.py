@@ -47,12 +47,42 @@ def optional_scalar(request, name: str, default=None):
     return default if array is None else array.reshape(-1)[0].item()
 
 
-def error_response(message: str, code: str = "INTERNAL"):
+def error_response(message: str, code: str = "INTERNAL", coded: bool = False):
     """A response carrying an error with a Triton status code: INVALID_ARG for what the client
-    sent (HTTP 400), UNAVAILABLE for a full queue (HTTP 503: retry later), INTERNAL otherwise."""
+    sent (HTTP 400), UNAVAILABLE for a full queue (HTTP 503: retry later), INTERNAL otherwise.
+    `coded`: the message also starts with the code's name (for a caller that asked for it with
+    CODED_ERRORS_PARAMETER: a gRPC stream passes on an error's message only)."""
     import triton_python_backend_utils as pb_utils
 
+    from kiln import constants as names
+
+    if coded:
+        message = f"{code}{names.ERROR_CODE_SEPARATOR}{message}"
     return pb_utils.InferenceResponse(output_tensors=[], error=pb_utils.TritonError(message, getattr(pb_utils.TritonError, code)))
+
+
+def wants_coded_errors(request) -> bool:
+    """Whether the request's parameters ask for coded error messages (see error_response)."""
+    from kiln import constants as names
+
+    try:
+        given = json.loads(request.parameters() or "{}")
+    except ValueError:
+        return False
+    return given.get(names.CODED_ERRORS_PARAMETER) is True
+
+
+ERROR_CODES = ("INVALID_ARG", "UNAVAILABLE", "CANCELLED", "NOT_FOUND", "UNSUPPORTED", "INTERNAL")
+
+
+def split_coded(message: str) -> tuple[str, str]:
+    """(code, message) of a coded error message; ("INTERNAL", message) for any other."""
+    from kiln import constants as names
+
+    code, separator, rest = message.partition(names.ERROR_CODE_SEPARATOR)
+    if separator and code in ERROR_CODES:
+        return code, rest
+    return "INTERNAL", message
 
 
 def error_code(error) -> str:
@@ -60,5 +90,4 @@ def error_code(error) -> str:
     import triton_python_backend_utils as pb_utils
 
     code = error.code()
-    return next((name for name in ("INVALID_ARG", "UNAVAILABLE", "CANCELLED", "NOT_FOUND", "UNSUPPORTED")
-                 if getattr(pb_utils.TritonError, name) == code), "INTERNAL")
+    return next((name for name in ERROR_CODES if getattr(pb_utils.TritonError, name) == code), "INTERNAL")

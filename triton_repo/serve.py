@@ -20,10 +20,10 @@ import tempfile
 import time
 from pathlib import Path
 
+from kiln import constants as names
 from kiln.errors import KilnError
 
 READY_TIMEOUT_S = 300.0
-RUNTIME_ENV = "KILN_RUNTIME_OPTIONS"  # JSON run-time options the engine model applies over the engine's
 # what tritonserver says on every machine without a GPU: harmless, and never the reason it failed
 CPU_NOISE = ("CUDA", "Cuda", "NVML", "DCGM", "GPU")
 
@@ -189,13 +189,19 @@ class TritonServer:
             "--exit-timeout-secs=10",
         ]
 
+    def environment(self) -> dict[str, str]:
+        """The server's environment: the serving one, plus what the models read from kiln serve
+        (run-time options, and the gRPC address the BLS model streams from the engine through)."""
+        env = server_environment()
+        if self.runtime:
+            env[names.RUNTIME_OPTIONS_ENV] = json.dumps(self.runtime)
+        env[names.SERVER_GRPC_URL_ENV] = self.grpc_url
+        return env
+
     def start(self, timeout: float = READY_TIMEOUT_S) -> "TritonServer":
         _adopt_orphans()
         output = open(self.log_file, "ab")
-        env = server_environment()
-        if self.runtime:
-            env[RUNTIME_ENV] = json.dumps(self.runtime)
-        self.process = subprocess.Popen(self.command(), env=env, stdout=output,
+        self.process = subprocess.Popen(self.command(), env=self.environment(), stdout=output,
                                         stderr=subprocess.STDOUT, start_new_session=True)
         output.close()
         try:

@@ -1,18 +1,24 @@
 """The served repository under faults, in the real tritonserver: a start that fails, a backend
 process that dies with streams in flight. Whatever happens, no process and no shared memory of
 the server stays behind, and clients get errors instead of hanging."""
+import json
 import os
 import signal
 import socket
 import threading
 import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
+from kiln import constants as names
 from kiln.errors import KilnError
 from kiln.triton_repo.client import stream_generate
 from kiln.triton_repo.serve import TritonServer, group_members
+from tests.helpers import wait_for_running
 
 pytestmark = pytest.mark.slow
 
@@ -68,3 +74,67 @@ def test_a_dead_engine_process_is_noticed_and_its_streams_get_errors(smollm2_eng
     finally:
         server.stop()
     assert_nothing_left(server)
+
+
+class InProcessBlsServer(TritonServer):
+    """A server whose BLS model is not told the server's gRPC address: as in a tritonserver
+    started by hand, it calls the engine model in process (Triton's decoupled BLS calls)."""
+
+    def environment(self):
+        env = super().environment()
+        del env[names.SERVER_GRPC_URL_ENV]
+        return env
+
+
+def http_generate(server, model: str, body: dict) -> tuple[int, str]:
+    request = urllib.request.Request(f"http://{server.http_url}/v2/models/{model}/generate",
+                                     data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=300) as response:
+            return response.status, json.loads(response.read())["text_output"]
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode()
+
+
+@pytest.mark.parametrize("server_kind", [TritonServer, InProcessBlsServer], ids=["bls_over_grpc", "bls_in_process"])
+def test_a_full_queue_is_unavailable_and_the_rest_are_served(smollm2_engines, server_kind):
+    """Overload: with room for one queued request, a burst of requests past the engine's batch
+    gets a 'busy' refusal from the ensemble and the BLS model alike, the others their text.
+    (The engine says UNAVAILABLE; Triton 2.51's generate endpoint answers 400 for any model
+    error, a later one may say 503.) Afterwards both serve the same text as before."""
+    repo = smollm2_engines("float32").parent / "triton_repo"
+    body = {"text_input": "Write a long story about a dragon.", "max_tokens": 48, "end_id": -1}
+    with server_kind(repo, runtime={"max_queue_size": 1}) as server:
+        for model in ("ensemble", "kiln_bls"):  # a burst each: the engine's 16 slots + 1 queued + 7
+            with ThreadPoolExecutor(24) as pool:
+                outcomes = list(pool.map(lambda _: http_generate(server, model, body), range(24)))
+            codes = sorted(code for code, _ in outcomes)
+            assert 200 in codes and set(codes) - {200} and set(codes) - {200} <= {400, 503}, (model, codes)
+            refused = [text for code, text in outcomes if code != 200]
+            assert all("busy" in text for text in refused), refused[:3]
+        calm = {**body, "max_tokens": 8}
+        assert http_generate(server, "kiln_bls", calm) == http_generate(server, "ensemble", calm)
+        assert http_generate(server, "kiln_bls", calm)[0] == 200
+
+
+@pytest.mark.parametrize("server_kind", [TritonServer, InProcessBlsServer], ids=["bls_over_grpc", "bls_in_process"])
+def test_a_cancelled_bls_stream_ends_its_engine_request(smollm2_engines, server_kind):
+    import queue
+
+    import tritonclient.grpc as grpcclient
+
+    from kiln.triton_repo.client import ensemble_inputs
+
+    repo = smollm2_engines("float32").parent / "triton_repo"
+    with server_kind(repo) as server:
+        results: queue.Queue = queue.Queue()
+        client = grpcclient.InferenceServerClient(server.grpc_url)
+        client.start_stream(callback=lambda result, error: results.put((result, error)))
+        client.async_stream_infer("kiln_bls", ensemble_inputs("Count to a thousand:", 800, True, end_id=-1))
+        result, error = results.get(timeout=120)
+        assert error is None
+        assert wait_for_running(server, 1) == 1
+        client.stop_stream(cancel_requests=True)
+        client.close()
+        assert wait_for_running(server, 0) == 0
+        assert http_generate(server, "kiln_bls", {"text_input": "Hello", "max_tokens": 4})[0] == 200

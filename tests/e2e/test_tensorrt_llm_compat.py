@@ -18,6 +18,7 @@ from kiln.builder.triton_writer import write_triton_repo
 from kiln.errors import KilnError
 from kiln.triton_repo.client import ensemble_inputs, stream_generate, stream_responses
 from kiln.triton_repo.serve import TritonServer
+from tests.helpers import wait_for_running
 
 pytestmark = pytest.mark.slow
 
@@ -427,21 +428,11 @@ def test_stop_input_ends_a_running_request(server):
         infer_stream(server, "tensorrt_llm", common[1:3] + [tensor("stop", np.array([[True]]))], "nobody")
 
 
-def running_requests(server) -> float:
-    with urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=10) as response:
-        for line in response.read().decode().splitlines():
-            if line.startswith(names.METRIC_REQUESTS) and 'state="running"' in line:
-                return float(line.rsplit(" ", 1)[1])
-    raise AssertionError("no kiln_requests gauge")
-
-
 @pytest.mark.parametrize("model", ["tensorrt_llm", "tensorrt_llm_bls"])
 def test_cancelling_the_stream_ends_the_engine_request(server, model):
     """Cancelling a gRPC stream reaches the engine when it is called directly or through BLS.
     (Triton checks an ensemble's cancellation only between its steps, so a running engine
     step of an ensemble request is not told; TensorRT-LLM's ensemble has the same limit.)"""
-    import time
-
     import tritonclient.grpc as grpcclient
 
     results: queue.Queue = queue.Queue()
@@ -457,14 +448,8 @@ def test_cancelling_the_stream_ends_the_engine_request(server, model):
     client.async_stream_infer(model, inputs, request_id="to-cancel")
     results.get(timeout=120)
 
-    def wait_for(count):  # the gauges refresh every 0.5 s
-        deadline = time.monotonic() + 20
-        while running_requests(server) != count and time.monotonic() < deadline:
-            time.sleep(0.2)
-        return running_requests(server)
-
-    assert wait_for(1) == 1
+    assert wait_for_running(server, 1) == 1
     client.stop_stream(cancel_requests=True)
     client.close()
-    assert wait_for(0) == 0
+    assert wait_for_running(server, 0) == 0
     assert text_of(server)  # still serving

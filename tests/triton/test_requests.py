@@ -98,3 +98,15 @@ def test_preprocessing_default_end_id(tmp_path, tiny_engines):
     assert default_end_id(tokenizer, str(bare)) == eos
     (tmp_path / "engine" / names.ENGINE_JSON).unlink()
     assert default_end_id(tokenizer, str(bare)) == -1
+
+
+@pytest.mark.parametrize("message, want", [
+    ("UNAVAILABLE: busy: 1 requests are queued", ("UNAVAILABLE", "busy: 1 requests are queued")),
+    ("INVALID_ARG: RequestError: beam_width 2", ("INVALID_ARG", "RequestError: beam_width 2")),
+    ("busy: 1 requests are queued", ("INTERNAL", "busy: 1 requests are queued")),  # not coded
+    ("Socket closed", ("INTERNAL", "Socket closed")),
+])
+def test_coded_error_messages_split_into_code_and_message(message, want):
+    from kiln.triton_repo.model_utils import split_coded
+
+    assert split_coded(message) == want
