@@ -1,5 +1,6 @@
 // Dense linears: out = x @ w^T (+ bias), w [out, in] in the model dtype.
 //
+//   dense_rows      the driver both share: a weight row against four input rows at a time
 //   linear_float    the weights widened per vector, fp32 FMAs (every ISA)
 //   linear_bf16_dp  AVX512-BF16, bf16: vdpbf16ps on the stored bf16 pairs
 //
@@ -10,26 +11,35 @@
 // to T at the end.
 // Included per ISA inside kiln::<isa> after vec.h.
 
-template <typename T>
-void linear_float(const T* x, const T* w, const T* bias, T* out, int64_t rows, int64_t in_features,
-                 int64_t out_features) {
-  std::vector<float> xf(rows * in_features);
-  for (int64_t i = 0; i < rows * in_features; ++i) xf[i] = to_f32(x[i]);
+// The dense driver: each weight row o against the input rows four at a time (four(m, o, sums)
+// fills sums[0, 4)), the rows left over one by one (one(m, o)); out = sums + bias, rounded once.
+template <typename T, typename Four, typename One>
+void dense_rows(const T* bias, T* out, int64_t rows, int64_t n, Four four, One one) {
   const int64_t grouped = rows / 4 * 4;
-  at::parallel_for(0, out_features, 32, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, n, 32, [&](int64_t begin, int64_t end) {
     float sums[4];
-    for (int64_t n = begin; n < end; ++n) {
-      const T* wrow = w + n * in_features;
-      const float b = bias ? to_f32(bias[n]) : 0.f;
+    for (int64_t o = begin; o < end; ++o) {
+      const float b = bias ? to_f32(bias[o]) : 0.f;
       for (int64_t m = 0; m < grouped; m += 4) {
-        const float* x0 = xf.data() + m * in_features;
-        dot4(x0, x0 + in_features, x0 + 2 * in_features, x0 + 3 * in_features, wrow, in_features, sums);
-        for (int64_t r = 0; r < 4; ++r) store_as(out + (m + r) * out_features + n, sums[r] + b);
+        four(m, o, sums);
+        for (int64_t r = 0; r < 4; ++r) store_as(out + (m + r) * n + o, sums[r] + b);
       }
-      for (int64_t m = grouped; m < rows; ++m)
-        store_as(out + m * out_features + n, dot(xf.data() + m * in_features, wrow, in_features) + b);
+      for (int64_t m = grouped; m < rows; ++m) store_as(out + m * n + o, one(m, o) + b);
     }
   });
+}
+
+template <typename T>
+void linear_float(const T* x, const T* w, const T* bias, T* out, int64_t rows, int64_t k, int64_t n) {
+  std::vector<float> xf(rows * k);
+  for (int64_t i = 0; i < rows * k; ++i) xf[i] = to_f32(x[i]);
+  dense_rows(
+      bias, out, rows, n,
+      [&](int64_t m, int64_t o, float* sums) {
+        const float* x0 = xf.data() + m * k;
+        dot4(x0, x0 + k, x0 + 2 * k, x0 + 3 * k, w + o * k, k, sums);
+      },
+      [&](int64_t m, int64_t o) { return dot(xf.data() + m * k, w + o * k, k); });
 }
 
 #if defined(KILN_ISA_AVX512BF16)
@@ -70,18 +80,8 @@ inline void dot4_dp(const bf16* x, int64_t stride, const bf16* w, int64_t n, flo
 
 void linear_bf16_dp(const bf16* x, const bf16* w, const bf16* bias, bf16* out, int64_t rows, int64_t k,
                     int64_t n) {
-  const int64_t grouped = rows / 4 * 4;
-  at::parallel_for(0, n, 32, [&](int64_t begin, int64_t end) {
-    float sums[4];
-    for (int64_t o = begin; o < end; ++o) {
-      const bf16* wrow = w + o * k;
-      const float b = bias ? to_f32(bias[o]) : 0.f;
-      for (int64_t m = 0; m < grouped; m += 4) {
-        dot4_dp(x + m * k, k, wrow, k, sums);
-        for (int64_t r = 0; r < 4; ++r) store_as(out + (m + r) * n + o, sums[r] + b);
-      }
-      for (int64_t m = grouped; m < rows; ++m) store_as(out + m * n + o, dot_dp(x + m * k, wrow, k) + b);
-    }
-  });
+  dense_rows(
+      bias, out, rows, n, [&](int64_t m, int64_t o, float* sums) { dot4_dp(x + m * k, k, w + o * k, k, sums); },
+      [&](int64_t m, int64_t o) { return dot_dp(x + m * k, w + o * k, k); });
 }
 #endif
