@@ -40,24 +40,24 @@ class OutputOptions:
     pad_id: int | None = None
 
 
-def decode_words(array: np.ndarray | None) -> Words:
+def decode_words(array: np.ndarray | None, name: str = "words list") -> Words:
     """TensorRT-LLM's word-list tensor [1, 2, N] (flat ids; cumulative end offsets, -1 padded)
-    -> token sequences."""
+    -> token sequences. Errors name the input."""
     if array is None or array.size == 0:
         return ()
     if array.ndim == 3:
         if array.shape[0] != 1:
-            raise RequestError(f"a words list must be for one request, got shape {list(array.shape)}")
+            raise RequestError(f"{name} must be for one request, got shape {list(array.shape)}")
         array = array[0]
     if array.ndim != 2 or array.shape[0] != 2:
-        raise RequestError(f"a words list must have shape [2, N] (ids, offsets), got {list(array.shape)}")
+        raise RequestError(f"{name} must have shape [2, N] (ids, offsets), got {list(array.shape)}")
     ids, offsets = array[0].tolist(), array[1].tolist()
     words, start = [], 0
     for end in offsets:
         if end < 0:
             break
         if not start < end <= len(ids):
-            raise RequestError(f"words list offsets {offsets} are not increasing ends within {len(ids)} ids")
+            raise RequestError(f"{name} offsets {offsets} are not increasing ends within {len(ids)} ids")
         words.append(tuple(int(t) for t in ids[start:end]))
         start = end
     return tuple(words)
@@ -118,8 +118,8 @@ def parse_engine_request(get: Get) -> tuple[list[int], SamplingParams, OutputOpt
         repetition_penalty=float(_scalar(get, names.REPETITION_PENALTY, 1.0)),
         presence_penalty=float(_scalar(get, names.PRESENCE_PENALTY, 0.0)),
         frequency_penalty=float(_scalar(get, names.FREQUENCY_PENALTY, 0.0)),
-        stop_words=decode_words(get(names.STOP_WORDS_LIST)),
-        bad_words=decode_words(get(names.BAD_WORDS_LIST)),
+        stop_words=decode_words(get(names.STOP_WORDS_LIST), names.STOP_WORDS_LIST),
+        bad_words=decode_words(get(names.BAD_WORDS_LIST), names.BAD_WORDS_LIST),
         embedding_bias=tuple(bias.reshape(-1).tolist()) if bias is not None and bias.size else None,
         return_log_probs=bool(_scalar(get, names.RETURN_LOG_PROBS, False)),
         return_context_logits=bool(_scalar(get, names.RETURN_CONTEXT_LOGITS, False)),

@@ -15,11 +15,22 @@ from kiln import constants as names
 from kiln.triton_repo.model_utils import engine_tokenizer, error_response, input_array, parameter, repo_path
 
 
-def word_list(tokenizer, words) -> list[list[int]]:
+def utf8_text(raw, name: str) -> str:
+    """A STRING tensor element as text; ValueError naming the input if it is not UTF-8."""
+    if not isinstance(raw, bytes):
+        return str(raw)
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{name!r} is not UTF-8 text: byte 0x{raw[exc.start]:02x} at position {exc.start} "
+                         f"({exc.reason})") from None
+
+
+def word_list(tokenizer, words, name: str) -> list[list[int]]:
     """The token sequences of a request's words (empty strings are skipped, as TensorRT-LLM does)."""
     out = []
     for word in [] if words is None else np.asarray(words).reshape(-1):
-        text = word.decode("utf-8") if isinstance(word, bytes) else str(word)
+        text = utf8_text(word, name)
         ids = tokenizer.encode(text, add_special_tokens=False).ids
         if ids:
             out.append(ids)
@@ -37,14 +48,15 @@ def word_list_tensor(words: list[list[int]]) -> np.ndarray:
 
 
 def embedding_bias(tokenizer, words, weights, vocab_size: int) -> np.ndarray:
-    if words is None or weights is None:
+    if words is None and weights is None:
         return np.zeros((1, 0), dtype=np.float32)
-    words, weights = np.asarray(words).reshape(-1), np.asarray(weights).reshape(-1)
+    words = np.zeros(0, dtype=np.object_) if words is None else np.asarray(words).reshape(-1)
+    weights = np.zeros(0, dtype=np.float32) if weights is None else np.asarray(weights).reshape(-1)
     if words.size != weights.size:
         raise ValueError(f"embedding_bias_words has {words.size} words but embedding_bias_weights "
                          f"{weights.size} weights")
     bias = np.zeros(vocab_size, dtype=np.float32)
-    for ids, weight in zip([word_list(tokenizer, [w]) for w in words], weights):
+    for ids, weight in zip([word_list(tokenizer, [w], names.EMBEDDING_BIAS_WORDS) for w in words], weights):
         for word in ids:
             bias[word] += weight
     return bias.reshape(1, -1)
@@ -98,8 +110,7 @@ class TritonPythonModel:
                 raise ValueError(f"input {outer!r} ({name!r} here) is required")
         if query.size != 1:
             raise ValueError(f"{names.QUERY!r} must hold one text per request, got shape {list(query.shape)}")
-        raw = query.reshape(-1)[0]
-        text = raw.decode("utf-8") if isinstance(raw, bytes) else str(raw)
+        text = utf8_text(query.reshape(-1)[0], names.TEXT_INPUT)
         ids = np.array(self.tokenizer.encode(text).ids, dtype=np.int32)
         end_id, pad_id = get(names.END_ID_UPPER), get(names.PAD_ID_UPPER)
         end = int(end_id.reshape(-1)[0]) if end_id is not None else self.end_id
@@ -108,8 +119,10 @@ class TritonPythonModel:
             names.INPUT_ID: ids.reshape(1, -1),
             names.REQUEST_INPUT_LEN: np.array([[ids.size]], dtype=np.int32),
             names.REQUEST_OUTPUT_LEN_UPPER: output_len.astype(np.int32).reshape(1, -1),
-            names.BAD_WORDS_IDS: word_list_tensor(word_list(self.tokenizer, get(names.BAD_WORDS_DICT))),
-            names.STOP_WORDS_IDS: word_list_tensor(word_list(self.tokenizer, get(names.STOP_WORDS_DICT))),
+            names.BAD_WORDS_IDS: word_list_tensor(
+                word_list(self.tokenizer, get(names.BAD_WORDS_DICT), names.BAD_WORDS)),
+            names.STOP_WORDS_IDS: word_list_tensor(
+                word_list(self.tokenizer, get(names.STOP_WORDS_DICT), names.STOP_WORDS)),
             names.EMBEDDING_BIAS_UPPER: embedding_bias(self.tokenizer, get(names.EMBEDDING_BIAS_WORDS_UPPER),
                                                        get(names.EMBEDDING_BIAS_WEIGHTS_UPPER), self.vocab_size),
             names.OUT_END_ID: np.array([[end]], dtype=np.int32),

@@ -77,6 +77,38 @@ def test_not_yaml(tmp_path, capsys):
     assert "not valid YAML" in err
 
 
+def test_python_tags_are_refused_and_not_run(tmp_path, capsys):
+    """A YAML tag that would construct a Python object (and run code) is an error, not a call."""
+    witness = tmp_path / "ran"
+    config = f"model:\n  checkpoint: !!python/object/apply:os.system ['touch {witness}']\n"
+    err = run(tmp_path, config, capsys)
+    assert "not valid YAML" in err and "python/object/apply" in err
+    assert not witness.exists()
+
+
+def test_generated_models_run_no_dynamic_code(tmp_path, tiny_engines):
+    """The repository's Python models (what tritonserver runs) call no eval / exec / compile and
+    import no pickle / marshal (an InferenceRequest's .exec() method is Triton's BLS call)."""
+    import ast
+    from pathlib import Path
+
+    import kiln.triton_repo
+
+    repo = tiny_engines("llama").parent / "triton_repo"
+    sources = list(repo.rglob("*.py")) + list(Path(kiln.triton_repo.__file__).parent.glob("*.py"))
+    assert len(sources) > 5
+    found = []
+    for path in sources:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and \
+                    node.func.id in ("eval", "exec", "compile", "__import__"):
+                found.append(f"{path}:{node.lineno} {node.func.id}()")
+            modules = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            found += [f"{path}:{node.lineno} import {m}" for m in modules if m.split(".")[0] in ("pickle", "marshal", "dill")]
+    assert not found, found
+
+
 def test_bad_kv_cache_memory():
     with pytest.raises(ConfigError, match="runtime.kv_cache_memory"):
         parse_config({"model": {"checkpoint": "x"}, "runtime": {"kv_cache_memory": "lots"}})

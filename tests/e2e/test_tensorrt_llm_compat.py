@@ -453,3 +453,85 @@ def test_cancelling_the_stream_ends_the_engine_request(server, model):
     client.close()
     assert wait_for_running(server, 0) == 0
     assert text_of(server)  # still serving
+
+
+# --- bad input over gRPC: a specific error naming the input, and the server keeps serving ----
+def text_request(**override):
+    """An ensemble / BLS request as raw tensors, with any of them replaced (None: left out)."""
+    arrays = {"text_input": np.array([[PROMPT.encode()]], dtype=np.object_),
+              "max_tokens": np.array([[4]], dtype=np.int32), "stream": np.array([[True]])}
+    arrays.update(override)
+    return [tensor(name, array) for name, array in arrays.items() if array is not None]
+
+
+def engine_request(**override):
+    arrays = {"input_ids": np.array([[504, 3575, 282, 4649, 314]], dtype=np.int32),
+              "input_lengths": np.array([[5]], dtype=np.int32),
+              "request_output_len": np.array([[4]], dtype=np.int32), "streaming": np.array([[True]])}
+    arrays.update(override)
+    return [tensor(name, array) for name, array in arrays.items() if array is not None]
+
+
+BAD_TEXT_REQUESTS = {
+    "text not UTF-8": (dict(text_input=np.array([[b"caf\xe9 \xff"]], dtype=np.object_)), "UTF-8"),
+    "max_tokens as FP32": (dict(max_tokens=np.array([[4.0]], dtype=np.float32)), "max_tokens"),
+    "max_tokens of two values": (dict(max_tokens=np.array([[4, 5]], dtype=np.int32)), "max_tokens"),
+    "max_tokens zero": (dict(max_tokens=np.array([[0]], dtype=np.int32)), "max_tokens"),
+    "temperature negative": (dict(temperature=np.array([[-1.0]], dtype=np.float32)), "temperature"),
+    "top_p over 1": (dict(top_p=np.array([[1.5]], dtype=np.float32)), "top_p"),
+    "top_k negative": (dict(top_k=np.array([[-3]], dtype=np.int32)), "top_k"),
+    "bias weights without words": (dict(embedding_bias_weights=np.array([[1.0, 2.0]], dtype=np.float32)),
+                                   "embedding_bias"),
+    "unknown input": (dict(prompt_text=np.array([[b"x"]], dtype=np.object_)), "prompt_text"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_TEXT_REQUESTS))
+@pytest.mark.parametrize("model", ["ensemble", "tensorrt_llm_bls"])
+def test_a_bad_request_over_grpc_gets_an_error_naming_the_input(server, model, case):
+    override, names_it = BAD_TEXT_REQUESTS[case]
+    with pytest.raises(KilnError) as caught:
+        infer_stream(server, model, text_request(**override))
+    assert names_it in str(caught.value), str(caught.value)
+    assert infer_stream(server, model, text_request())  # and it keeps serving
+
+
+BAD_ENGINE_REQUESTS = {
+    "no prompt tokens": (dict(input_ids=np.zeros((1, 0), dtype=np.int32),
+                              input_lengths=np.array([[0]], dtype=np.int32)), "prompt"),
+    "input_ids as FP32": (dict(input_ids=np.array([[504.0, 3575.0]], dtype=np.float32)), "input_ids"),
+    "token id over the vocabulary": (dict(input_ids=np.array([[504, 10 ** 6]], dtype=np.int32),
+                                          input_lengths=np.array([[2]], dtype=np.int32)), "vocab"),
+    "word list offsets past its ids": (dict(bad_words_list=np.array([[[7, 8], [5, -1]]], dtype=np.int32)),
+                                       "bad_words_list"),
+    "word list of one row": (dict(stop_words_list=np.array([[[7, 8]]], dtype=np.int32)), "stop_words_list"),
+    "beam_width 2": (dict(beam_width=np.array([[2]], dtype=np.int32)), "beam_width"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_ENGINE_REQUESTS))
+def test_a_bad_engine_request_over_grpc_gets_an_error_naming_the_input(server, case):
+    override, names_it = BAD_ENGINE_REQUESTS[case]
+    with pytest.raises(KilnError) as caught:
+        infer_stream(server, "tensorrt_llm", engine_request(**override))
+    assert names_it in str(caught.value), str(caught.value)
+    assert infer_stream(server, "tensorrt_llm", engine_request())
+
+
+def test_requests_that_reuse_an_id_are_served_apart(server):
+    """Request ids are the client's labels: two streams in flight with the same id each get
+    their own, whole answer (the same as alone)."""
+    alone = [r.as_numpy("output_ids") for r in infer_stream(server, "tensorrt_llm", engine_request(), "same")]
+    both = [None, None]
+
+    def run(i):
+        both[i] = [r.as_numpy("output_ids") for r in infer_stream(server, "tensorrt_llm", engine_request(), "same")]
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    want = np.concatenate(alone, axis=-1)
+    for got in both:
+        assert got is not None and np.array_equal(np.concatenate(got, axis=-1), want)
