@@ -1,3 +1,4 @@
+import os
 import random
 
 import pytest
@@ -53,7 +54,8 @@ def smollm2_engines(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def plugin_isas():
-    """Load the plugin library; the instruction sets this host can run (reset to auto after)."""
+    """Load the plugin library; the instruction sets this host can run (reset to KILN_ISA, or
+    auto, after)."""
     from kiln.plugins import ops
     from kiln.plugins.build import build_plugins
 
@@ -65,7 +67,7 @@ def plugin_isas():
             isas.append(isa)
         except RuntimeError:
             pass
-    ops.select_isa("auto")
+    ops.select_isa(os.environ.get("KILN_ISA", "auto"))
     return isas
 
 
@@ -77,7 +79,7 @@ def isa(request, plugin_isas):
         pytest.skip(f"this CPU lacks {request.param}")
     ops.select_isa(request.param)
     yield request.param
-    ops.select_isa("auto")
+    ops.select_isa(os.environ.get("KILN_ISA", "auto"))
 
 
 @pytest.fixture(scope="session")

@@ -126,6 +126,20 @@ def test_linear_w4_tiled_matches_reference(isa, dtype, group, rows, k, n):
                                    reference.dequantize_int4(packed, scales, group, out_dtype), rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("w4a8", [False, True])
+def test_tiled_int4_sums_of_one_long_group_do_not_overflow(isa, w4a8):
+    """The longest group the tiled layout holds (8,192 inputs) at the largest values: every nibble
+    15 against the largest input bytes (int32 sums near 2^31)."""
+    k, n = 8192, 16
+    x = torch.ones(1, k)
+    packed, scales = quantize_int4(torch.full((n, k), 0.05), k)
+    assert int(unpack_int4(packed).max()) == 7  # stored as nibble 15
+    op = ops.linear_w4a8_tiled if w4a8 else ops.linear_w4_tiled
+    got = op(x, *ops.pack_int4_tiled(packed, scales, k), k, None)
+    want = (reference.linear_w4a8 if w4a8 else reference.linear_w4)(x, packed, scales, k, None)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=0)
+
+
 def test_linear_w4_tiled_refuses_shapes_it_cannot_hold(plugin_isas):
     packed, scales = quantize_int4(torch.randn(24, 64), 32)  # 24 rows: not whole tiles of 16
     assert not ops.int4_tiles_fit(24, 64, 32)

@@ -4,11 +4,13 @@
 //   with_rows / gemv_rows / gemv_float_rows  one weight row at a time against up to four input
 //                                             rows (the row-layout kernels)
 //   dot_rows_bytes                            R float rows . one row of one-byte weights
-//   AVX-512 only:
-//   dp16, dpbusd, broadcast4                  the integer dot-product steps (VNNI or emulated)
+//   AVX2 and AVX-512:
+//   f32x16                                    16 float sums (one __m512, or two __m256 on AVX2)
 //   quantize_rows_i16, split_rows_i8          input rows to int16, or to two int8 planes (15 bits)
 //   tiles_i16                                 the int16-activation GEMV driver (tiles of 16 rows)
 //   tiled_gemv                                the tiled layouts' driver (formats.h, TiledLayout)
+//   AVX-512 only:
+//   dp16, dpbusd, broadcast4                  the integer dot-product steps (VNNI or emulated)
 //   bf16x16, store_rows2 / 4                  16 floats out to 2 or 4 rows (the dequantizers)
 
 // f(std::integral_constant<int, R>{}) for R = mr (1..4): kernels take the row count as a
@@ -77,6 +79,21 @@ inline __m512i dp16(__m512i acc, __m512i a, __m512i b) {
 #endif
 }
 
+#endif
+
+#if !defined(KILN_ISA_SCALAR)
+#if defined(KILN_ISA_AVX2)
+inline void store8_i8(int8_t* p, __m256i v) {  // 8 int32 lanes (each within int8) -> 8 bytes
+  const __m128i w16 = _mm_packs_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  _mm_storel_epi64(reinterpret_cast<__m128i*>(p), _mm_packs_epi16(w16, w16));
+}
+inline int32_t sum8_i32(__m256i v) {
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
+  return _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1)));
+}
+#endif
+
 // rows x k -> int16 rows padded to kp (a multiple of 32) with zeros; per-row scales. The
 // order within a row matches the order int4 weights unpack in: `order` 0 keeps it, 32 stores
 // each block of 32 as its 16 even then 16 odd elements, 64 stores each block of 64 as the evens
@@ -97,9 +114,18 @@ inline int64_t permuted(int64_t i, int order) {
 template <typename T>
 inline float row_step(const T* xr, int64_t k, float qmax, float& inv) {
   int64_t i = 0;
+#if defined(KILN_ISA_AVX512)
   __m512 vmax = _mm512_setzero_ps();
   for (; i + 16 <= k; i += 16) vmax = _mm512_max_ps(vmax, _mm512_abs_ps(vload(xr + i)));
   float amax = _mm512_reduce_max_ps(vmax);
+#else
+  const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  __m256 vmax = _mm256_setzero_ps();
+  for (; i + 8 <= k; i += 8) vmax = _mm256_max_ps(vmax, _mm256_and_ps(vload(xr + i), magnitude));
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(vmax), _mm256_extractf128_ps(vmax, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  float amax = _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+#endif
   for (; i < k; ++i) amax = std::max(amax, std::fabs(to_f32(xr[i])));
   inv = amax > 0.f ? qmax / amax : 0.f;
   return amax / qmax;
@@ -155,6 +181,7 @@ void split_rows_i8(const T* x, int64_t rows, int64_t k, int64_t kp, int64_t grou
     scale[m] = row_step(xr, k, 16383.f, inv);
     for (int64_t g = 0; g < groups; ++g) hsum[m * groups + g] = lsum[m * groups + g] = 0;
     int64_t i = 0;
+#if defined(KILN_ISA_AVX512)
     if (group % 16 == 0) {  // 16 at a time (nearest-even conversion, as nearbyint); a chunk is in one group
       const __m512 vinv = _mm512_set1_ps(inv);
       for (; i + 16 <= k; i += 16) {
@@ -168,6 +195,21 @@ void split_rows_i8(const T* x, int64_t rows, int64_t k, int64_t kp, int64_t grou
         lsum[m * groups + i / group] += _mm512_reduce_add_epi32(l);
       }
     }
+#else
+    if (group % 8 == 0) {  // 8 at a time, as above
+      const __m256 vinv = _mm256_set1_ps(inv);
+      for (; i + 8 <= k; i += 8) {
+        const __m256i q = _mm256_cvtps_epi32(_mm256_mul_ps(vload(xr + i), vinv));
+        const __m256i l = _mm256_sub_epi32(_mm256_and_si256(_mm256_add_epi32(q, _mm256_set1_epi32(128)),
+                                                            _mm256_set1_epi32(255)), _mm256_set1_epi32(128));
+        const __m256i h = _mm256_srai_epi32(_mm256_sub_epi32(q, l), 8);
+        store8_i8(hi + m * kp + i, h);
+        store8_i8(lo + m * kp + i, l);
+        hsum[m * groups + i / group] += sum8_i32(h);
+        lsum[m * groups + i / group] += sum8_i32(l);
+      }
+    }
+#endif
     for (; i < kp; ++i) {
       const int q = i < k ? static_cast<int>(std::nearbyint(to_f32(xr[i]) * inv)) : 0;
       const int l = ((q + 128) & 255) - 128;
@@ -180,6 +222,9 @@ void split_rows_i8(const T* x, int64_t rows, int64_t k, int64_t kp, int64_t grou
   }
 }
 
+#endif
+
+#if defined(KILN_ISA_AVX512)
 // u8 x s8 products summed by fours into int32 lanes (the emulation is exact here: the weights
 // are nibbles, so vpmaddubsw's int16 pairs cannot saturate)
 inline __m512i dpbusd(__m512i acc, __m512i u, __m512i s) {
@@ -194,50 +239,6 @@ inline __m512i broadcast4(const int8_t* p) {  // four int8 inputs into every 32-
   int32_t v;
   std::memcpy(&v, p, 4);
   return _mm512_set1_epi32(v);
-}
-
-// The tiled GEMVs' driver: tile groups in parallel, input rows four at a time. One row (decode):
-// the group's U tiles side by side, one stream (tiles(R = 1, V = U, u0 = 0)); more rows: tile by
-// tile (V = 1). tiles(R, V, t0, U, u0, m0, acc) fills acc[v * R + r] for tiles t0 + u0 + v and
-// input rows m0 + r (R and V as std::integral_constant); row(m, o0, acc, sums) turns one
-// accumulator into the 16 outputs of row m from o0 (before the bias), which is added here.
-template <typename T, typename Tiles, typename Row>
-void tiled_gemv(const TiledLayout& L, const T* bias, T* out, int64_t rows, int64_t n, Tiles tiles, Row row) {
-  at::parallel_for(0, (L.tiles + kTileGroup - 1) / kTileGroup, 1, [&](int64_t begin, int64_t end) {
-    __m512 acc[kTileGroup * 4];
-    float sums[kTileRows];
-    for (int64_t tg = begin; tg < end; ++tg) {
-      const int64_t t0 = tg * kTileGroup, U = L.width(t0);
-      for (int64_t m0 = 0; m0 < rows; m0 += 4) {
-        const int64_t mr = std::min<int64_t>(4, rows - m0);
-        auto emit = [&](int64_t V, int64_t R, int64_t u0) {
-          for (int64_t v = 0; v < V; ++v)
-            for (int64_t r = 0; r < R; ++r) {
-              const int64_t o0 = (t0 + u0 + v) * kTileRows;
-              row(m0 + r, o0, acc[v * R + r], sums);
-              for (int64_t j = 0; j < kTileRows; ++j)
-                store_as(out + (m0 + r) * n + o0 + j, sums[j] + (bias ? to_f32(bias[o0 + j]) : 0.f));
-            }
-        };
-        using One = std::integral_constant<int, 1>;
-        if (mr == 1) {
-          switch (U) {
-            case 4: tiles(One{}, std::integral_constant<int, 4>{}, t0, U, 0, m0, acc); break;
-            case 3: tiles(One{}, std::integral_constant<int, 3>{}, t0, U, 0, m0, acc); break;
-            case 2: tiles(One{}, std::integral_constant<int, 2>{}, t0, U, 0, m0, acc); break;
-            default: tiles(One{}, One{}, t0, U, 0, m0, acc);
-          }
-          emit(U, 1, 0);
-        } else {
-          for (int64_t u0 = 0; u0 < U; ++u0)
-            with_rows(mr, [&](auto R) {
-              tiles(R, One{}, t0, U, u0, m0, acc);
-              emit(1, decltype(R)::value, u0);
-            });
-        }
-      }
-    }
-  });
 }
 
 // Four int4 weight rows side by side, group by group (four independent chains: one row alone is
@@ -297,4 +298,67 @@ inline void store_rows4(bf16* base, int64_t stride, __m512 v) {
   _mm_storel_epi64(reinterpret_cast<__m128i*>(base + 2 * stride), hi);
   _mm_storel_epi64(reinterpret_cast<__m128i*>(base + 3 * stride), _mm_unpackhi_epi64(hi, hi));
 }
+#endif
+
+#if !defined(KILN_ISA_SCALAR)
+// 16 float sums: the outputs of one tile (kTileRows) for one input row
+#if defined(KILN_ISA_AVX512)
+using f32x16 = __m512;
+inline void store16(float* p, f32x16 v) { _mm512_storeu_ps(p, v); }
+inline f32x16 scaled16(f32x16 v, float s) { return _mm512_mul_ps(v, _mm512_set1_ps(s)); }
+#else
+struct f32x16 {
+  __m256 lo, hi;
+};
+inline void store16(float* p, f32x16 v) { _mm256_storeu_ps(p, v.lo), _mm256_storeu_ps(p + 8, v.hi); }
+inline f32x16 scaled16(f32x16 v, float s) {
+  const __m256 vs = _mm256_set1_ps(s);
+  return {_mm256_mul_ps(v.lo, vs), _mm256_mul_ps(v.hi, vs)};
+}
+#endif
+
+// The tiled GEMVs' driver: tile groups in parallel, input rows four at a time. One row (decode):
+// the group's U tiles side by side, one stream (tiles(R = 1, V = U, u0 = 0)); more rows: tile by
+// tile (V = 1). tiles(R, V, t0, U, u0, m0, acc) fills acc[v * R + r] for tiles t0 + u0 + v and
+// input rows m0 + r (R and V as std::integral_constant); row(m, o0, acc, sums) turns one
+// accumulator into the 16 outputs of row m from o0 (before the bias), which is added here.
+template <typename T, typename Tiles, typename Row>
+void tiled_gemv(const TiledLayout& L, const T* bias, T* out, int64_t rows, int64_t n, Tiles tiles, Row row) {
+  at::parallel_for(0, (L.tiles + kTileGroup - 1) / kTileGroup, 1, [&](int64_t begin, int64_t end) {
+    f32x16 acc[kTileGroup * 4];
+    float sums[kTileRows];
+    for (int64_t tg = begin; tg < end; ++tg) {
+      const int64_t t0 = tg * kTileGroup, U = L.width(t0);
+      for (int64_t m0 = 0; m0 < rows; m0 += 4) {
+        const int64_t mr = std::min<int64_t>(4, rows - m0);
+        auto emit = [&](int64_t V, int64_t R, int64_t u0) {
+          for (int64_t v = 0; v < V; ++v)
+            for (int64_t r = 0; r < R; ++r) {
+              const int64_t o0 = (t0 + u0 + v) * kTileRows;
+              row(m0 + r, o0, acc[v * R + r], sums);
+              for (int64_t j = 0; j < kTileRows; ++j)
+                store_as(out + (m0 + r) * n + o0 + j, sums[j] + (bias ? to_f32(bias[o0 + j]) : 0.f));
+            }
+        };
+        using One = std::integral_constant<int, 1>;
+        if (mr == 1) {
+          switch (U) {
+            case 4: tiles(One{}, std::integral_constant<int, 4>{}, t0, U, 0, m0, acc); break;
+            case 3: tiles(One{}, std::integral_constant<int, 3>{}, t0, U, 0, m0, acc); break;
+            case 2: tiles(One{}, std::integral_constant<int, 2>{}, t0, U, 0, m0, acc); break;
+            default: tiles(One{}, One{}, t0, U, 0, m0, acc);
+          }
+          emit(U, 1, 0);
+        } else {
+          for (int64_t u0 = 0; u0 < U; ++u0)
+            with_rows(mr, [&](auto R) {
+              tiles(R, One{}, t0, U, u0, m0, acc);
+              emit(1, decltype(R)::value, u0);
+            });
+        }
+      }
+    }
+  });
+}
+
 #endif

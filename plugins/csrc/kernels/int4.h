@@ -3,23 +3,29 @@
 // inside kiln::<isa> after gemv.h.
 //
 //   linear_w4_float       inputs widened to fp32, nibbles unpacked to floats per group
-//                         (vectorized on AVX-512, scalar loops elsewhere)
+//                         (vectorized on AVX2 and AVX-512, plain loops on scalar)
 //   linear_w4_i16         AVX-512, in and group_size multiples of 32: inputs quantized to int16
 //                         in the order the nibbles unpack, vpdpwssd / vpmaddwd
 //   dequantize_int4_rows  the weights back to [out, in] floats (prefill's GEMM)
 // Decode runs on the tiled layout (int4_tiled.h) wherever the shape allows it.
 
-#if defined(KILN_ISA_AVX512)
-inline vfloat vcvt_i8(__m128i v) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(v)); }
-
-// 32 int4 (16 bytes) -> two vectors of 16 fp32 in k order
-inline void unpack_int4x32(const uint8_t* p, vfloat& lo, vfloat& hi) {
+#if !defined(KILN_ISA_SCALAR)
+// 32 int4 (16 bytes) -> 32 / kLanes vectors of fp32 in k order
+inline void unpack_int4x32(const uint8_t* p, vfloat* out) {
   const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
   const __m128i mask = _mm_set1_epi8(0x0F), eight = _mm_set1_epi8(8);
   const __m128i even = _mm_sub_epi8(_mm_and_si128(bytes, mask), eight);
   const __m128i odd = _mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(bytes, 4), mask), eight);
-  lo = vcvt_i8(_mm_unpacklo_epi8(even, odd));
-  hi = vcvt_i8(_mm_unpackhi_epi8(even, odd));
+  const __m128i first = _mm_unpacklo_epi8(even, odd), second = _mm_unpackhi_epi8(even, odd);
+#if defined(KILN_ISA_AVX512)
+  out[0] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(first));
+  out[1] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(second));
+#else
+  out[0] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(first));
+  out[1] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(first, 8)));
+  out[2] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(second));
+  out[3] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(second, 8)));
+#endif
 }
 #endif
 
@@ -29,7 +35,7 @@ inline void dot_rows_w4(const float* xf, int64_t k, const uint8_t* wrow, const f
                         float* sums) {
   const int64_t groups = (k + group - 1) / group;
   for (int r = 0; r < R; ++r) sums[r] = 0.f;
-#if defined(KILN_ISA_AVX512)
+#if !defined(KILN_ISA_SCALAR)
   vfloat total[R];
   for (int r = 0; r < R; ++r) total[r] = vzero();
 #endif
@@ -37,16 +43,14 @@ inline void dot_rows_w4(const float* xf, int64_t k, const uint8_t* wrow, const f
     const int64_t g0 = g * group, g1 = std::min(k, g0 + group);
     const float s = srow[g];
     int64_t i = g0;
-#if defined(KILN_ISA_AVX512)
+#if !defined(KILN_ISA_SCALAR)
     vfloat acc[R];
     for (int r = 0; r < R; ++r) acc[r] = vzero();
     for (; i + 32 <= g1 && (i & 1) == 0; i += 32) {
-      vfloat lo, hi;
-      unpack_int4x32(wrow + i / 2, lo, hi);
-      for (int r = 0; r < R; ++r) {
-        acc[r] = vfma(vload(xf + r * k + i), lo, acc[r]);
-        acc[r] = vfma(vload(xf + r * k + i + 16), hi, acc[r]);
-      }
+      vfloat v[32 / kLanes];
+      unpack_int4x32(wrow + i / 2, v);
+      for (int r = 0; r < R; ++r)
+        for (int j = 0; j < 32 / kLanes; ++j) acc[r] = vfma(vload(xf + r * k + i + j * kLanes), v[j], acc[r]);
     }
     const vfloat vs = vset1(s);
     for (int r = 0; r < R; ++r) total[r] = vfma(acc[r], vs, total[r]);
@@ -57,7 +61,7 @@ inline void dot_rows_w4(const float* xf, int64_t k, const uint8_t* wrow, const f
       sums[r] += tail * s;
     }
   }
-#if defined(KILN_ISA_AVX512)
+#if !defined(KILN_ISA_SCALAR)
   for (int r = 0; r < R; ++r) sums[r] += vsum(total[r]);
 #endif
 }
@@ -82,14 +86,13 @@ void dequantize_int4_rows(const uint8_t* w, const float* scale, int64_t group, T
         const int64_t g0 = g * group, g1 = std::min(k, g0 + group);
         const float s = scale[o * groups + g];
         int64_t i = g0;
-#if defined(KILN_ISA_AVX512)
+#if !defined(KILN_ISA_SCALAR)
         float buf[32];
         const vfloat vs = vset1(s);
         for (; i + 32 <= g1 && (i & 1) == 0; i += 32) {
-          vfloat lo, hi;
-          unpack_int4x32(wrow + i / 2, lo, hi);
-          vstore(buf, vmul(lo, vs));
-          vstore(buf + 16, vmul(hi, vs));
+          vfloat v[32 / kLanes];
+          unpack_int4x32(wrow + i / 2, v);
+          for (int j = 0; j < 32 / kLanes; ++j) vstore(buf + j * kLanes, vmul(v[j], vs));
           for (int j = 0; j < 32; ++j) store_as(orow + i + j, buf[j]);
         }
 #endif

@@ -1,13 +1,15 @@
 // int4 weights in the tiled layout (formats.h, TiledLayout: made at load by pack_int4_tiled),
 // float / bf16 activations (W4A16). Included per ISA inside kiln::<isa> after gemv.h.
 //
-//   linear_w4_tiled_ref         float inputs, one group at a time (scalar, AVX2)
-//   linear_w4_tiled_avx512      inputs as two 15-bit int8 planes, one vpdpbusd multiplies 16
-//                               rows by four inputs (tiles_w4t, shared with W4A8 in w4a8.h)
+//   linear_w4_tiled_ref         float inputs, one group at a time (the scalar reference)
+//   linear_w4_tiled_dp          inputs as two 15-bit int8 planes against the nibbles in integer
+//                               dot products (tiles_w4t, shared with W4A8 in w4a8.h): on AVX-512
+//                               one vpdpbusd multiplies 16 rows by four inputs; on AVX2 two
+//                               vpmaddubsw multiply 8 rows by four inputs into int16 pairs
 //   dequantize_int4_tiled_avx512 / _rows  the weights back to [out, in] in the model dtype
 //                               (prefill's GEMM)
 
-// The reference path (scalar / AVX2): float inputs, one group at a time, as linear_w4_float
+// The reference path: float inputs, one group at a time, as linear_w4_float
 template <typename T>
 void linear_w4_tiled_ref(const T* x, const uint8_t* w, const float* s, int64_t group, const T* bias, T* out,
                          int64_t rows, int64_t k, int64_t n) {
@@ -38,7 +40,7 @@ void linear_w4_tiled_ref(const T* x, const uint8_t* w, const float* s, int64_t g
 template <int R, int V, bool A8>
 __attribute__((noinline)) void tiles_w4t(const int8_t* hi, const int8_t* lo, const int32_t* xsum8, const float* xs,
                                          const uint8_t* w, const float* s, const TiledLayout& L, int64_t U, int64_t u0,
-                                         int64_t k, int64_t group, __m512* acc) {
+                                         int64_t k, int64_t group, f32x16* acc) {
   constexpr int C = V * R;  // (tile, row) pairs, c = v * R + r; one-dimensional so they stay in registers
   static_assert(C <= 4, "at most four (tile, row) pairs: 3 * C accumulators");
   const __m512i nib = _mm512_set1_epi8(0x0F);
@@ -79,6 +81,90 @@ __attribute__((noinline)) void tiles_w4t(const int8_t* hi, const int8_t* lo, con
   for (int c = 0; c < C; ++c) acc[c] = facc[c];
 }
 
+#endif
+
+#if defined(KILN_ISA_AVX2)
+// AVX2: a tile's 64-byte vector as two halves of 8 rows. vpmaddubsw multiplies the nibbles
+// (unsigned) by the input bytes into int16 pairs (at most 2 * 15 * 128 each: no saturation),
+// vpmaddwd sums the pairs into int32 lanes, the high plane's by 256. int32 sums go to float at
+// each group's end (no overflow: under 1.99e6 a block of 8 inputs, and a group is at most
+// kTiledMaxGroup = 1,024 blocks).
+
+// At most two (tile, row) pairs: 2 * 2 int32 accumulators and the inputs stay in registers
+template <int R, int V, bool A8>
+__attribute__((noinline)) void tiles_w4t_pairs(const int8_t* hi, const int8_t* lo, const int32_t* xsum8,
+                                               const float* xs, const uint8_t* w, const float* s, const TiledLayout& L,
+                                               int64_t U, int64_t u0, int64_t k, int64_t group, f32x16* acc) {
+  constexpr int C = V * R;
+  static_assert(C <= 2, "at most two (tile, row) pairs");
+  const __m256i nib = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1), c256 = _mm256_set1_epi16(256);
+  const int64_t kb = L.kb, groups = L.groups;
+  __m256 facc[C][2];
+  for (int c = 0; c < C; ++c) facc[c][0] = facc[c][1] = _mm256_setzero_ps();
+  auto bytes4 = [](const int8_t* p) {
+    int32_t v;
+    std::memcpy(&v, p, 4);
+    return _mm256_set1_epi32(v);
+  };
+  for (int64_t g = 0; g < groups; ++g) {
+    const int64_t b0 = g * group / 8, b1 = std::min(kb, (g + 1) * group / 8);
+    __m256i a[C][2];
+    for (int c = 0; c < C; ++c) a[c][0] = a[c][1] = _mm256_setzero_si256();
+    for (int64_t b = b0; b < b1; ++b) {
+      __m256i xh0[R], xh1[R], xl0[R], xl1[R];
+      for (int r = 0; r < R; ++r) {
+        if (!A8) xh0[r] = bytes4(hi + r * k + 8 * b), xh1[r] = bytes4(hi + r * k + 8 * b + 4);
+        xl0[r] = bytes4(lo + r * k + 8 * b), xl1[r] = bytes4(lo + r * k + 8 * b + 4);
+      }
+      for (int v = 0; v < V; ++v)
+        for (int half = 0; half < 2; ++half) {
+          const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + (b * U + u0 + v) * 64 + 32 * half));
+          const __m256i first = _mm256_and_si256(wv, nib);
+          const __m256i second = _mm256_and_si256(_mm256_srli_epi16(wv, 4), nib);
+          for (int r = 0; r < R; ++r) {
+            const __m256i l16 = _mm256_add_epi16(_mm256_maddubs_epi16(first, xl0[r]), _mm256_maddubs_epi16(second, xl1[r]));
+            __m256i sum = _mm256_madd_epi16(l16, ones);
+            if (!A8) {
+              const __m256i h16 =
+                  _mm256_add_epi16(_mm256_maddubs_epi16(first, xh0[r]), _mm256_maddubs_epi16(second, xh1[r]));
+              sum = _mm256_add_epi32(sum, _mm256_madd_epi16(h16, c256));
+            }
+            a[v * R + r][half] = _mm256_add_epi32(a[v * R + r][half], sum);
+          }
+        }
+    }
+    for (int v = 0; v < V; ++v)
+      for (int r = 0; r < R; ++r)
+        for (int half = 0; half < 2; ++half) {
+          const int c = v * R + r;
+          const __m256 vs = _mm256_loadu_ps(s + (g * U + u0 + v) * kTileRows + 8 * half);
+          const __m256i centred = _mm256_sub_epi32(a[c][half], _mm256_set1_epi32(xsum8[r * groups + g]));
+          const __m256 scales = A8 ? _mm256_mul_ps(vs, _mm256_set1_ps(xs[r * groups + g])) : vs;
+          facc[c][half] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(centred), scales, facc[c][half]);
+        }
+  }
+  for (int c = 0; c < C; ++c) acc[c] = {facc[c][0], facc[c][1]};
+}
+
+// V tiles x R rows as tiles_w4t on AVX-512 (at most four pairs), two pairs at a time
+template <int R, int V, bool A8>
+void tiles_w4t(const int8_t* hi, const int8_t* lo, const int32_t* xsum8, const float* xs, const uint8_t* w,
+               const float* s, const TiledLayout& L, int64_t U, int64_t u0, int64_t k, int64_t group, f32x16* acc) {
+  if constexpr (V * R <= 2) {
+    tiles_w4t_pairs<R, V, A8>(hi, lo, xsum8, xs, w, s, L, U, u0, k, group, acc);
+  } else if constexpr (R == 1) {  // three or four tiles of one row: two tiles at a time
+    tiles_w4t_pairs<1, 2, A8>(hi, lo, xsum8, xs, w, s, L, U, u0, k, group, acc);
+    tiles_w4t_pairs<1, V - 2, A8>(hi, lo, xsum8, xs, w, s, L, U, u0 + 2, k, group, acc + 2);
+  } else {  // one tile, three or four rows: two rows at a time
+    static_assert(V == 1, "several tiles for one row only");
+    tiles_w4t_pairs<2, 1, A8>(hi, lo, xsum8, xs, w, s, L, U, u0, k, group, acc);
+    tiles_w4t_pairs<R - 2, 1, A8>(A8 ? hi : hi + 2 * k, lo + 2 * k, xsum8 + 2 * L.groups,
+                                  A8 ? xs + 2 * L.groups : xs, w, s, L, U, u0, k, group, acc + 2);
+  }
+}
+#endif
+
+#if !defined(KILN_ISA_SCALAR)
 // int4 rows: xs_row, each row's scale applied to its outputs (W4A16; W4A8's scales are per
 // group, inside the tiles)
 template <bool A8, typename T>
@@ -87,19 +173,17 @@ void tiled_w4_rows(const int8_t* hi, const int8_t* lo, const int32_t* xsum8, con
                    int64_t rows, int64_t k, int64_t n) {
   const TiledLayout L = tiled_int4_layout(k, n, group);
   tiled_gemv(L, bias, out, rows, n,
-             [&](auto R, auto V, int64_t t0, int64_t U, int64_t u0, int64_t m0, __m512* acc) {
+             [&](auto R, auto V, int64_t t0, int64_t U, int64_t u0, int64_t m0, f32x16* acc) {
                tiles_w4t<decltype(R)::value, decltype(V)::value, A8>(
                    A8 ? nullptr : hi + m0 * k, lo + m0 * k, xsum8 + m0 * L.groups,
                    A8 ? xs_group + m0 * L.groups : nullptr, w + t0 * L.kb * 64, s + t0 * L.groups * kTileRows, L, U,
                    u0, k, group, acc);
              },
-             [&](int64_t m, int64_t, __m512 acc, float* sums) {
-               _mm512_storeu_ps(sums, _mm512_mul_ps(acc, _mm512_set1_ps(A8 ? 1.f : xs_row[m])));
-             });
+             [&](int64_t m, int64_t, f32x16 acc, float* sums) { store16(sums, A8 ? acc : scaled16(acc, xs_row[m])); });
 }
 
 template <typename T>
-void linear_w4_tiled_avx512(const T* x, const uint8_t* w, const float* s, int64_t group, const T* bias, T* out,
+void linear_w4_tiled_dp(const T* x, const uint8_t* w, const float* s, int64_t group, const T* bias, T* out,
                             int64_t rows, int64_t k, int64_t n) {
   const int64_t groups = (k + group - 1) / group;
   std::vector<int8_t> hi(rows * k), lo(rows * k);
@@ -109,6 +193,9 @@ void linear_w4_tiled_avx512(const T* x, const uint8_t* w, const float* s, int64_
   for (int64_t i = 0; i < rows * groups; ++i) xsum8[i] = 8 * (256 * hsum[i] + xsum8[i]);  // the nibbles' + 8
   tiled_w4_rows<false>(hi.data(), lo.data(), xsum8.data(), nullptr, xs.data(), w, s, group, bias, out, rows, k, n);
 }
+#endif
+
+#if defined(KILN_ISA_AVX512)
 // The tiled weights back to rows, in the order they are stored (one stream in, 16 rows out per
 // tile), straight into the model dtype: prefill's one pass over the weights before its GEMM.
 // int4: a vector's low and high nibbles interleaved by dwords give each row's 8 values in order.

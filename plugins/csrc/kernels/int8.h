@@ -1,9 +1,9 @@
 // int8 weights, one scale per output channel, float / bf16 activations (W8A16), in the row
 // layout the engine stores ([out, in] int8). Included per ISA inside kiln::<isa> after gemv.h.
 //
-//   linear_w8_float   inputs widened to fp32, weights widened per vector, FMAs (scalar, AVX2)
-//   linear_w8_i16     AVX-512: inputs quantized to int16, weights widened to int16, vpdpwssd /
-//                     vpmaddwd: one instruction per 32 weights and row
+//   linear_w8_float   inputs widened to fp32, weights widened per vector, FMAs (scalar)
+//   linear_w8_i16     inputs quantized to int16, weights widened to int16, vpdpwssd /
+//                     vpmaddwd: one instruction per 32 (AVX-512) or 16 (AVX2) weights and row
 //   linear_w8_vnni    AVX512-VNNI, rows of kVnniBytesMinK inputs or more: inputs as two int8
 //                     planes, the weights as bytes with vpdpbusd (64 multiply-adds a step)
 // The decode path on AVX-512 is the tiled layout (int8_tiled.h); select.h chooses.
@@ -16,6 +16,63 @@ void linear_w8_float(const T* x, const int8_t* w, const float* scale, const T* b
     for (int r = 0; r < R; ++r) sums[r] *= scale[o];
   });
 }
+
+#if defined(KILN_ISA_AVX2)
+constexpr int64_t kFlush = 1024;  // int32 partial sums go to float this often (no overflow)
+
+// R input rows (int16, padded to kp with zeros) against one int8 weight row: vpmaddwd on 16
+// weights widened to int16; C independent chains per row (one chain is latency-bound)
+template <int R>
+inline void dot_rows_w8_i16(const int16_t* xq, int64_t kp, const int8_t* w, int64_t k, float* sums) {
+  constexpr int C = R == 1 ? 4 : R == 2 ? 2 : 1;
+  __m256 facc[R];
+  for (int r = 0; r < R; ++r) facc[r] = _mm256_setzero_ps();
+  const int64_t full = k / 16 * 16;
+  for (int64_t b0 = 0; b0 < k; b0 += kFlush) {
+    const int64_t b1 = std::min(k, b0 + kFlush);
+    __m256i acc[R][C];
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < C; ++c) acc[r][c] = _mm256_setzero_si256();
+    int64_t i = b0;
+    for (; i + 16 * C <= std::min(b1, full); i += 16 * C)
+      for (int c = 0; c < C; ++c) {
+        const __m256i wv = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + i + 16 * c)));
+        for (int r = 0; r < R; ++r)
+          acc[r][c] = _mm256_add_epi32(
+              acc[r][c], _mm256_madd_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + r * kp + i + 16 * c)), wv));
+      }
+    for (; i + 16 <= std::min(b1, full); i += 16) {
+      const __m256i wv = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + i)));
+      for (int r = 0; r < R; ++r)
+        acc[r][0] = _mm256_add_epi32(
+            acc[r][0], _mm256_madd_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + r * kp + i)), wv));
+    }
+    int32_t tail[R] = {};
+    for (; i < b1; ++i)  // the row's last k % 16 weights
+      for (int r = 0; r < R; ++r) tail[r] += static_cast<int32_t>(xq[r * kp + i]) * w[i];
+    for (int r = 0; r < R; ++r) {
+      __m256i total = acc[r][0];
+      for (int c = 1; c < C; ++c) total = _mm256_add_epi32(total, acc[r][c]);
+      total = _mm256_add_epi32(total, _mm256_setr_epi32(tail[r], 0, 0, 0, 0, 0, 0, 0));
+      facc[r] = _mm256_add_ps(facc[r], _mm256_cvtepi32_ps(total));
+    }
+  }
+  for (int r = 0; r < R; ++r) sums[r] = vsum(facc[r]);
+}
+
+template <typename T>
+void linear_w8_i16(const T* x, const int8_t* w, const float* scale, const T* bias, T* out, int64_t rows,
+                   int64_t k, int64_t n) {
+  const int64_t kp = (k + 15) / 16 * 16;
+  std::vector<int16_t> xq(rows * kp);
+  std::vector<float> xs(rows);
+  quantize_rows_i16(x, rows, k, kp, 0, xq.data(), xs.data());
+  tiles_i16(bias, out, xs.data(), rows, n, [&](auto R, int64_t m0, int64_t o0, int64_t o1, float* sums) {
+    constexpr int r = decltype(R)::value;
+    for (int64_t o = o0; o < o1; ++o) dot_rows_w8_i16<r>(xq.data() + m0 * kp, kp, w + o * k, k, sums + (o - o0) * r);
+  }, [&](int64_t o) { return scale[o]; });
+}
+#endif
 
 #if defined(KILN_ISA_AVX512)
 constexpr int64_t kFlush = 1024;  // int32 partial sums go to float this often (no overflow)

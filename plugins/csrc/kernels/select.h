@@ -24,7 +24,7 @@ void linear_w8(const T* x, const int8_t* w, const float* s, const T* bias, T* ou
 #if defined(KILN_ISA_VNNI)
   if (k >= kVnniBytesMinK) return linear_w8_vnni<T>(x, w, s, bias, out, rows, k, n);
 #endif
-#if defined(KILN_ISA_AVX512)
+#if !defined(KILN_ISA_SCALAR)
   linear_w8_i16<T>(x, w, s, bias, out, rows, k, n);
 #else
   linear_w8_float<T>(x, w, s, bias, out, rows, k, n);
@@ -55,22 +55,26 @@ template <typename T> constexpr auto linear_w4a8 = linear_w4a8_rows<T>;
 
 // --- the tiled layouts (int8_tiled.h, int4_tiled.h, w4a8.h) ---------------------------------
 // Which weights the runtime lays out tiled on this ISA: int4 wherever the shape allows it; int8
-// on AVX-512 (elsewhere the row layout's int8 kernels are the faster ones)
+// on AVX-512 (elsewhere the row layout's int8 kernels are the faster ones). The scalar
+// reference runs the tiled layouts with plain loops.
 constexpr bool kTiledInt4 = true;
+#if defined(KILN_ISA_SCALAR)
+template <typename T> constexpr auto linear_w4_tiled = linear_w4_tiled_ref<T>;
+template <typename T> constexpr auto linear_w4a8_tiled = linear_w4a8_tiled_ref<T>;
+#else
+template <typename T> constexpr auto linear_w4_tiled = linear_w4_tiled_dp<T>;
+template <typename T> constexpr auto linear_w4a8_tiled = linear_w4a8_tiled_dp<T>;
+#endif
 #if defined(KILN_ISA_AVX512)
 constexpr bool kTiledInt8 = true;
 template <typename T> constexpr auto linear_w8_tiled = linear_w8_tiled_avx512<T>;
 template <typename T> constexpr auto dequantize_int8_tiled = dequantize_int8_tiled_avx512<T>;
-template <typename T> constexpr auto linear_w4_tiled = linear_w4_tiled_avx512<T>;
 template <typename T> constexpr auto dequantize_int4_tiled = dequantize_int4_tiled_avx512<T>;
-template <typename T> constexpr auto linear_w4a8_tiled = linear_w4a8_tiled_avx512<T>;
 #else
 constexpr bool kTiledInt8 = false;
 template <typename T> constexpr auto linear_w8_tiled = linear_w8_tiled_ref<T>;
 template <typename T> constexpr auto dequantize_int8_tiled = dequantize_int8_tiled_rows<T>;
-template <typename T> constexpr auto linear_w4_tiled = linear_w4_tiled_ref<T>;
 template <typename T> constexpr auto dequantize_int4_tiled = dequantize_int4_tiled_rows<T>;
-template <typename T> constexpr auto linear_w4a8_tiled = linear_w4a8_tiled_ref<T>;
 #endif
 
 // --- W8A8 (w8a8.h) ---------------------------------------------------------------------------

@@ -9,7 +9,8 @@
 //                            x stored per 64-block as its 32 even then 32 odd elements, the
 //                            order the low and high nibbles of 32 bytes come in
 //   linear_w4a8_tiled_ref    the tiled layout, integer loops per group
-//   linear_w4a8_tiled_avx512 the tiled layout: one int8 plane against the nibbles (tiles_w4t)
+//   linear_w4a8_tiled_dp     the tiled layout: one int8 plane against the nibbles (tiles_w4t;
+//                            AVX2 and AVX-512)
 
 // x [rows, k] -> q int8 [rows, k] (permute64: in the vnni kernel's order), scale and sum of q
 // per row and group [rows, groups]
@@ -166,10 +167,10 @@ void linear_w4a8_tiled_ref(const T* x, const uint8_t* w, const float* s, int64_t
   });
 }
 
-#if defined(KILN_ISA_AVX512)
+#if !defined(KILN_ISA_SCALAR)
 // one int8 plane against the nibbles (tiles_w4t<.., true>)
 template <typename T>
-void linear_w4a8_tiled_avx512(const T* x, const uint8_t* w, const float* s, int64_t group, const T* bias, T* out,
+void linear_w4a8_tiled_dp(const T* x, const uint8_t* w, const float* s, int64_t group, const T* bias, T* out,
                               int64_t rows, int64_t k, int64_t n) {
   GroupedInput in(x, rows, k, group, false);
   for (auto& v : in.sum) v *= 8;  // the nibbles' + 8
