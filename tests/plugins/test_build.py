@@ -24,3 +24,35 @@ def test_compiles_into_an_empty_cache_and_loads(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.strip().startswith(str(tmp_path))
     assert [p.name for p in (tmp_path / "plugins").iterdir()] == [result.stdout.strip().split("/")[-2]]
+
+
+# Kernels whose bodies are plain loops on every instruction set are named *_ref. The AVX2 table
+# may hold only these, each kept off the hot paths for the reason given.
+AVX2_REFERENCE_KERNELS = {
+    "linear_w8_tiled_ref": "int8 weights are laid out tiled only on AVX-512 (select.h: kTiledInt8)",
+    "dequantize_int8_tiled_ref": "int8 weights are laid out tiled only on AVX-512 (select.h: kTiledInt8)",
+    "linear_w4a8_ref": "only W4A8 weights whose shape the tiled layout cannot hold (out_features % 16)",
+}
+
+
+def test_avx2_hot_paths_run_no_reference_kernel(plugin_isas):
+    """No x86-64-v3 CPU runs a plain-loop kernel on a hot path: the reference kernels compiled
+    into the AVX2 table (symbols kiln::avx2::*_ref) are exactly the ones listed, and the runtime
+    on AVX2 tiles int4 weights (vectorized) but not int8 (whose tiled kernel is a reference there)."""
+    import re
+
+    from kiln.plugins import ops
+    from kiln.plugins.build import build_plugins
+
+    symbols = subprocess.run(["nm", "-C", "--defined-only", str(build_plugins())], capture_output=True, text=True,
+                             check=True, timeout=120).stdout
+    found = set(re.findall(r"kiln::avx2::(\w+_ref)<", symbols))
+    assert found == set(AVX2_REFERENCE_KERNELS), (
+        f"reference kernels in the AVX2 table: {sorted(found)}; listed: {sorted(AVX2_REFERENCE_KERNELS)}")
+    assert "kiln::avx2::linear_w4_tiled_dp<" in symbols and "kiln::avx2::linear_w8_i16<" in symbols
+    if "avx2" in plugin_isas:
+        try:
+            ops.select_isa("avx2")
+            assert ops.tiled("int4") and not ops.tiled("int8")
+        finally:
+            ops.select_isa(os.environ.get("KILN_ISA", "auto"))

@@ -59,7 +59,7 @@ def test_silu_mul_matches_reference(isa, dtype, shape):
 
 
 def test_silu_mul_float32_is_as_exact_as_float32_allows(isa):
-    """SwiGLU through the vectorized exp (AVX-512) or std::exp: within 4e-7 relative of float64
+    """SwiGLU through the vectorized exp (AVX2, AVX-512) or std::exp: within 4e-7 relative of float64
     from -90 to 90, which also bounds the exp the attention plugin shares."""
     g = torch.linspace(-90, 90, 200_001)
     got = ops.silu_mul(torch.cat([g[None], torch.ones_like(g)[None]], dim=1))[0].double()

@@ -57,50 +57,7 @@ inline __m512 sum16(const __m512* v) {
                        _mm512_shuffle_f32x4(u[0], u[1], _MM_SHUFFLE(3, 1, 3, 1)));
 }
 
-// scores[i] = q . k_i for the n keys of a block (key i at k + i * stride), sixteen at a time
-template <typename P>
-inline void block_scores(const float* q, const P* k, int64_t stride, int64_t n, int64_t head_dim, float* scores) {
-  int64_t i = 0;
-  if (head_dim % 16 == 0) {
-    __m512 acc[16];
-    for (; i + 16 <= n; i += 16) {
-      for (int j = 0; j < 16; ++j) {
-        const P* kj = k + (i + j) * stride;
-        __m512 a = _mm512_mul_ps(vload(q), vload(kj));
-        for (int64_t d = 16; d < head_dim; d += 16) a = _mm512_fmadd_ps(vload(q + d), vload(kj + d), a);
-        acc[j] = a;
-      }
-      _mm512_storeu_ps(scores + i, sum16(acc));
-    }
-  }
-  for (; i < n; ++i) scores[i] = dot(q, k + i * stride, head_dim);
-}
-
-// acc[0, 16 C) += sum_i p[i] * v_i (value i at v + i * stride), the accumulators in registers
-template <int C, typename P>
-inline void block_pv_c(float* acc, const float* p, const P* v, int64_t stride, int64_t n) {
-  __m512 a[C];
-  for (int c = 0; c < C; ++c) a[c] = _mm512_loadu_ps(acc + 16 * c);
-  for (int64_t i = 0; i < n; ++i) {
-    const __m512 pi = _mm512_set1_ps(p[i]);
-    const P* vi = v + i * stride;
-    for (int c = 0; c < C; ++c) a[c] = _mm512_fmadd_ps(pi, vload(vi + 16 * c), a[c]);
-  }
-  for (int c = 0; c < C; ++c) _mm512_storeu_ps(acc + 16 * c, a[c]);
-}
-
-template <typename P>
-inline void block_pv(float* acc, const float* p, const P* v, int64_t stride, int64_t n, int64_t head_dim) {
-  switch (head_dim % 16 == 0 ? head_dim / 16 : 0) {
-    case 2: return block_pv_c<2>(acc, p, v, stride, n);
-    case 3: return block_pv_c<3>(acc, p, v, stride, n);
-    case 4: return block_pv_c<4>(acc, p, v, stride, n);
-    case 6: return block_pv_c<6>(acc, p, v, stride, n);
-    case 8: return block_pv_c<8>(acc, p, v, stride, n);
-    default:
-      for (int64_t i = 0; i < n; ++i) axpy(acc, p[i], v + i * stride, head_dim);
-  }
-}
+inline vfloat sum_lanes(const vfloat* v) { return sum16(v); }
 
 // scores[i] = exp(scores[i] - shift); returns their sum
 inline float exp_shifted(float* scores, int64_t n, float shift) {
@@ -119,6 +76,88 @@ inline float exp_shifted(float* scores, int64_t n, float shift) {
     total = _mm512_add_ps(total, _mm512_maskz_mov_ps(m, e));
   }
   return _mm512_reduce_add_ps(total);
+}
+#elif defined(KILN_ISA_AVX2)
+// Eight vectors -> one vector of their sums (lane i = the sum of v[i])
+inline __m256 sum8(const __m256* v) {
+  const __m256 t0 = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+  const __m256 t1 = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(t0, t1, 0x20), _mm256_permute2f128_ps(t0, t1, 0x31));
+}
+inline vfloat sum_lanes(const vfloat* v) { return sum8(v); }
+
+// scores[i] = exp(scores[i] - shift); returns their sum (the last n % 8 through a padded vector)
+inline float exp_shifted(float* scores, int64_t n, float shift) {
+  __m256 total = _mm256_setzero_ps();
+  const __m256 vs = _mm256_set1_ps(shift);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(scores + i), vs));
+    _mm256_storeu_ps(scores + i, e);
+    total = _mm256_add_ps(total, e);
+  }
+  float sum = vsum(total);
+  if (i < n) {
+    float tail[8];
+    for (int j = 0; j < 8; ++j) tail[j] = i + j < n ? scores[i + j] : shift;
+    _mm256_storeu_ps(tail, exp8(_mm256_sub_ps(_mm256_loadu_ps(tail), vs)));
+    for (int64_t j = i; j < n; ++j) sum += scores[j] = tail[j - i];
+  }
+  return sum;
+}
+#endif
+
+#if !defined(KILN_ISA_SCALAR)
+// scores[i] = q . k_i for the n keys of a block (key i at k + i * stride), kLanes at a time
+template <typename P>
+inline void block_scores(const float* q, const P* k, int64_t stride, int64_t n, int64_t head_dim, float* scores) {
+  int64_t i = 0;
+  if (head_dim % kLanes == 0) {
+    vfloat acc[kLanes];
+    for (; i + kLanes <= n; i += kLanes) {
+      for (int j = 0; j < kLanes; ++j) {
+        const P* kj = k + (i + j) * stride;
+        vfloat a = vmul(vload(q), vload(kj));
+        for (int64_t d = kLanes; d < head_dim; d += kLanes) a = vfma(vload(q + d), vload(kj + d), a);
+        acc[j] = a;
+      }
+      vstore(scores + i, sum_lanes(acc));
+    }
+  }
+  for (; i < n; ++i) scores[i] = dot(q, k + i * stride, head_dim);
+}
+
+// acc[0, kLanes C) += sum_i p[i] * v_i (value i at v + i * stride), the accumulators in registers
+template <int C, typename P>
+inline void block_pv_c(float* acc, const float* p, const P* v, int64_t stride, int64_t n) {
+  vfloat a[C];
+  for (int c = 0; c < C; ++c) a[c] = vload(acc + kLanes * c);
+  for (int64_t i = 0; i < n; ++i) {
+    const vfloat pi = vset1(p[i]);
+    const P* vi = v + i * stride;
+    for (int c = 0; c < C; ++c) a[c] = vfma(pi, vload(vi + kLanes * c), a[c]);
+  }
+  for (int c = 0; c < C; ++c) vstore(acc + kLanes * c, a[c]);
+}
+
+template <typename P>
+inline void block_pv(float* acc, const float* p, const P* v, int64_t stride, int64_t n, int64_t head_dim) {
+  const int64_t vectors = head_dim % kLanes == 0 ? head_dim / kLanes : 0;
+#if defined(KILN_ISA_AVX2)
+  if (vectors > 8 && vectors % 8 == 0) {  // e.g. head_dim 128: eight vectors at a time
+    for (int64_t c0 = 0; c0 < vectors; c0 += 8) block_pv_c<8>(acc + c0 * kLanes, p, v + c0 * kLanes, stride, n);
+    return;
+  }
+#endif
+  switch (vectors) {
+    case 2: return block_pv_c<2>(acc, p, v, stride, n);
+    case 3: return block_pv_c<3>(acc, p, v, stride, n);
+    case 4: return block_pv_c<4>(acc, p, v, stride, n);
+    case 6: return block_pv_c<6>(acc, p, v, stride, n);
+    case 8: return block_pv_c<8>(acc, p, v, stride, n);
+    default:
+      for (int64_t i = 0; i < n; ++i) axpy(acc, p[i], v + i * stride, head_dim);
+  }
 }
 #else
 template <typename P>

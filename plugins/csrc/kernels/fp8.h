@@ -21,6 +21,15 @@ void quantize_fp8_elements(const T* x, T* out, int64_t count, float inv_scale) {
       else
         _mm512_storeu_ps(out + i, r);
     }
+#elif defined(KILN_ISA_AVX2)
+    for (; i + 8 <= end; i += 8) {  // as above, 8 at a time
+      const __m128i bytes = fp8_bytes8(_mm256_mul_ps(vload(x + i), _mm256_set1_ps(inv_scale)));
+      const __m256 r = vload(reinterpret_cast<const fp8e4m3*>(&bytes));
+      if constexpr (std::is_same_v<T, bf16>)
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i), exact_bf16x8(r));
+      else
+        _mm256_storeu_ps(out + i, r);
+    }
 #endif
     for (; i < end; ++i) store_as(out + i, round_fp8(to_f32(x[i]) * inv_scale));
   });
@@ -57,6 +66,14 @@ void dequantize_fp8_elements(const uint8_t* w, T* out, int64_t count) {
         _mm512_storeu_ps(out + i + 16, _mm512_castsi512_ps(
                                            _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(v, 1)), 16)));
       }
+    }
+#elif defined(KILN_ISA_AVX2)
+    for (; i + 8 <= end; i += 8) {  // exact: vload widens E4M3 through fp16
+      const __m256 v = vload(reinterpret_cast<const fp8e4m3*>(w + i));
+      if constexpr (std::is_same_v<T, bf16>)
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i), exact_bf16x8(v));
+      else
+        _mm256_storeu_ps(out + i, v);
     }
 #endif
     for (; i < end; ++i) store_as(out + i, to_f32(fp8e4m3{w[i]}));

@@ -6,7 +6,7 @@
 //   linear_w8_tiled_avx512       the input's two 15-bit planes each meet a vector with one
 //                                vpdpbusd (64 multiply-adds); the + 128 comes off once per row as
 //                                128 * sum(q); int32 sums go to float every kTiled8Flush blocks
-//   dequantize_int8_tiled_avx512 / _rows  the weights back to [out, in] (prefill)
+//   dequantize_int8_tiled_avx512 / _ref   the weights back to [out, in] (prefill)
 
 constexpr int64_t kTiled8Flush = 1024;  // blocks of 4 inputs: 4,096 inputs
 
@@ -126,7 +126,7 @@ void dequantize_int8_tiled_avx512(const uint8_t* w, const float* scale, T* out, 
 
 // The tiled int8 weights back to rows of T, one value at a time
 template <typename T>
-void dequantize_int8_tiled_rows(const uint8_t* w, const float* scale, T* out, int64_t k, int64_t n) {
+void dequantize_int8_tiled_ref(const uint8_t* w, const float* scale, T* out, int64_t k, int64_t n) {
   const TiledLayout L = tiled_int8_layout(k, n);
   at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
     for (int64_t o = begin; o < end; ++o) {

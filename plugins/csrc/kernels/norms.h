@@ -44,12 +44,12 @@ void silu_mul_rows(const T* gate_up, T* out, int64_t rows, int64_t n) {
       const T* up = gate + n;
       T* o = out + r * n;
       int64_t i = 0;
-#if defined(KILN_ISA_AVX512)
-      float silu[16];
-      for (; i + 16 <= n; i += 16) {  // silu in 16 lanes (exp16), then rounded and multiplied as below
-        const __m512 g = vload(gate + i);
-        _mm512_storeu_ps(silu, _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), exp16(_mm512_sub_ps(vzero(), g)))));
-        for (int j = 0; j < 16; ++j) store_as(o + i + j, round_as<T>(silu[j]) * to_f32(up[i + j]));
+#if !defined(KILN_ISA_SCALAR)
+      float silu[kLanes];
+      for (; i + kLanes <= n; i += kLanes) {  // silu in vector lanes (vexp), then rounded and multiplied as below
+        const vfloat g = vload(gate + i);
+        vstore(silu, vdiv(g, vadd(vset1(1.f), vexp(vsub(vzero(), g)))));
+        for (int j = 0; j < kLanes; ++j) store_as(o + i + j, round_as<T>(silu[j]) * to_f32(up[i + j]));
       }
 #endif
       for (; i < n; ++i) {

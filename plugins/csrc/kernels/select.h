@@ -48,9 +48,9 @@ template <typename T> constexpr auto linear_w4 = int4_by_shape<32, linear_w4_i16
 template <typename T> constexpr auto linear_w4 = linear_w4_float<T>;
 #endif
 #if defined(KILN_ISA_VNNI)
-template <typename T> constexpr auto linear_w4a8 = int4_by_shape<64, linear_w4a8_vnni<T>, linear_w4a8_rows<T>, T>;
+template <typename T> constexpr auto linear_w4a8 = int4_by_shape<64, linear_w4a8_vnni<T>, linear_w4a8_ref<T>, T>;
 #else
-template <typename T> constexpr auto linear_w4a8 = linear_w4a8_rows<T>;
+template <typename T> constexpr auto linear_w4a8 = linear_w4a8_ref<T>;
 #endif
 
 // --- the tiled layouts (int8_tiled.h, int4_tiled.h, w4a8.h) ---------------------------------
@@ -73,7 +73,7 @@ template <typename T> constexpr auto dequantize_int4_tiled = dequantize_int4_til
 #else
 constexpr bool kTiledInt8 = false;
 template <typename T> constexpr auto linear_w8_tiled = linear_w8_tiled_ref<T>;
-template <typename T> constexpr auto dequantize_int8_tiled = dequantize_int8_tiled_rows<T>;
+template <typename T> constexpr auto dequantize_int8_tiled = dequantize_int8_tiled_ref<T>;
 template <typename T> constexpr auto dequantize_int4_tiled = dequantize_int4_tiled_rows<T>;
 #endif
 

@@ -101,6 +101,9 @@ inline __m128i fp8_bytes(__m512 x) {
 inline __m256i exact_bf16(__m512 x) { return _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(x), 16)); }
 inline vfloat vfma(vfloat a, vfloat b, vfloat c) { return _mm512_fmadd_ps(a, b, c); }
 inline vfloat vmul(vfloat a, vfloat b) { return _mm512_mul_ps(a, b); }
+inline vfloat vadd(vfloat a, vfloat b) { return _mm512_add_ps(a, b); }
+inline vfloat vsub(vfloat a, vfloat b) { return _mm512_sub_ps(a, b); }
+inline vfloat vdiv(vfloat a, vfloat b) { return _mm512_div_ps(a, b); }
 inline float vsum(vfloat a) { return _mm512_reduce_add_ps(a); }
 inline void vstore(float* p, vfloat a) { _mm512_storeu_ps(p, a); }
 
@@ -142,6 +145,9 @@ inline vfloat vload(const fp8e4m3* p) {  // as the AVX-512 version, 8 at a time
 }
 inline vfloat vfma(vfloat a, vfloat b, vfloat c) { return _mm256_fmadd_ps(a, b, c); }
 inline vfloat vmul(vfloat a, vfloat b) { return _mm256_mul_ps(a, b); }
+inline vfloat vadd(vfloat a, vfloat b) { return _mm256_add_ps(a, b); }
+inline vfloat vsub(vfloat a, vfloat b) { return _mm256_sub_ps(a, b); }
+inline vfloat vdiv(vfloat a, vfloat b) { return _mm256_div_ps(a, b); }
 inline float vsum(vfloat a) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -149,8 +155,55 @@ inline float vsum(vfloat a) {
   return _mm_cvtss_f32(s);
 }
 inline void vstore(float* p, vfloat a) { _mm256_storeu_ps(p, a); }
+
+// exp(x) for 8 lanes: exp16's polynomial; 2^n (n in [-151, 128]) as two exact powers of two,
+// each built in the exponent bits (AVX2 has no vscalefps), so results below 2^-126 come out
+// subnormal as scalef makes them
+inline __m256 exp8(__m256 x) {
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-104.f)), _mm256_set1_ps(88.8f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.f)));
+  const __m256i ni = _mm256_cvtps_epi32(n), n1 = _mm256_srai_epi32(ni, 1), n2 = _mm256_sub_epi32(ni, n1);
+  auto pow2 = [](__m256i e) { return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(e, _mm256_set1_epi32(127)), 23)); };
+  return _mm256_mul_ps(_mm256_mul_ps(p, pow2(n1)), pow2(n2));
+}
+// 8 floats that bf16 holds exactly -> their bf16s (each float's top half)
+inline __m128i exact_bf16x8(__m256 x) {
+  const __m256i top = _mm256_srli_epi32(_mm256_castps_si256(x), 16);
+  return _mm_packus_epi32(_mm256_castsi256_si128(top), _mm256_extracti128_si256(top, 1));
+}
+// 8 floats -> their E4M3 bytes (the low 8 bytes), as fp8_bytes on AVX-512
+inline __m128i fp8_bytes8(__m256 x) {
+  const __m256 v = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-kFp8Max)), _mm256_set1_ps(kFp8Max));
+  const __m256i bits = _mm256_castps_si256(v), magnitude_mask = _mm256_set1_epi32(0x7fffffff);
+  const __m256i mag = _mm256_and_si256(bits, magnitude_mask);
+  const __m256i sign = _mm256_srli_epi32(_mm256_andnot_si256(magnitude_mask, bits), 24);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(mag, 20), _mm256_set1_epi32(1));
+  const __m256i rounded = _mm256_add_epi32(_mm256_add_epi32(mag, _mm256_set1_epi32(0x7ffff)), lsb);
+  const __m256i normal = _mm256_sub_epi32(_mm256_srli_epi32(rounded, 20), _mm256_set1_epi32(120 << 3));
+  const __m256i subnormal = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_castsi256_ps(mag), _mm256_set1_ps(512.f)));
+  const __m256i small = _mm256_cmpgt_epi32(_mm256_set1_epi32(0x3c800000), mag);  // below 2^-6
+  const __m256i value = _mm256_or_si256(_mm256_blendv_epi8(normal, subnormal, small), sign);
+  const __m128i w16 = _mm_packus_epi32(_mm256_castsi256_si128(value), _mm256_extracti128_si256(value, 1));
+  return _mm_packus_epi16(w16, w16);
+}
 #else
 constexpr int kLanes = 0;  // scalar reference path: plain loops
+#endif
+
+#if defined(KILN_ISA_AVX512)
+inline vfloat vexp(vfloat x) { return exp16(x); }
+#elif defined(KILN_ISA_AVX2)
+inline vfloat vexp(vfloat x) { return exp8(x); }
 #endif
 
 // sum_i a[i] * b[i]
@@ -206,6 +259,19 @@ inline void store_scaled(P* dst, const X* x, const float* scale, int64_t n) {
       bytes = fp8_bytes(v);
     _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i), bytes);
   }
+#elif defined(KILN_ISA_AVX2)
+  for (; i + 8 <= n; i += 8) {
+    const __m256 v = _mm256_mul_ps(vload(x + i), _mm256_loadu_ps(scale + i));
+    __m128i bytes;
+    if constexpr (std::is_same_v<P, int8_t>) {
+      const __m256i q = _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(v, _mm256_set1_ps(-127.f)), _mm256_set1_ps(127.f)));
+      const __m128i w16 = _mm_packs_epi32(_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1));
+      bytes = _mm_packs_epi16(w16, w16);
+    } else {
+      bytes = fp8_bytes8(v);
+    }
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(dst + i), bytes);
+  }
 #endif
   for (; i < n; ++i) store_as(dst + i, to_f32(x[i]) * scale[i]);
 }
@@ -216,6 +282,8 @@ inline void widen_to_bf16(bf16* dst, const P* src, int64_t n) {
   int64_t i = 0;
 #if defined(KILN_ISA_AVX512)
   for (; i + 16 <= n; i += 16) _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i), exact_bf16(vload(src + i)));
+#elif defined(KILN_ISA_AVX2)
+  for (; i + 8 <= n; i += 8) _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i), exact_bf16x8(vload(src + i)));
 #endif
   for (; i < n; ++i) dst[i] = bf16(to_f32(src[i]));
 }

@@ -2,7 +2,7 @@
 // at run time (absmax / 127 of each group of the row: an outlier only coarsens its own group).
 // Included per ISA inside kiln::<isa> after int4_tiled.h.
 //
-//   linear_w4a8_rows         the row layout, integer loops per group
+//   linear_w4a8_ref          the row layout, integer loops per group (the reference)
 //   linear_w4a8_vnni         the row layout with AVX512-VNNI, in and group_size multiples of 64:
 //                            the nibbles used as unsigned bytes directly (vpdpbusd: 64
 //                            multiply-adds per instruction), 8 * sum(x) of the group taken off;
@@ -55,7 +55,7 @@ struct GroupedInput {
 };
 
 template <typename T>
-void linear_w4a8_rows(const T* x, const uint8_t* w, const float* scale, int64_t group, const T* bias, T* out,
+void linear_w4a8_ref(const T* x, const uint8_t* w, const float* scale, int64_t group, const T* bias, T* out,
                       int64_t rows, int64_t k, int64_t n) {
   const int64_t row_bytes = k / 2, groups = (k + group - 1) / group;
   GroupedInput in(x, rows, k, group, false);
