@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 from host import host_info
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 
@@ -117,7 +118,7 @@ def main() -> None:
         table.add_column(column, justify="right")
     for row in rows:
         ratio = row.get("decode_vs_transformers")
-        table.add_row(str(row["threads"]), row["name"], f"{row['prefill_ms']:.1f}", f"{row['decode_tok_s']:.1f}",
+        table.add_row(str(row["threads"]), escape(row["name"]), f"{row['prefill_ms']:.1f}", f"{row['decode_tok_s']:.1f}",
                       f"{row['decode_vs_first']:.2f}x", f"{ratio:.2f}x" if ratio else "-")
     Console().print(table)
     if args.json:

@@ -14,11 +14,16 @@ import statistics
 from pathlib import Path
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 
 def label(name: str) -> str:
-    return name.removeprefix("kiln ").replace("bfloat16 ", "").replace("bfloat16", "bf16")
+    """'kiln bfloat16 int4_awq [avx2]' -> 'int4_awq [avx2]'; 'kiln bfloat16' -> 'bf16'."""
+    words = name.removeprefix("kiln ").split()
+    if len(words) > 1 and words[0] in ("bfloat16", "float32") and not words[1].startswith("["):
+        words = words[1:]  # a quantized engine: its algorithm names it
+    return " ".join(words).replace("bfloat16", "bf16")
 
 
 def summarize(runs: list[dict]) -> list[dict]:
@@ -42,13 +47,14 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
 
     threads = sorted({r["threads"] for r in rows})
     names = list(dict.fromkeys(r["name"] for r in rows))
-    fig, ax = plt.subplots(figsize=(8, 4))
+    fig, ax = plt.subplots(figsize=(max(8, 1.1 * len(names)), 4))
     width = 0.8 / len(threads)
     for i, t in enumerate(threads):
         values = [next(r["decode_tok_s_median"] for r in rows if r["threads"] == t and r["name"] == n) for n in names]
         bars = ax.bar([x + i * width for x in range(len(names))], values, width, label=f"{t} thread{'s' * (t > 1)}")
         ax.bar_label(bars, fmt="%.0f", fontsize=8)
-    ax.set_xticks([x + width * (len(threads) - 1) / 2 for x in range(len(names))], [label(n) for n in names])
+    ax.set_xticks([x + width * (len(threads) - 1) / 2 for x in range(len(names))], [label(n) for n in names],
+                  rotation=30 if len(names) > 8 else 0, ha="right" if len(names) > 8 else "center", fontsize=8)
     ax.set_ylabel("decode tokens/s (median)")
     ax.set_title(title, fontsize=10)
     ax.legend()
@@ -72,7 +78,7 @@ def main() -> None:
     for column in ("threads", "engine", "prefill ms", "decode tok/s", "× first engine (range)"):
         table.add_column(column, justify="right")
     for r in rows:
-        table.add_row(str(r["threads"]), label(r["name"]), f"{r['prefill_ms_median']:.1f}",
+        table.add_row(str(r["threads"]), escape(label(r["name"])), f"{r['prefill_ms_median']:.1f}",
                       f"{r['decode_tok_s_median']:.1f}",
                       f"{r['decode_vs_first_median']:.2f}x ({min(r['decode_vs_first']):.2f}-"
                       f"{max(r['decode_vs_first']):.2f})")

@@ -96,7 +96,7 @@ __attribute__((noinline)) void tiles_w4t_pairs(const int8_t* hi, const int8_t* l
                                                const float* xs, const uint8_t* w, const float* s, const TiledLayout& L,
                                                int64_t U, int64_t u0, int64_t k, int64_t group, f32x16* acc) {
   constexpr int C = V * R;
-  static_assert(C <= 2, "at most two (tile, row) pairs");
+  static_assert(C <= 2 || R == 1, "at most two (tile, row) pairs, or four tiles of one row");
   const __m256i nib = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1), c256 = _mm256_set1_epi16(256);
   const int64_t kb = L.kb, groups = L.groups;
   __m256 facc[C][2];
@@ -150,11 +150,8 @@ __attribute__((noinline)) void tiles_w4t_pairs(const int8_t* hi, const int8_t* l
 template <int R, int V, bool A8>
 void tiles_w4t(const int8_t* hi, const int8_t* lo, const int32_t* xsum8, const float* xs, const uint8_t* w,
                const float* s, const TiledLayout& L, int64_t U, int64_t u0, int64_t k, int64_t group, f32x16* acc) {
-  if constexpr (V * R <= 2) {
+  if constexpr (V * R <= 2 || R == 1) {
     tiles_w4t_pairs<R, V, A8>(hi, lo, xsum8, xs, w, s, L, U, u0, k, group, acc);
-  } else if constexpr (R == 1) {  // three or four tiles of one row: two tiles at a time
-    tiles_w4t_pairs<1, 2, A8>(hi, lo, xsum8, xs, w, s, L, U, u0, k, group, acc);
-    tiles_w4t_pairs<1, V - 2, A8>(hi, lo, xsum8, xs, w, s, L, U, u0 + 2, k, group, acc + 2);
   } else {  // one tile, three or four rows: two rows at a time
     static_assert(V == 1, "several tiles for one row only");
     tiles_w4t_pairs<2, 1, A8>(hi, lo, xsum8, xs, w, s, L, U, u0, k, group, acc);
