@@ -90,7 +90,10 @@ __attribute__((noinline)) void tiles_w4t(const int8_t* hi, const int8_t* lo, con
 // each group's end (no overflow: under 1.99e6 a block of 8 inputs, and a group is at most
 // kTiledMaxGroup = 1,024 blocks).
 
-// At most two (tile, row) pairs: 2 * 2 int32 accumulators and the inputs stay in registers
+// The tiles of a tile group for one row (decode) in one pass over their interleaved weights
+// (measured: 1.6x faster SmolLM2 int4 decode than two passes of two tiles, whose half-used
+// cache lines stall on memory), or two (tile, row) pairs for several rows (2 * 2 int32
+// accumulators, the inputs in registers)
 template <int R, int V, bool A8>
 __attribute__((noinline)) void tiles_w4t_pairs(const int8_t* hi, const int8_t* lo, const int32_t* xsum8,
                                                const float* xs, const uint8_t* w, const float* s, const TiledLayout& L,
@@ -146,7 +149,8 @@ __attribute__((noinline)) void tiles_w4t_pairs(const int8_t* hi, const int8_t* l
   for (int c = 0; c < C; ++c) acc[c] = {facc[c][0], facc[c][1]};
 }
 
-// V tiles x R rows as tiles_w4t on AVX-512 (at most four pairs), two pairs at a time
+// V tiles x R rows as tiles_w4t on AVX-512 (at most four pairs): one row in one pass, several
+// rows two at a time
 template <int R, int V, bool A8>
 void tiles_w4t(const int8_t* hi, const int8_t* lo, const int32_t* xsum8, const float* xs, const uint8_t* w,
                const float* s, const TiledLayout& L, int64_t U, int64_t u0, int64_t k, int64_t group, f32x16* acc) {
