@@ -138,3 +138,41 @@ def test_a_cancelled_bls_stream_ends_its_engine_request(smollm2_engines, server_
         client.close()
         assert wait_for_running(server, 0) == 0
         assert http_generate(server, "kiln_bls", {"text_input": "Hello", "max_tokens": 4})[0] == 200
+
+
+def metric(server, name: str, state: str | None = None) -> float:
+    """A metric of the served engine (the line with state="..." where given)."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=10) as response:
+        for line in response.read().decode().splitlines():
+            if line.startswith(name + "{") and (state is None or f'state="{state}"' in line):
+                return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"no {name} metric")
+
+
+@pytest.mark.parametrize("scheduler", ["max_utilization", "guaranteed_no_evict"])
+def test_a_kv_pool_too_small_for_the_load_preempts_or_queues_and_serves_everyone(smollm2_engines, scheduler):
+    """16 requests of ~200 tokens at once against a KV pool of 68 blocks (room for about four of
+    them): max_utilization admits what fits and preempts (recomputes) when blocks run out,
+    guaranteed_no_evict admits only what it can finish; either way every request gets its
+    full-length text and the pool ends empty."""
+    from pydoc_data.topics import topics
+
+    repo = smollm2_engines("float32").parent / "triton_repo"
+    text = " ".join(topics["assert"].split())[:600]
+    with TritonServer(repo, runtime={"kv_cache_memory": "48MiB", "scheduler": scheduler}) as server:
+        def one(i):
+            return http_generate(server, "ensemble", {"text_input": f"Request {i}. {text}", "max_tokens": 64,
+                                                      "end_id": -1})
+
+        with ThreadPoolExecutor(16) as pool:
+            outcomes = list(pool.map(one, range(16)))
+        assert [code for code, _ in outcomes] == [200] * 16, outcomes[:2]
+        assert all(len(out) > 64 for _, out in outcomes), [out[:80] for _, out in outcomes]
+        preemptions = metric(server, names.METRIC_PREEMPTIONS)
+        if scheduler == "max_utilization":
+            assert preemptions > 0
+        else:
+            assert preemptions == 0
+        time.sleep(1)  # the gauges refresh every 0.5 s
+        assert wait_for_running(server, 0) == 0
+        assert metric(server, names.METRIC_KV_BLOCKS, "used") == 0
