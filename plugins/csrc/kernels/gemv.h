@@ -82,18 +82,6 @@ inline __m512i dp16(__m512i acc, __m512i a, __m512i b) {
 #endif
 
 #if !defined(KILN_ISA_SCALAR)
-#if defined(KILN_ISA_AVX2)
-inline void store8_i8(int8_t* p, __m256i v) {  // 8 int32 lanes (each within int8) -> 8 bytes
-  const __m128i w16 = _mm_packs_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
-  _mm_storel_epi64(reinterpret_cast<__m128i*>(p), _mm_packs_epi16(w16, w16));
-}
-inline int32_t sum8_i32(__m256i v) {
-  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
-  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
-  return _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1)));
-}
-#endif
-
 // rows x k -> int16 rows padded to kp (a multiple of 32) with zeros; per-row scales. The
 // order within a row matches the order int4 weights unpack in: `order` 0 keeps it, 32 stores
 // each block of 32 as its 16 even then 16 odd elements, 64 stores each block of 64 as the evens

@@ -100,6 +100,7 @@ inline __m128i fp8_bytes(__m512 x) {
 // 16 floats that bf16 holds exactly (int8 and E4M3 values) -> their bf16s: each float's top half
 inline __m256i exact_bf16(__m512 x) { return _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(x), 16)); }
 inline vfloat vfma(vfloat a, vfloat b, vfloat c) { return _mm512_fmadd_ps(a, b, c); }
+inline vfloat vfnmadd(vfloat a, vfloat b, vfloat c) { return _mm512_fnmadd_ps(a, b, c); }  // c - a b
 inline vfloat vmul(vfloat a, vfloat b) { return _mm512_mul_ps(a, b); }
 inline vfloat vadd(vfloat a, vfloat b) { return _mm512_add_ps(a, b); }
 inline vfloat vsub(vfloat a, vfloat b) { return _mm512_sub_ps(a, b); }
@@ -107,24 +108,6 @@ inline vfloat vdiv(vfloat a, vfloat b) { return _mm512_div_ps(a, b); }
 inline float vsum(vfloat a) { return _mm512_reduce_add_ps(a); }
 inline void vstore(float* p, vfloat a) { _mm512_storeu_ps(p, a); }
 
-// exp(x) for 16 lanes (Cephes' expf: x = n ln2 + r, |r| <= ln2 / 2, a degree-7 polynomial for
-// e^r, then 2^n by vscalefps); 0 below the float range. SwiGLU through it stays within 4e-7
-// relative of float64 (tests/plugins/test_dense_ops.py), as through std::exp
-inline __m512 exp16(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-104.f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
-  return _mm512_scalef_ps(p, n);
-}
 #elif defined(KILN_ISA_AVX2)
 constexpr int kLanes = 8;
 using vfloat = __m256;
@@ -144,6 +127,7 @@ inline vfloat vload(const fp8e4m3* p) {  // as the AVX-512 version, 8 at a time
   return _mm256_mul_ps(_mm256_cvtph_ps(h), _mm256_set1_ps(256.f));
 }
 inline vfloat vfma(vfloat a, vfloat b, vfloat c) { return _mm256_fmadd_ps(a, b, c); }
+inline vfloat vfnmadd(vfloat a, vfloat b, vfloat c) { return _mm256_fnmadd_ps(a, b, c); }  // c - a b
 inline vfloat vmul(vfloat a, vfloat b) { return _mm256_mul_ps(a, b); }
 inline vfloat vadd(vfloat a, vfloat b) { return _mm256_add_ps(a, b); }
 inline vfloat vsub(vfloat a, vfloat b) { return _mm256_sub_ps(a, b); }
@@ -156,25 +140,16 @@ inline float vsum(vfloat a) {
 }
 inline void vstore(float* p, vfloat a) { _mm256_storeu_ps(p, a); }
 
-// exp(x) for 8 lanes: exp16's polynomial; 2^n (n in [-151, 128]) as two exact powers of two,
-// each built in the exponent bits (AVX2 has no vscalefps), so results below 2^-126 come out
-// subnormal as scalef makes them
-inline __m256 exp8(__m256 x) {
-  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-104.f)), _mm256_set1_ps(88.8f));
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.f)));
-  const __m256i ni = _mm256_cvtps_epi32(n), n1 = _mm256_srai_epi32(ni, 1), n2 = _mm256_sub_epi32(ni, n1);
-  auto pow2 = [](__m256i e) { return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(e, _mm256_set1_epi32(127)), 23)); };
-  return _mm256_mul_ps(_mm256_mul_ps(p, pow2(n1)), pow2(n2));
+// 8 int32 lanes (each within int8, saturated otherwise) -> 8 bytes (the low half of the result)
+inline __m128i pack8_i8(__m256i v) {
+  const __m128i w16 = _mm_packs_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  return _mm_packs_epi16(w16, w16);
+}
+inline void store8_i8(int8_t* p, __m256i v) { _mm_storel_epi64(reinterpret_cast<__m128i*>(p), pack8_i8(v)); }
+inline int32_t sum8_i32(__m256i v) {
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
+  return _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1)));
 }
 // 8 floats that bf16 holds exactly -> their bf16s (each float's top half)
 inline __m128i exact_bf16x8(__m256 x) {
@@ -200,9 +175,43 @@ inline __m128i fp8_bytes8(__m256 x) {
 constexpr int kLanes = 0;  // scalar reference path: plain loops
 #endif
 
+#if !defined(KILN_ISA_SCALAR)
+// exp(x) (Cephes' expf): x = n ln2 + r with |r| <= ln2 / 2 and n = round(x / ln2), ln2 in two
+// parts; e^r by a degree-7 polynomial, then times 2^n (per ISA below). SwiGLU through it stays
+// within 4e-7 relative of float64 (tests/plugins/test_dense_ops.py), as through std::exp.
+inline vfloat exp_of_remainder(vfloat x, vfloat n) {  // e^r
+  vfloat r = vfnmadd(n, vset1(0.693359375f), x);
+  r = vfnmadd(n, vset1(-2.12194440e-4f), r);
+  vfloat p = vset1(1.9875691500e-4f);
+  p = vfma(p, r, vset1(1.3981999507e-3f));
+  p = vfma(p, r, vset1(8.3334519073e-3f));
+  p = vfma(p, r, vset1(4.1665795894e-2f));
+  p = vfma(p, r, vset1(1.6666665459e-1f));
+  p = vfma(p, r, vset1(5.0000001201e-1f));
+  return vfma(p, vmul(r, r), vadd(r, vset1(1.f)));
+}
+#endif
+
 #if defined(KILN_ISA_AVX512)
+// 16 lanes; 2^n by vscalefps, 0 below the float range
+inline __m512 exp16(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-104.f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  return _mm512_scalef_ps(exp_of_remainder(x, n), n);
+}
 inline vfloat vexp(vfloat x) { return exp16(x); }
 #elif defined(KILN_ISA_AVX2)
+// 8 lanes; 2^n (n in [-151, 128]) as two exact powers of two, each built in the exponent bits
+// (AVX2 has no vscalefps), so results below 2^-126 come out subnormal as scalef makes them
+inline __m256 exp8(__m256 x) {
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-104.f)), _mm256_set1_ps(88.8f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m256i ni = _mm256_cvtps_epi32(n), n1 = _mm256_srai_epi32(ni, 1), n2 = _mm256_sub_epi32(ni, n1);
+  auto pow2 = [](__m256i e) { return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(e, _mm256_set1_epi32(127)), 23)); };
+  return _mm256_mul_ps(_mm256_mul_ps(exp_of_remainder(x, n), pow2(n1)), pow2(n2));
+}
 inline vfloat vexp(vfloat x) { return exp8(x); }
 #endif
 
@@ -264,9 +273,7 @@ inline void store_scaled(P* dst, const X* x, const float* scale, int64_t n) {
     const __m256 v = _mm256_mul_ps(vload(x + i), _mm256_loadu_ps(scale + i));
     __m128i bytes;
     if constexpr (std::is_same_v<P, int8_t>) {
-      const __m256i q = _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(v, _mm256_set1_ps(-127.f)), _mm256_set1_ps(127.f)));
-      const __m128i w16 = _mm_packs_epi32(_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1));
-      bytes = _mm_packs_epi16(w16, w16);
+      bytes = pack8_i8(_mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(v, _mm256_set1_ps(-127.f)), _mm256_set1_ps(127.f))));
     } else {
       bytes = fp8_bytes8(v);
     }

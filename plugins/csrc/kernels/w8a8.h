@@ -50,10 +50,7 @@ inline int32_t dot_u8s8(const uint8_t* a, const int8_t* b, int64_t n) {
     const __m256i bv = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + i)));
     acc = _mm256_add_epi32(acc, _mm256_madd_epi16(av, bv));
   }
-  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(acc), _mm256_extracti128_si256(acc, 1));
-  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
-  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
-  total = _mm_cvtsi128_si32(s);
+  total = sum8_i32(acc);
 #endif
   for (; i < n; ++i) total += static_cast<int32_t>(a[i]) * static_cast<int32_t>(b[i]);
   return total;
