@@ -23,22 +23,60 @@ def _serve(args) -> int:
                "scheduler": args.scheduler, "enable_prefix_reuse": args.enable_prefix_reuse}
     server = TritonServer(args.repo, args.grpc_port, args.http_port, args.metrics_port, args.log_file, args.address,
                           {key: value for key, value in runtime.items() if value is not None})
+    openai = None
+    if args.openai_port is not None:  # fail on a bad repository or a taken port before starting Triton
+        from kiln.triton_repo.openai_engine import ServedModel
+        from kiln.triton_repo.openai_server import OpenAIServer
+
+        openai = OpenAIServer(ServedModel.from_repo(args.repo, args.served_model_name), server.grpc_url,
+                              args.address, args.openai_port)
     print(f"starting tritonserver on {args.repo} ...", file=sys.stderr)
-    server.start(args.timeout)
-    print(f"ready: gRPC {server.grpc_url}  HTTP {server.http_url}  metrics {server.address}:{server.metrics_port}",
-          file=sys.stderr, flush=True)
+    try:
+        server.start(args.timeout)
+        if openai is not None:
+            openai.start()
+    except BaseException:
+        if openai is not None:
+            openai.stop()
+        raise
+    extra = f"  OpenAI {openai.url}" if openai is not None else ""
+    print(f"ready: gRPC {server.grpc_url}  HTTP {server.http_url}  metrics {server.address}:{server.metrics_port}"
+          f"{extra}", file=sys.stderr, flush=True)
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # SIGTERM stops it like Ctrl-C
     try:
-        problem = server.watch()
+        problem = server.watch(frontend=openai)
     except KeyboardInterrupt:
+        if openai is not None:
+            openai.stop()
         server.stop()
         return 0
+    if openai is not None:
+        openai.stop()
     # a dead backend process leaves Triton answering "ready" while its requests hang: stop the whole
     # server at once (it cannot shut down cleanly without that process), so its clients get errors
     # now and a supervisor can start it again
     server.stop(timeout=1)
     print(f"error: {problem}\nkiln serve stopped the server (exit code 3); start it again", file=sys.stderr)
     return 3
+
+
+def _openai(args) -> int:
+    from kiln.triton_repo.client import connect
+    from kiln.triton_repo.openai_engine import ServedModel
+    from kiln.triton_repo.openai_server import OpenAIServer
+
+    served = ServedModel.from_repo(args.repo, args.served_model_name)
+    connect(args.url).close()  # says clearly when nothing serves there
+    frontend = OpenAIServer(served, args.url, args.host, args.port).start()
+    print(f"ready: OpenAI {frontend.url} (model {served.name!r}) -> Triton gRPC {args.url}", file=sys.stderr,
+          flush=True)
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    try:
+        frontend.thread.join()
+    except KeyboardInterrupt:
+        pass
+    frontend.stop()
+    return 0
 
 
 def _generate(args) -> int:
@@ -85,6 +123,10 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--address", default="127.0.0.1",
                        help="the interface to listen on (default loopback only; 0.0.0.0 for every interface)")
     serve.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for readiness")
+    serve.add_argument("--openai-port", type=int, default=None,
+                       help="also serve the OpenAI API (/v1/completions, /v1/chat/completions) on this port")
+    serve.add_argument("--served-model-name", default=None,
+                       help="the model id OpenAI clients send (default: the build output folder's name)")
     runtime = serve.add_argument_group("run-time options (default: the engine's build config)")
     runtime.add_argument("--kv-cache-memory", default=None, type=_size_or_fraction,
                          help="the KV block pool: bytes ('4GiB') or a fraction of available memory ('0.5')")
@@ -93,6 +135,17 @@ def main(argv: list[str] | None = None) -> int:
     runtime.add_argument("--enable-prefix-reuse", type=lambda v: v.lower() in ("1", "true", "yes"), default=None,
                          metavar="true|false")
     serve.set_defaults(run=_serve)
+
+    openai = sub.add_parser("openai", help="serve the OpenAI API for a running tritonserver (docs/openai.md)")
+    openai.add_argument("--url", default="127.0.0.1:8001", help="tritonserver gRPC HOST:PORT serving REPO")
+    openai.add_argument("--repo", required=True,
+                        help="the triton_repo/ folder it serves (the frontend reads the engine's tokenizer, "
+                             "chat template and limits from it)")
+    openai.add_argument("--host", default="127.0.0.1", help="the interface to listen on")
+    openai.add_argument("--port", type=int, default=9000)
+    openai.add_argument("--served-model-name", default=None,
+                        help="the model id clients send (default: the build output folder's name)")
+    openai.set_defaults(run=_openai)
 
     gen = sub.add_parser("generate", help="stream a completion over gRPC (tritonclient)")
     gen.add_argument("prompt")

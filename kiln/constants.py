@@ -13,6 +13,8 @@ MANIFEST_FILE = "MANIFEST.json"
 TOKENIZER_DIR = "tokenizer"
 TOKENIZER_JSON = "tokenizer.json"
 TOKENIZER_CONFIG_JSON = "tokenizer_config.json"
+CHAT_TEMPLATE_FILE = "chat_template.jinja"  # the model's chat template, in tokenizer/ (else tokenizer_config.json's
+# "chat_template"), as transformers saves it
 PLUGINS_DIR = "plugins"
 RESOLVED_CONFIG_FILE = "build_config.yaml"
 

@@ -128,17 +128,23 @@ def forward_logits(engine, ids: list[int], chunks: list[int] | None = None):
     return torch.cat(rows)
 
 
-def running_requests(server) -> float:
-    """The served engine's kiln_requests{state="running"} gauge (refreshed every 0.5 s)."""
+def metric(server, name: str, state: str | None = None) -> float:
+    """A metric of the served engine (the line with state="..." where given; gauges refresh
+    every 0.5 s)."""
     import urllib.request
-
-    from kiln import constants as names
 
     with urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=10) as response:
         for line in response.read().decode().splitlines():
-            if line.startswith(names.METRIC_REQUESTS) and 'state="running"' in line:
+            if line.startswith(name + "{") and (state is None or f'state="{state}"' in line):
                 return float(line.rsplit(" ", 1)[1])
-    raise AssertionError("no kiln_requests gauge")
+    raise AssertionError(f"no {name} metric")
+
+
+def running_requests(server) -> float:
+    """The served engine's kiln_requests{state="running"} gauge."""
+    from kiln import constants as names
+
+    return metric(server, names.METRIC_REQUESTS, "running")
 
 
 def wait_for_running(server, count: int, timeout: float = 20.0) -> float:

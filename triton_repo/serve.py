@@ -276,12 +276,15 @@ class TritonServer:
         self.failed |= problem is not None
         return problem
 
-    def watch(self, interval: float = 1.0) -> str:
-        """Block until health() reports a problem; returns it (the server is left to stop())."""
+    def watch(self, interval: float = 1.0, frontend=None) -> str:
+        """Block until health() reports a problem, or the frontend beside the server (an
+        OpenAIServer) stops; returns what happened (the server is left to stop())."""
         while True:
             problem = self.health()
             if problem is not None:
                 return problem
+            if frontend is not None and not frontend.alive():
+                return "the OpenAI frontend stopped"
             time.sleep(interval)
 
     def stop(self, timeout: float = 30.0) -> None:

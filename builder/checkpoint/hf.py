@@ -38,7 +38,8 @@ _TOP_NAMES = {
     "model.norm.weight": names.CKPT_FINAL_NORM,
     "lm_head.weight": names.CKPT_LM_HEAD,
 }
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+TOKENIZER_FILES = (names.TOKENIZER_JSON, names.TOKENIZER_CONFIG_JSON, "special_tokens_map.json",
+                   names.CHAT_TEMPLATE_FILE)  # the chat template: transformers 4.43+ saves it on its own
 
 
 def canonical_name(hf_name: str) -> str | None:

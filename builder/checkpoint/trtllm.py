@@ -178,8 +178,8 @@ def load_trtllm(folder: Path) -> Checkpoint:
             quantization["linear"] = names.LINEAR_FP8 if algo == names.TRTLLM_FP8 else names.LINEAR_INT4
         if algo == names.TRTLLM_W4A16_AWQ:
             quantization["group_size"] = int(quant["group_size"])
-    tokenizer_files = {n: (folder / n).read_text() for n in (names.TOKENIZER_JSON, names.TOKENIZER_CONFIG_JSON)
-                       if (folder / n).is_file()}
+    tokenizer_files = {n: (folder / n).read_text() for n in (names.TOKENIZER_JSON, names.TOKENIZER_CONFIG_JSON,
+                                                             names.CHAT_TEMPLATE_FILE) if (folder / n).is_file()}
     if names.TOKENIZER_JSON not in tokenizer_files:
         raise CheckpointError(f"{folder} has no {names.TOKENIZER_JSON}: put the model's tokenizer files beside "
                               f"{names.TRTLLM_CONFIG} (kiln export writes them there)")

@@ -18,7 +18,7 @@ from kiln import constants as names
 from kiln.errors import KilnError
 from kiln.triton_repo.client import stream_generate
 from kiln.triton_repo.serve import TritonServer, group_members
-from tests.helpers import wait_for_running
+from tests.helpers import metric, wait_for_running
 
 pytestmark = pytest.mark.slow
 
@@ -138,15 +138,6 @@ def test_a_cancelled_bls_stream_ends_its_engine_request(smollm2_engines, server_
         client.close()
         assert wait_for_running(server, 0) == 0
         assert http_generate(server, "kiln_bls", {"text_input": "Hello", "max_tokens": 4})[0] == 200
-
-
-def metric(server, name: str, state: str | None = None) -> float:
-    """A metric of the served engine (the line with state="..." where given)."""
-    with urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=10) as response:
-        for line in response.read().decode().splitlines():
-            if line.startswith(name + "{") and (state is None or f'state="{state}"' in line):
-                return float(line.rsplit(" ", 1)[1])
-    raise AssertionError(f"no {name} metric")
 
 
 @pytest.mark.parametrize("scheduler", ["max_utilization", "guaranteed_no_evict"])
