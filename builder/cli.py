@@ -8,6 +8,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from kiln import constants as names
 from kiln.builder.progress import StepLog, console, progress_bar
 from kiln.errors import ConfigError, KilnError
 
@@ -37,6 +38,19 @@ def _replace(staged: Path, final: Path) -> None:
     staged.rename(final)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
+
+
+def _chat_template_note(tokenizer_dir: Path) -> str:
+    """What the OpenAI chat endpoint will have: the checkpoint's chat template, checked to compile."""
+    from kiln.triton_repo.chat_template import ChatTemplate, ChatTemplateError
+
+    try:
+        template = ChatTemplate.from_tokenizer_dir(tokenizer_dir)
+    except ChatTemplateError as exc:
+        return f"[yellow]warning:[/yellow] {exc}; /v1/chat/completions will refuse requests"
+    if template is None:
+        return "no chat template in the checkpoint (/v1/chat/completions will refuse requests)"
+    return "chat template kept (for /v1/chat/completions)"
 
 
 def build(config_path: Path, output: Path | None) -> tuple[Path, Path]:
@@ -93,6 +107,7 @@ def build(config_path: Path, output: Path | None) -> tuple[Path, Path]:
             staging.append(Path(tempfile.mkdtemp(prefix=".kiln-staging-", dir=engine_dir.parent)))
             write_engine(staging[-1] / "engine", config, spec, weights, checkpoint.tokenizer_files,
                          library, isa, quant_meta)
+            console.print(f"      {_chat_template_note(staging[-1] / 'engine' / names.TOKENIZER_DIR)}")
         with step(f"Write Triton repository {repo_dir}"):
             repo_dir.parent.mkdir(parents=True, exist_ok=True)
             staging.append(Path(tempfile.mkdtemp(prefix=".kiln-staging-", dir=repo_dir.parent)))

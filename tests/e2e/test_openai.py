@@ -3,6 +3,7 @@
 stop sequences, log probabilities, errors in OpenAI's shape, and a dropped stream that frees its
 engine request."""
 import json
+import signal
 import socket
 import subprocess
 import sys
@@ -218,3 +219,58 @@ def test_kiln_serve_says_when_the_openai_port_is_taken(repo):
     assert result.returncode == 2, result.stderr
     assert f"cannot listen on 127.0.0.1:{port}" in result.stderr and "in use" in result.stderr
     assert time.monotonic() - started < 60  # refused before tritonserver is started
+
+
+def _start(command: list[str], timeout: float = 300.0) -> tuple[subprocess.Popen, str]:
+    """A kiln CLI process, once it printed its 'ready:' line (that line)."""
+    process = subprocess.Popen([sys.executable, "-m", "kiln.cli", *command], stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + timeout
+    lines = []
+    while time.monotonic() < deadline:
+        line = process.stderr.readline()
+        lines.append(line)
+        if line.startswith("ready:"):
+            return process, line
+        if not line and process.poll() is not None:
+            break
+    process.kill()
+    raise AssertionError(f"{command} did not become ready: {''.join(lines)}")
+
+
+def _chat(base_url: str, model: str) -> str:
+    import openai
+
+    client = openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=120)
+    return client.chat.completions.create(model=model, messages=QUESTION, max_tokens=8,
+                                          temperature=0).choices[0].message.content
+
+
+def test_kiln_openai_beside_a_running_server(server, served, repo):
+    from kiln.triton_repo.serve import free_port
+
+    port = free_port()
+    process, ready = _start(["openai", "--url", server.grpc_url, "--repo", str(repo), "--port", str(port),
+                             "--served-model-name", MODEL])
+    try:
+        assert f"http://127.0.0.1:{port}/v1" in ready
+        expected = kiln_generate(server, served.chat_template.render(QUESTION), 8)
+        assert _chat(f"http://127.0.0.1:{port}/v1", MODEL) == expected
+    finally:
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(30) == 0
+
+
+def test_kiln_serve_with_an_openai_port(repo, served):
+    from kiln.triton_repo.serve import free_port
+
+    ports = [free_port() for _ in range(4)]
+    process, ready = _start(["serve", str(repo), "--grpc-port", str(ports[0]), "--http-port", str(ports[1]),
+                             "--metrics-port", str(ports[2]), "--openai-port", str(ports[3])])
+    try:
+        assert f"OpenAI http://127.0.0.1:{ports[3]}/v1" in ready
+        # the default model id: the build output folder's name
+        expected = "".join(stream_generate(f"127.0.0.1:{ports[0]}", served.chat_template.render(QUESTION), 8))
+        assert _chat(f"http://127.0.0.1:{ports[3]}/v1", repo.parent.name) == expected
+    finally:
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(60) == 0
