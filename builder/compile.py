@@ -42,6 +42,9 @@ def pack_weights(
             out[names.ATTN_QKV_BIAS] = torch.cat(
                 [layer("attention.q.bias"), layer("attention.k.bias"), layer("attention.v.bias")]
             )
+        if spec.head_norms:
+            for packed_name, canonical in zip(names.HEAD_NORMS, names.CKPT_HEAD_NORMS):
+                out[packed_name] = layer(canonical)
         for name, tensor in out.items():
             packed[names.layer_tensor(i, name)] = cast(tensor)
         progress()

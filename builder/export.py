@@ -124,6 +124,9 @@ def export_checkpoint(engine_dir: Path, output: Path) -> Path:
     engine_dir = Path(engine_dir)
     meta = json.loads((engine_dir / names.ENGINE_JSON).read_text())
     spec = ModelSpec.from_json(meta["model"])
+    if spec.architecture not in names.TRTLLM_ARCHITECTURES:
+        raise ExportError(f"kiln export does not write {spec.architecture} models yet (it writes "
+                          f"{', '.join(sorted(names.TRTLLM_ARCHITECTURES))})")
     dtype_name = meta["dtype"]
     dtype = {v: k for k, v in DTYPE_NAMES.items()}[dtype_name]
     quant = meta.get("quantization") or {}

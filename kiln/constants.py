@@ -6,7 +6,8 @@ these changes a format: bump ENGINE_FORMAT_VERSION for engine names."""
 # --- engine directory -------------------------------------------------------------------
 ENGINE_FORMAT_VERSION = 8  # 2: paged attention; 3: fused rope/norm/SwiGLU; 4: GEMV; 5: AVX512-BF16 kernels;
 # 6: quantized linears (int8 / int4 weights, W8A8); 7: FP8 linears, input_scale, int8 / FP8 KV cache;
-# 8: the KV cache's key rotation (quantization.key_rotation)
+# 8: the KV cache's key rotation (quantization.key_rotation). (Qwen3's head norms are new tensors
+# and a new spec field that older engines simply lack: no new version.)
 ENGINE_JSON = "engine.json"
 WEIGHTS_FILE = "weights.safetensors"
 MANIFEST_FILE = "MANIFEST.json"
@@ -26,6 +27,9 @@ INPUT_NORM = "input_norm.weight"
 POST_ATTENTION_NORM = "post_attention_norm.weight"
 ATTN_QKV = "attention.qkv.weight"  # rows: q heads, then k heads, then v heads
 ATTN_QKV_BIAS = "attention.qkv.bias"  # Qwen2 only
+ATTN_Q_NORM = "attention.q_norm.weight"  # Qwen3: an RMSNorm over each query head, before RoPE
+ATTN_K_NORM = "attention.k_norm.weight"  # ... and over each key head
+HEAD_NORMS = (ATTN_Q_NORM, ATTN_K_NORM)
 ATTN_OUT = "attention.out.weight"
 MLP_GATE_UP = "mlp.gate_up.weight"  # rows: gate, then up
 MLP_DOWN = "mlp.down.weight"
@@ -206,6 +210,7 @@ CKPT_LAYER_TENSORS = (
     "mlp.down.weight",
 )
 CKPT_QKV_BIASES = ("attention.q.bias", "attention.k.bias", "attention.v.bias")
+CKPT_HEAD_NORMS = ("attention.q_norm.weight", "attention.k_norm.weight")  # Qwen3
 
 # engine model custom metrics (Triton metrics endpoint, Prometheus text format)
 METRIC_KV_BLOCKS = "kiln_kv_cache_blocks"

@@ -158,6 +158,8 @@ def calibrate(model: LlamaModel, sequences: list[list[int]], rows: int = 256, bl
                 spec = model.spec
                 stats[index, "kv"] = KVStats.empty(spec.kv_size)
                 kv = kv_observer(stats[index, "kv"], spec.q_size, spec.kv_size, spec.head_dim)
+                if spec.head_norms:  # the cache holds the keys after Qwen3's head norms
+                    kv = (lambda out, observe=kv, layer=layer: observe(model.norm_heads(out, layer)))
             observers[index, name] = Observer(inner, stats[index, name], rows_per_call, generator, kv)
     hidden = model.spec.hidden_size
     stats[HEAD_STATS] = LinearStats(torch.zeros(hidden), torch.zeros(hidden), gram=torch.zeros(hidden, hidden))

@@ -30,6 +30,8 @@ class Layer:
     gate_up: object
     down: object
     kv_scales: torch.Tensor | None = None  # [2, kv_size] for an int8 / FP8 KV cache
+    q_norm: torch.Tensor | None = None  # [head_dim]: Qwen3's RMSNorm over each query head
+    k_norm: torch.Tensor | None = None  # ... and over each key head
 
 
 @dataclass
@@ -107,7 +109,7 @@ class LlamaModel:
         return ops.decode_plan([
             {**{name: getattr(layer, name).plan() for name in LINEARS},
              "post_attention_norm": layer.post_attention_norm, "next_norm": self.next_norm(index),
-             "kv_scales": layer.kv_scales}
+             "kv_scales": layer.kv_scales, "q_norm": layer.q_norm, "k_norm": layer.k_norm}
             for index, layer in enumerate(self.layers)])
 
     def next_norm(self, index: int) -> torch.Tensor:
@@ -136,7 +138,17 @@ class LlamaModel:
             gate_up=linear(names.MLP_GATE_UP),
             down=linear(names.MLP_DOWN),
             kv_scales=kv_scales,
+            q_norm=weights.get(names.layer_tensor(i, names.ATTN_Q_NORM)),
+            k_norm=weights.get(names.layer_tensor(i, names.ATTN_K_NORM)),
         )
+
+    def norm_heads(self, qkv: torch.Tensor, layer: Layer) -> torch.Tensor:
+        """Qwen3: qkv with each query head and each key head RMS-normalized (before RoPE)."""
+        spec = self.spec
+        rows, q, kv = qkv.shape[0], spec.q_size, spec.kv_size
+        queries = ops.rms_norm(qkv[:, :q].reshape(-1, spec.head_dim), layer.q_norm, spec.norm_eps)
+        keys = ops.rms_norm(qkv[:, q:q + kv].reshape(-1, spec.head_dim), layer.k_norm, spec.norm_eps)
+        return torch.cat([queries.view(rows, q), keys.view(rows, kv), qkv[:, q + kv:]], dim=1)
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, ctx: StepContext, pool: KVPool) -> torch.Tensor:
@@ -159,6 +171,8 @@ class LlamaModel:
             return self.lm_head(x[ctx.logits_rows]).float()
         for index, layer in enumerate(self.layers):
             qkv = layer.qkv(x)
+            if layer.q_norm is not None:
+                qkv = self.norm_heads(qkv, layer)
             attn = ops.paged_attention(qkv, pool.keys[index], pool.values[index], ctx.block_tables,
                                        ctx.query_start, ctx.context_lens, self.cos, self.sin,
                                        spec.num_heads, self.scale, layer.kv_scales, self.key_hadamard)

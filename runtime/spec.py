@@ -4,7 +4,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-ARCHITECTURES = ("llama", "mistral", "qwen2")
+ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
 
 
 @dataclass(frozen=True)
@@ -33,6 +33,7 @@ class ModelSpec:
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
     qkv_bias: bool = False
+    head_norms: bool = False  # Qwen3: RMSNorm over each query and key head before RoPE
     bos_id: int | None = None
     eos_ids: tuple[int, ...] = field(default_factory=tuple)
     pad_id: int | None = None

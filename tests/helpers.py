@@ -52,7 +52,7 @@ def make_tokenizer(folder: Path, vocab_size: int) -> None:
 
 
 def make_tiny_model(folder: Path, architecture: str, seed: int = 0, **overrides) -> Path:
-    """A tiny random Llama / Mistral / Qwen2 saved as a Hugging Face folder (safetensors)."""
+    """A tiny random Llama / Mistral / Qwen2 / Qwen3 saved as a Hugging Face folder (safetensors)."""
     import torch
     import transformers
 
@@ -76,12 +76,18 @@ def make_tiny_model(folder: Path, architecture: str, seed: int = 0, **overrides)
             for layer in model.model.layers:
                 for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
                     proj.bias.normal_(0, 0.5)
+    elif architecture == "qwen3":  # head_dim independent of hidden / heads, as Qwen3 has it
+        shapes.setdefault("num_key_value_heads", 2)
+        config = transformers.Qwen3Config(head_dim=32, tie_word_embeddings=False, **shapes)
+        model = transformers.Qwen3ForCausalLM(config)
     else:
         raise ValueError(architecture)
     with torch.no_grad():  # default init is tiny; wider weights make logits differ more
-        for p in model.parameters():
+        for name, p in model.named_parameters():
             if p.dim() == 2:
                 p.normal_(0, 0.08)
+            elif "q_norm" in name or "k_norm" in name:  # ones by default: make the head norms matter
+                p.normal_(1.0, 0.3)
     model.save_pretrained(folder)
     make_tokenizer(folder, TINY_SHAPES["vocab_size"])
     return folder

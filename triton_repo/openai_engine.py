@@ -169,12 +169,12 @@ class EngineCall:
 
     def __init__(self, client, served: ServedModel, request: EngineRequest):
         import tritonclient.grpc as grpcclient
+        from tritonclient.utils import np_to_triton_dtype
 
         self.served = served
         tensors = []
         for name, array in request.tensors().items():
-            dtype = "BOOL" if array.dtype == np.bool_ else str(array.dtype).upper().replace("FLOAT", "FP")
-            tensor = grpcclient.InferInput(name, list(array.shape), dtype)
+            tensor = grpcclient.InferInput(name, list(array.shape), np_to_triton_dtype(array.dtype))
             tensor.set_data_from_numpy(array)
             tensors.append(tensor)
 

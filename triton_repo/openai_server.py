@@ -101,6 +101,14 @@ def _sse(payload: dict) -> str:
     return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
 
 
+def _logprob_options(body, chat: bool) -> tuple[bool, bool]:
+    """(log probabilities wanted, with top_logprobs entries): chat's logprobs / top_logprobs,
+    completions' logprobs 0 or 1."""
+    if chat:
+        return body.logprobs, bool(body.top_logprobs)
+    return body.logprobs is not None, bool(body.logprobs)
+
+
 async def _wait_disconnect(request) -> None:
     while (await request.receive())["type"] != "http.disconnect":
         pass
@@ -172,7 +180,7 @@ class Frontend:
         such as a full queue are answered with their status before any byte of a stream)."""
         body.refuse_unsupported()
         self._check_model(body.model)
-        log_probs = bool(body.logprobs) if chat else body.logprobs is not None
+        log_probs = _logprob_options(body, chat)[0]
         prompt_ids = self.chat_prompt(body) if chat else self.completion_prompt(body)
         engine_request = self._engine_request(body, prompt_ids, log_probs)
         call = EngineCall(self.client, self.served, engine_request)
@@ -205,8 +213,7 @@ class Frontend:
         finally:
             disconnect.cancel()
         text = "".join(texts)
-        wants = bool(body.logprobs) if chat else body.logprobs is not None
-        top = bool(body.top_logprobs) if chat else bool(body.logprobs)
+        wants, top = _logprob_options(body, chat)
         logprobs = self._logprobs(generation, 0, len(generation.token_ids), chat, top) if wants else None
         choice = {"index": 0, "logprobs": logprobs, "finish_reason": generation.finish_reason}
         if chat:
@@ -221,8 +228,7 @@ class Frontend:
         """Server-sent events: a chunk per piece, the finish reason, usage if asked, [DONE]."""
         ident, created, model = completion_id(chat), now(), self.served.name
         kind = "chat.completion.chunk" if chat else "text_completion"
-        wants = bool(body.logprobs) if chat else body.logprobs is not None
-        top = bool(body.top_logprobs) if chat else bool(body.logprobs)
+        wants, top = _logprob_options(body, chat)
         include_usage = body.stream_options is not None and body.stream_options.include_usage
 
         def event(text: str | None, finish: str | None, role: bool = False, logprobs=None) -> str:

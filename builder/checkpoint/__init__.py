@@ -28,7 +28,8 @@ class Checkpoint:
         expected = [names.CKPT_EMBED, names.CKPT_FINAL_NORM]
         if not spec.tie_embeddings:
             expected.append(names.CKPT_LM_HEAD)
-        per_layer = names.CKPT_LAYER_TENSORS + (names.CKPT_QKV_BIASES if spec.qkv_bias else ())
+        per_layer = (names.CKPT_LAYER_TENSORS + (names.CKPT_QKV_BIASES if spec.qkv_bias else ())
+                     + (names.CKPT_HEAD_NORMS if spec.head_norms else ()))
         for i in range(spec.num_layers):
             expected += [names.layer_tensor(i, n) for n in per_layer
                          if names.layer_tensor(i, n) not in self.prequantized_parts()]

@@ -16,6 +16,7 @@ ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
 }
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
@@ -26,6 +27,8 @@ _LAYER_NAMES = {
     "self_attn.k_proj.weight": "attention.k.weight",
     "self_attn.v_proj.weight": "attention.v.weight",
     "self_attn.o_proj.weight": "attention.o.weight",
+    "self_attn.q_norm.weight": "attention.q_norm.weight",
+    "self_attn.k_norm.weight": "attention.k_norm.weight",
     "self_attn.q_proj.bias": "attention.q.bias",
     "self_attn.k_proj.bias": "attention.k.bias",
     "self_attn.v_proj.bias": "attention.v.bias",
@@ -88,7 +91,7 @@ def spec_from_config(config: dict, generation: dict, source: Path) -> ModelSpec:
         raise CheckpointError(
             f"{source}: architectures {archs} not supported; kiln reads {sorted(ARCHITECTURES)}"
         )
-    if config.get("mlp_bias") or (arch == "llama" and config.get("attention_bias")):
+    if config.get("mlp_bias") or (arch in ("llama", "qwen3") and config.get("attention_bias")):
         raise CheckpointError(f"{source}: attention_bias / mlp_bias Llama variants are not supported")
     heads = int(config["num_attention_heads"])
     hidden = int(config["hidden_size"])
@@ -110,6 +113,7 @@ def spec_from_config(config: dict, generation: dict, source: Path) -> ModelSpec:
         norm_eps=float(config.get("rms_norm_eps", 1e-6)),
         tie_embeddings=bool(config.get("tie_word_embeddings", False)),
         qkv_bias=arch == "qwen2",
+        head_norms=arch == "qwen3",
         bos_id=config.get("bos_token_id"),
         eos_ids=eos,
         pad_id=config.get("pad_token_id"),

@@ -90,6 +90,12 @@ def test_formats_without_a_faithful_export_are_refused(quantization, message, ti
         export_checkpoint(engine_dir, tmp_path / "trtllm")
 
 
+def test_an_architecture_the_export_does_not_cover_is_refused(tiny_engines, tmp_path):
+    with pytest.raises(ExportError, match="does not write qwen3 models yet"):
+        export_checkpoint(tiny_engines("qwen3"), tmp_path / "trtllm")
+    assert not (tmp_path / "trtllm").exists()
+
+
 def test_a_quantized_checkpoint_is_built_as_it_is(tiny_models, tmp_path, capsys):
     engine_dir = build_engine(tmp_path / "a", tiny_models["llama"], "float32",
                               quantization={"algo": "fp8", "fp8_weight_scales": "per_tensor", **SMALL})

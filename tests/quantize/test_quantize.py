@@ -252,13 +252,31 @@ def test_quantized_kv_cache_builds_runs_and_reports(algo, kv_cache, tiny_models,
     assert [len(o.token_ids) for o in out] == [6, 6]
 
 
-def test_kv_calibration_bounds_the_rotated_keys(tiny_engines):
+@pytest.mark.parametrize("algo, kv_cache", [("int4_awq", "fp8"), ("int8_sq", "int8")])
+def test_qwen3_quantized_builds_keep_the_head_norms_and_report(algo, kv_cache, tiny_models, tmp_path, llm_for):
+    engine_dir = build_engine(tmp_path / algo, tiny_models["qwen3"], "bfloat16", quantization={
+        "algo": algo, "kv_cache": kv_cache, "calibration": SMALL_CALIBRATION, "accuracy": SMALL_ACCURACY,
+        "accuracy_gate": None})
+    meta = json.loads((engine_dir / names.ENGINE_JSON).read_text())
+    assert meta["model"]["architecture"] == "qwen3" and meta["model"]["head_norms"]
+    report = meta["quantization"]["accuracy"]
+    assert report["tokens"] > 300 and report["ppl_quantized"] > 0 and report["kl"] >= 0
+    tensors = _weights(Engine(engine_dir))
+    for norm in names.HEAD_NORMS:
+        assert tensors[names.layer_tensor(1, norm)].dtype == torch.bfloat16
+    out = llm_for(engine_dir).generate([PROMPT, PROMPT[:5]], max_tokens=6, ignore_eos=True)
+    assert [len(o.token_ids) for o in out] == [6, 6]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_kv_calibration_bounds_the_rotated_keys(arch, tiny_engines):
     """No rotated key the engine writes exceeds its channel's calibrated range (the pair-norm
-    bound), on the calibration text itself; values reach theirs exactly."""
+    bound), on the calibration text itself; values reach theirs exactly. (Qwen3: the keys after
+    its head norms, which the cache holds.)"""
     from kiln.quantize.calibrate import calibrate
     from kiln.runtime.model import KVPool, StepContext
 
-    model = Engine(tiny_engines("llama")).model
+    model = Engine(tiny_engines(arch)).model
     ids = list(range(3, 60))
     stats = calibrate(model, [ids])
     spec = model.spec

@@ -49,8 +49,9 @@ def decode(model, spec, fused: bool, steps: int, rows: int):
     ("bfloat16", {"algo": "none", "kv_cache": "fp8", "key_rotation": "none"}),
     ("float32", {"algo": "int8_wo", "kv_cache": "int8", "key_rotation": "hadamard"}),
 ])
-def test_fused_decode_equals_the_python_loop(dtype, quantization, tiny_models, tmp_path):
-    engine = Engine(build_engine(tmp_path / "e", tiny_models["llama"], dtype, quantization={**quantization, **SMALL}))
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])  # Qwen3: head norms, head_dim of its own
+def test_fused_decode_equals_the_python_loop(arch, dtype, quantization, tiny_models, tmp_path):
+    engine = Engine(build_engine(tmp_path / "e", tiny_models[arch], dtype, quantization={**quantization, **SMALL}))
     model = engine.model
     assert (model.layers[0].qkv.plan()["kind"] != "dense") == (quantization["algo"] != "none")
     if quantization["algo"] == "int8_wo":  # tiled where the kernels are AVX-512 ones

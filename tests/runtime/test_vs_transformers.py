@@ -1,10 +1,10 @@
-"""kiln engines against Hugging Face transformers on tiny random Llama, Mistral and Qwen2."""
+"""kiln engines against Hugging Face transformers on tiny random Llama, Mistral, Qwen2 and Qwen3."""
 import pytest
 import torch
 
-from tests.helpers import forward_logits
+from tests.helpers import build_engine, forward_logits
 
-ARCHS = ["llama", "mistral", "qwen2"]
+ARCHS = ["llama", "mistral", "qwen2", "qwen3"]
 PROMPT = [1, 17, 250, 33, 99, 5, 201, 64, 300, 12, 7, 380, 45]
 
 
@@ -50,6 +50,17 @@ def test_float32_greedy_32_tokens_identical(arch, tiny_models, tiny_engines, llm
     want = hf_greedy(hf_model(tiny_models[arch], torch.float32), PROMPT, 32)
     got = llm.generate(PROMPT, max_tokens=32, ignore_eos=True).token_ids
     assert got == want
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_a_batch_mixing_long_and_short_prompts_decodes_as_transformers(arch, tiny_models, tmp_path, llm_for):
+    """Chunked prefill of a long prompt (max_num_tokens 64 < 104 tokens) in flight beside a short
+    one: each gets the greedy tokens transformers gives it alone."""
+    llm = llm_for(build_engine(tmp_path / arch, tiny_models[arch], max_num_tokens=64))
+    model = hf_model(tiny_models[arch], torch.float32)
+    prompts = [PROMPT * 8, PROMPT[:3]]
+    outs = llm.generate(prompts, max_tokens=12, ignore_eos=True)
+    assert [o.token_ids for o in outs] == [hf_greedy(model, p, 12) for p in prompts]
 
 
 BF16_LOGIT_BOUND = 0.1  # max |kiln - HF| of bfloat16 logits; HF's own eager vs sdpa differ by ~0.03

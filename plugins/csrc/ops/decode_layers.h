@@ -39,6 +39,16 @@ static at::Tensor planned_linear(const at::Tensor& x, const OptionalTensors& ten
   TORCH_CHECK(false, "kiln::decode_layers: unknown linear kind ", kind);
 }
 
+// Qwen3: qkv with each query head and each key head RMS-normalized (the same kernel and the same
+// steps as runtime/model.py's norm_heads, so the fused step stays bit for bit the Python loop).
+at::Tensor norm_heads(const at::Tensor& qkv, const at::Tensor& q_norm, const at::Tensor& k_norm, int64_t heads,
+                      double eps) {
+  const int64_t d = q_norm.size(0), rows = qkv.size(0), q = heads * d, kv = (qkv.size(1) - q) / 2;
+  const at::Tensor queries = rms_norm(qkv.narrow(1, 0, q).reshape({-1, d}), q_norm, eps).view({rows, q});
+  const at::Tensor keys = rms_norm(qkv.narrow(1, q, kv).reshape({-1, d}), k_norm, eps).view({rows, kv});
+  return at::cat({queries, keys, qkv.narrow(1, q + kv, kv)}, 1);
+}
+
 at::Tensor decode_layers(at::Tensor& h, const at::Tensor& x0, const OptionalTensors& tensors, at::IntArrayRef ints,
                          at::ArrayRef<double> floats, at::Tensor& kv, const at::Tensor& block_tables,
                          const at::Tensor& query_start, const at::Tensor& context_lens, const at::Tensor& cos,
@@ -66,9 +76,11 @@ at::Tensor decode_layers(at::Tensor& h, const at::Tensor& x0, const OptionalTens
     };
     auto own = [&](LayerTensor which) { return tensors.get(t0 + kLayerLinears * kLinearTensors + which); };
     const c10::optional<at::Tensor> post_norm = own(post_attention_norm), after = own(next_norm),
-                                    kv_scales = own(plan::kv_scales);
+                                    kv_scales = own(plan::kv_scales), head_q = own(q_norm), head_k = own(k_norm);
     TORCH_CHECK(post_norm.has_value() && after.has_value(), "kiln::decode_layers: layer ", i, "'s plan lacks a norm");
-    const at::Tensor qkv_out = run(x, qkv);
+    TORCH_CHECK(head_q.has_value() == head_k.has_value(), "kiln::decode_layers: layer ", i,
+                "'s plan has one head norm without the other");
+    const at::Tensor qkv_out = head_q ? norm_heads(run(x, qkv), *head_q, *head_k, heads, eps) : run(x, qkv);
     if (i == 0)  // the step's metadata and shapes, checked once: every layer's pool is alike
       shape = check_paged(qkv_out, kv.select(0, 0).select(0, 0), kv.select(0, 0).select(0, 1), block_tables,
                           query_start, context_lens, cos, sin, heads, kv_scales, key_hadamard, token_seq);

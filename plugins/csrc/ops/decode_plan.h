@@ -14,8 +14,9 @@
 #define KILN_LINEAR_FLOATS(X) X(input_scale) X(inv_input_scale)
 #define KILN_LAYER_LINEARS(X) X(qkv) X(out) X(gate_up) X(down)
 // the post-attention norm, the norm after the layer (the next layer's input norm or the final
-// norm), and the KV-cache scales of a quantized pool
-#define KILN_LAYER_TENSORS(X) X(post_attention_norm) X(next_norm) X(kv_scales)
+// norm), the KV-cache scales of a quantized pool, and Qwen3's RMSNorms over each query and key
+// head (absent for other models)
+#define KILN_LAYER_TENSORS(X) X(post_attention_norm) X(next_norm) X(kv_scales) X(q_norm) X(k_norm)
 
 namespace plan {
 #define KILN_PLAN_ENUM(name) name,
