@@ -13,6 +13,8 @@ def inverse_frequencies(spec: ModelSpec) -> torch.Tensor:
     inv_freq = 1.0 / (
         spec.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).to(torch.float) / dim)
     )
+    if spec.rope_freq_factors is not None:  # as llama.cpp applies a GGUF's rope_freqs.weight
+        return inv_freq / torch.tensor(spec.rope_freq_factors, dtype=torch.float)
     scaling = spec.rope_scaling
     if scaling is None:
         return inv_freq

@@ -38,6 +38,9 @@ class ModelSpec:
     eos_ids: tuple[int, ...] = field(default_factory=tuple)
     pad_id: int | None = None
     sliding_window: int | None = None  # Mistral; the build rejects max_seq_len beyond it
+    # llama.cpp's per-pair rope frequency divisors (a GGUF's rope_freqs.weight: how its converter
+    # stores Llama 3 scaling), instead of rope_scaling
+    rope_freq_factors: tuple[float, ...] | None = None
 
     def __post_init__(self):
         if self.architecture not in ARCHITECTURES:
@@ -58,6 +61,8 @@ class ModelSpec:
     def to_json(self) -> dict:
         data = dataclasses.asdict(self)
         data["eos_ids"] = list(self.eos_ids)
+        if self.rope_freq_factors is not None:
+            data["rope_freq_factors"] = list(self.rope_freq_factors)
         return data
 
     @classmethod
@@ -66,4 +71,6 @@ class ModelSpec:
         if data.get("rope_scaling"):
             data["rope_scaling"] = RopeScaling(**data["rope_scaling"])
         data["eos_ids"] = tuple(data.get("eos_ids", ()))
+        if data.get("rope_freq_factors") is not None:
+            data["rope_freq_factors"] = tuple(data["rope_freq_factors"])
         return cls(**data)

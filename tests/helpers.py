@@ -161,3 +161,30 @@ def wait_for_running(server, count: int, timeout: float = 20.0) -> float:
     while running_requests(server) != count and time.monotonic() < deadline:
         time.sleep(0.2)
     return running_requests(server)
+
+
+LLAMA_CPP = Path(__file__).resolve().parent.parent / ".cache" / "llama.cpp"  # scripts/setup.sh puts it there
+_CONVERT = """
+import runpy, sys
+llama_cpp, pre = sys.argv[1], sys.argv[2]
+sys.path[:0] = [llama_cpp, llama_cpp + "/gguf-py"]
+from conversion import base
+base.TextModel.get_vocab_base_pre = lambda self, tokenizer: pre  # it knows only tokenizers it hashed
+sys.argv = ["convert_hf_to_gguf.py", *sys.argv[3:]]
+runpy.run_path(llama_cpp + "/convert_hf_to_gguf.py", run_name="__main__")
+"""
+
+
+def llama_cpp_gguf(hf_folder: Path, out: Path, pre: str = "gpt2") -> Path:
+    """A Hugging Face folder converted to an F32 GGUF by llama.cpp's own convert_hf_to_gguf.py
+    (in a process of its own: it brings its own `gguf` package), naming the BPE pre-tokenizer."""
+    import subprocess
+    import sys
+
+    if not (LLAMA_CPP / "convert_hf_to_gguf.py").is_file():
+        raise FileNotFoundError(f"llama.cpp's converter is not in {LLAMA_CPP}: run scripts/setup.sh")
+    result = subprocess.run([sys.executable, "-c", _CONVERT, str(LLAMA_CPP), pre, str(hf_folder), "--outfile",
+                             str(out), "--outtype", "f32"], capture_output=True, text=True, timeout=600)
+    if result.returncode != 0:
+        raise RuntimeError(f"convert_hf_to_gguf.py failed:\n{result.stderr[-3000:]}")
+    return out

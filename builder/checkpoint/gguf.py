@@ -1,5 +1,5 @@
-"""GGUF files (llama architecture): dequantized with the `gguf` package, tokenizer rebuilt
-for `tokenizers`."""
+"""GGUF files (llama, qwen2 and qwen3 architectures, as llama.cpp's convert_hf_to_gguf.py writes
+them): dequantized with the `gguf` package, tokenizer rebuilt for `tokenizers`."""
 from __future__ import annotations
 
 import json
@@ -30,14 +30,26 @@ _LAYER_NAMES = {
     "ffn_gate.weight": "mlp.gate.weight",
     "ffn_up.weight": "mlp.up.weight",
     "ffn_down.weight": "mlp.down.weight",
+    "attn_q.bias": "attention.q.bias",  # qwen2
+    "attn_k.bias": "attention.k.bias",
+    "attn_v.bias": "attention.v.bias",
+    "attn_q_norm.weight": "attention.q_norm.weight",  # qwen3
+    "attn_k_norm.weight": "attention.k_norm.weight",
 }
+# general.architecture -> whether llama.cpp permuted the q / k rows (its Llama converter interleaves
+# the rotary pairs; its Qwen converters keep Hugging Face's rotate-half order)
+ARCHITECTURES = {"llama": True, "qwen2": False, "qwen3": False}
 
 # Pre-tokenizer splits per tokenizer.ggml.pre, as llama.cpp applies them before byte-level BPE.
 _LLAMA3_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
     r"|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
-KNOWN_PRE = ("default", "gpt2", "smollm", "llama-bpe", "llama3")
+_QWEN2_SPLIT = (  # llama.cpp's LLAMA_VOCAB_PRE_TYPE_QWEN2: as Llama 3's, but digits one at a time
+    r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+KNOWN_PRE = ("default", "gpt2", "smollm", "llama-bpe", "llama3", "qwen2")
 
 TOKEN_TYPE_CONTROL = 3
 TOKEN_TYPE_USER_DEFINED = 4
@@ -78,10 +90,11 @@ def _tokenizer_json(reader, source: Path) -> tuple[str, str]:
         tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
             [pre_tokenizers.Digits(individual_digits=True), byte_level]
         )
-    elif pre in ("llama-bpe", "llama3"):
+    elif pre in ("llama-bpe", "llama3", "qwen2"):
+        split = _QWEN2_SPLIT if pre == "qwen2" else _LLAMA3_SPLIT
         tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
             [
-                pre_tokenizers.Split(Regex(_LLAMA3_SPLIT), behavior="isolated", invert=False),
+                pre_tokenizers.Split(Regex(split), behavior="isolated", invert=False),
                 pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
             ]
         )
@@ -118,20 +131,26 @@ def load_gguf(path: Path) -> Checkpoint:
     except Exception as exc:  # the reader raises assorted errors on damaged files
         raise CheckpointError(f"cannot read GGUF file {path}: {exc} (truncated or corrupt?)") from None
     arch = _field(reader, "general.architecture")
-    if arch != "llama":
-        raise CheckpointError(f"{path}: GGUF architecture {arch!r} is not supported (llama is)")
+    if arch not in ARCHITECTURES:
+        raise CheckpointError(f"{path}: GGUF architecture {arch!r} is not supported "
+                              f"({', '.join(ARCHITECTURES)} are)")
 
     def meta(key, default=None):
-        value = _field(reader, f"llama.{key}", default)
+        value = _field(reader, f"{arch}.{key}", default)
         if value is None:
-            raise CheckpointError(f"{path}: GGUF metadata llama.{key} is missing")
+            raise CheckpointError(f"{path}: GGUF metadata {arch}.{key} is missing")
         return value
 
+    scaling = _field(reader, f"{arch}.rope.scaling.type")
+    if scaling not in (None, "none"):
+        raise CheckpointError(f"{path}: GGUF rope scaling {scaling!r} is not supported yet (none is)")
     heads, kv_heads, hidden = meta("attention.head_count"), meta("attention.head_count_kv"), meta("embedding_length")
     tensors: dict[str, torch.Tensor] = {}
+    freq_factors = None
     for t in reader.tensors:
-        if t.name == "rope_freqs.weight":
-            raise CheckpointError(f"{path}: per-dimension rope frequency factors are not supported yet")
+        if t.name == "rope_freqs.weight":  # Llama 3 scaling, as llama.cpp's converter stores it
+            freq_factors = tuple(float(f) for f in np.asarray(gguf.quants.dequantize(t.data, t.tensor_type)).reshape(-1))
+            continue
         name = _TOP_NAMES.get(t.name)
         match = _LAYER.match(t.name)
         if match and match.group(2) in _LAYER_NAMES:
@@ -141,26 +160,29 @@ def load_gguf(path: Path) -> Checkpoint:
         shape = tuple(int(d) for d in reversed(t.shape))
         values = gguf.quants.dequantize(t.data, t.tensor_type)
         weight = torch.from_numpy(np.array(values, dtype=np.float32)).reshape(shape)
-        if name.endswith("attention.q.weight"):
+        if ARCHITECTURES[arch] and name.endswith("attention.q.weight"):
             weight = _unpermute(weight, heads)
-        elif name.endswith("attention.k.weight"):
+        elif ARCHITECTURES[arch] and name.endswith("attention.k.weight"):
             weight = _unpermute(weight, kv_heads)
         tensors[name] = weight
     tokens = _field(reader, "tokenizer.ggml.tokens") or []
     eos = _field(reader, "tokenizer.ggml.eos_token_id")
     spec = ModelSpec(
-        architecture="llama",
-        vocab_size=int(_field(reader, "llama.vocab_size", len(tokens))),
+        architecture=arch,
+        vocab_size=int(meta("vocab_size", len(tokens))),
         hidden_size=int(hidden),
         num_layers=int(meta("block_count")),
         num_heads=int(heads),
         num_kv_heads=int(kv_heads),
-        head_dim=int(_field(reader, "llama.attention.key_length", hidden // heads)),
+        head_dim=int(meta("attention.key_length", hidden // heads)),
         intermediate_size=int(meta("feed_forward_length")),
         max_position_embeddings=int(meta("context_length")),
-        rope_theta=float(_field(reader, "llama.rope.freq_base", 10000.0)),
+        rope_theta=float(meta("rope.freq_base", 10000.0)),
         norm_eps=float(meta("attention.layer_norm_rms_epsilon")),
         tie_embeddings=names.CKPT_LM_HEAD not in tensors,
+        rope_freq_factors=freq_factors,
+        qkv_bias=arch == "qwen2",
+        head_norms=arch == "qwen3",
         bos_id=_field(reader, "tokenizer.ggml.bos_token_id"),
         eos_ids=(int(eos),) if eos is not None else (),
         pad_id=_field(reader, "tokenizer.ggml.padding_token_id"),

@@ -1,0 +1,63 @@
+"""GGUF files of each family as llama.cpp writes them: tiny random Hugging Face models converted by
+llama.cpp's own convert_hf_to_gguf.py (which permutes Llama's q / k rows and keeps Qwen's),
+built by kiln, against transformers on the original folder."""
+import pytest
+import torch
+
+from kiln.builder.checkpoint import load_checkpoint
+from kiln.errors import CheckpointError
+from tests.helpers import build_engine, forward_logits, llama_cpp_gguf, make_tiny_model
+
+PROMPT = [1, 17, 250, 33, 99, 5, 201, 64, 300, 12, 7, 380, 45]
+
+
+@pytest.fixture(scope="module")
+def gguf_models(tmp_path_factory):
+    """architecture -> a tiny random model with room in its vocabulary for the special tokens
+    transformers' Qwen tokenizer classes add (the converter asks for them)."""
+    root = tmp_path_factory.mktemp("gguf_models")
+    return {arch: make_tiny_model(root / arch, arch, vocab_size=400) for arch in ("llama", "qwen2", "qwen3")}
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_a_gguf_from_llama_cpps_converter_matches_transformers(arch, gguf_models, tmp_path, llm_for):
+    """(The tiny Llama has Llama 3 rope scaling, which the converter stores as rope_freqs.weight.)"""
+    from transformers import AutoModelForCausalLM
+
+    gguf_file = llama_cpp_gguf(gguf_models[arch], tmp_path / f"{arch}.gguf")
+    spec = load_checkpoint(gguf_file).spec
+    assert spec.architecture == arch
+    assert (spec.qkv_bias, spec.head_norms) == (arch == "qwen2", arch == "qwen3")
+    llm = llm_for(build_engine(tmp_path / "engine", gguf_file, "float32"))
+    model = AutoModelForCausalLM.from_pretrained(gguf_models[arch], dtype=torch.float32).eval()
+    with torch.no_grad():
+        want = model(torch.tensor([PROMPT])).logits[0]
+    assert (forward_logits(llm.engine, PROMPT) - want).abs().max().item() < 1e-4
+    greedy = model.generate(torch.tensor([PROMPT]), max_new_tokens=16, min_new_tokens=16, do_sample=False,
+                            eos_token_id=None, pad_token_id=0)[0, len(PROMPT):].tolist()
+    assert llm.generate(PROMPT, max_tokens=16, ignore_eos=True).token_ids == greedy
+
+
+def test_gguf_architectures_and_rope_scaling_kiln_cannot_read_are_refused(gguf_models, tmp_path):
+    import gguf
+
+    gguf_file = llama_cpp_gguf(gguf_models["llama"], tmp_path / "llama.gguf")
+    reader = gguf.GGUFReader(gguf_file)
+    for key, value, message in (("general.architecture", "gemma3", "GGUF architecture 'gemma3' is not supported"),
+                                ("llama.rope.scaling.type", "yarn", "rope scaling 'yarn' is not supported")):
+        writer = gguf.GGUFWriter(tmp_path / f"{value}.gguf", arch=value if key == "general.architecture" else "llama")
+        for field in reader.fields.values():
+            if field.name in ("general.architecture", "GGUF.version", "GGUF.tensor_count", "GGUF.kv_count"):
+                continue
+            writer.add_key_value(field.name, field.contents(), field.types[0],
+                                 field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None)
+        if key != "general.architecture":
+            writer.add_string(key, value)
+        for tensor in reader.tensors:
+            writer.add_tensor(tensor.name, tensor.data, raw_dtype=tensor.tensor_type)
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+        with pytest.raises(CheckpointError, match=message):
+            load_checkpoint(tmp_path / f"{value}.gguf")
