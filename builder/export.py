@@ -127,6 +127,9 @@ def export_checkpoint(engine_dir: Path, output: Path) -> Path:
     if spec.architecture not in names.TRTLLM_ARCHITECTURES:
         raise ExportError(f"kiln export does not write {spec.architecture} models yet (it writes "
                           f"{', '.join(sorted(names.TRTLLM_ARCHITECTURES))})")
+    if spec.rope_freq_factors is not None:
+        raise ExportError("this engine's rope frequencies come from a GGUF's rope_freqs.weight, which TensorRT-LLM's "
+                          "checkpoint cannot state; build the engine from the Hugging Face folder to export it")
     dtype_name = meta["dtype"]
     dtype = {v: k for k, v in DTYPE_NAMES.items()}[dtype_name]
     quant = meta.get("quantization") or {}

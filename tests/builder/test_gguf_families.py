@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from kiln.builder.checkpoint import load_checkpoint
+from kiln.builder.export import ExportError, export_checkpoint
 from kiln.errors import CheckpointError
 from tests.helpers import build_engine, forward_logits, llama_cpp_gguf, make_tiny_model
 
@@ -28,7 +29,12 @@ def test_a_gguf_from_llama_cpps_converter_matches_transformers(arch, gguf_models
     spec = load_checkpoint(gguf_file).spec
     assert spec.architecture == arch
     assert (spec.qkv_bias, spec.head_norms) == (arch == "qwen2", arch == "qwen3")
-    llm = llm_for(build_engine(tmp_path / "engine", gguf_file, "float32"))
+    engine_dir = build_engine(tmp_path / "engine", gguf_file, "float32")
+    if arch == "llama":  # frequencies TensorRT-LLM's checkpoint cannot state
+        assert spec.rope_freq_factors is not None
+        with pytest.raises(ExportError, match="rope_freqs"):
+            export_checkpoint(engine_dir, tmp_path / "trtllm")
+    llm = llm_for(engine_dir)
     model = AutoModelForCausalLM.from_pretrained(gguf_models[arch], dtype=torch.float32).eval()
     with torch.no_grad():
         want = model(torch.tensor([PROMPT])).logits[0]
