@@ -4,7 +4,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
+ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "phi3")
 
 
 @dataclass(frozen=True)

@@ -52,7 +52,7 @@ def make_tokenizer(folder: Path, vocab_size: int) -> None:
 
 
 def make_tiny_model(folder: Path, architecture: str, seed: int = 0, **overrides) -> Path:
-    """A tiny random Llama / Mistral / Qwen2 / Qwen3 saved as a Hugging Face folder (safetensors)."""
+    """A tiny random Llama / Mistral / Qwen2 / Qwen3 / Phi-3 saved as a Hugging Face folder (safetensors)."""
     import torch
     import transformers
 
@@ -76,6 +76,10 @@ def make_tiny_model(folder: Path, architecture: str, seed: int = 0, **overrides)
             for layer in model.model.layers:
                 for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
                     proj.bias.normal_(0, 0.5)
+    elif architecture == "phi3":  # qkv_proj and gate_up_proj fused in the checkpoint
+        shapes.setdefault("num_key_value_heads", 2)
+        config = transformers.Phi3Config(pad_token_id=0, **shapes)
+        model = transformers.Phi3ForCausalLM(config)
     elif architecture == "qwen3":  # head_dim independent of hidden / heads, as Qwen3 has it
         shapes.setdefault("num_key_value_heads", 2)
         config = transformers.Qwen3Config(head_dim=32, tie_word_embeddings=False, **shapes)

@@ -17,6 +17,7 @@ ARCHITECTURES = {
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "Phi3ForCausalLM": "phi3",
 }
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
@@ -41,6 +42,11 @@ _TOP_NAMES = {
     "model.norm.weight": names.CKPT_FINAL_NORM,
     "lm_head.weight": names.CKPT_LM_HEAD,
 }
+# fused projections (Phi-3) -> the canonical tensors they hold, row blocks in this order
+_FUSED = {
+    "self_attn.qkv_proj.weight": ("attention.q.weight", "attention.k.weight", "attention.v.weight"),
+    "mlp.gate_up_proj.weight": ("mlp.gate.weight", "mlp.up.weight"),
+}
 TOKENIZER_FILES = (names.TOKENIZER_JSON, names.TOKENIZER_CONFIG_JSON, "special_tokens_map.json",
                    names.CHAT_TEMPLATE_FILE)  # the chat template: transformers 4.43+ saves it on its own
 
@@ -52,6 +58,30 @@ def canonical_name(hf_name: str) -> str | None:
     if match and match.group(2) in _LAYER_NAMES:
         return names.layer_tensor(int(match.group(1)), _LAYER_NAMES[match.group(2)])
     return None
+
+
+def _fused_parts(hf_name: str) -> tuple[int, tuple[str, ...]] | None:
+    """(layer, canonical names) of a fused projection's tensor, else None."""
+    match = _LAYER.match(hf_name)
+    if match and match.group(2) in _FUSED:
+        return int(match.group(1)), _FUSED[match.group(2)]
+    return None
+
+
+def _split_fused(raw: dict, spec: ModelSpec) -> dict:
+    """Phi-3's qkv_proj (q, k, v rows) and gate_up_proj (gate, up rows) as the canonical tensors."""
+    out = {}
+    for key, tensor in raw.items():
+        fused = _fused_parts(key)
+        if fused is None:
+            continue
+        layer, parts = fused
+        sizes = [spec.q_size, spec.kv_size, spec.kv_size] if len(parts) == 3 else [spec.intermediate_size] * 2
+        if tensor.shape[0] != sum(sizes):
+            raise CheckpointError(f"{key} has {tensor.shape[0]} rows; the config says {sum(sizes)}")
+        for name, piece in zip(parts, tensor.split(sizes)):
+            out[names.layer_tensor(layer, name)] = piece.float()
+    return out
 
 
 def _read_json(path: Path) -> dict:
@@ -93,11 +123,16 @@ def spec_from_config(config: dict, generation: dict, source: Path) -> ModelSpec:
         )
     if config.get("mlp_bias") or (arch in ("llama", "qwen3") and config.get("attention_bias")):
         raise CheckpointError(f"{source}: attention_bias / mlp_bias Llama variants are not supported")
+    rope = config.get("rope_parameters") or {}
+    partial = rope.get("partial_rotary_factor", config.get("partial_rotary_factor")) or 1.0
+    if float(partial) != 1.0:  # Phi-4-mini
+        raise CheckpointError(f"{source}: partial_rotary_factor {partial} (rotary embedding on part of each head) is "
+                              "not supported yet")
     heads = int(config["num_attention_heads"])
     hidden = int(config["hidden_size"])
     theta, scaling = _rope(config, source)
     eos = _ids(generation.get("eos_token_id")) or _ids(config.get("eos_token_id"))
-    sliding = config.get("sliding_window") if config.get("use_sliding_window", arch == "mistral") else None
+    sliding = config.get("sliding_window") if config.get("use_sliding_window", arch in ("mistral", "phi3")) else None
     return ModelSpec(
         architecture=arch,
         vocab_size=int(config["vocab_size"]),
@@ -152,12 +187,13 @@ def load_hf(folder: Path) -> Checkpoint:
         try:
             with safe_open(file, framework="pt") as f:
                 for key in f.keys():
-                    if quant is not None or canonical_name(key) is not None:
+                    if quant is not None or canonical_name(key) is not None or _fused_parts(key):
                         raw[key] = f.get_tensor(key)
         except (SafetensorError, OSError) as exc:
             raise CheckpointError(f"cannot read {file}: {exc} (is it truncated or corrupt?)") from None
     prequantized, quantization = take_quantized(raw, spec, quant, folder) if quant is not None else ({}, None)
     tensors = {canonical_name(key): t.float() for key, t in raw.items() if canonical_name(key) is not None}
+    tensors.update(_split_fused(raw, spec))
     tokenizer_files = {}
     for name in TOKENIZER_FILES:
         if (folder / name).is_file():

@@ -40,6 +40,33 @@ def test_unsupported_architecture(llama_copy):
         load_checkpoint(llama_copy)
 
 
+@pytest.mark.parametrize("change, message", [
+    ({"rope_parameters": {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0] * 8,
+                          "long_factor": [2.0] * 8}}, "rope scaling type 'longrope' is not supported"),
+    ({"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.75}},
+     "partial_rotary_factor 0.75"),
+])
+def test_phi_variants_kiln_cannot_run_yet_are_refused(change, message, tiny_models, tmp_path):
+    folder = shutil.copytree(tiny_models["phi3"], tmp_path / "phi3")
+    config = {**json.loads((folder / "config.json").read_text()), **change}
+    config.pop("rope_scaling", None)
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match=message):
+        load_checkpoint(folder)
+
+
+def test_a_fused_projection_of_the_wrong_size_is_refused(tiny_models, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    folder = shutil.copytree(tiny_models["phi3"], tmp_path / "phi3")
+    tensors = load_file(folder / "model.safetensors")
+    name = "model.layers.0.self_attn.qkv_proj.weight"
+    tensors[name] = tensors[name][:-1].contiguous()
+    save_file(tensors, folder / "model.safetensors")
+    with pytest.raises(CheckpointError, match="qkv_proj.weight has 127 rows; the config says 128"):
+        load_checkpoint(folder)
+
+
 def test_no_tokenizer(llama_copy):
     (llama_copy / "tokenizer.json").unlink()
     with pytest.raises(CheckpointError, match="no tokenizer.json"):

@@ -1,10 +1,10 @@
-"""kiln engines against Hugging Face transformers on tiny random Llama, Mistral, Qwen2 and Qwen3."""
+"""kiln engines against Hugging Face transformers on tiny random Llama, Mistral, Qwen2, Qwen3 and Phi-3."""
 import pytest
 import torch
 
 from tests.helpers import build_engine, forward_logits
 
-ARCHS = ["llama", "mistral", "qwen2", "qwen3"]
+ARCHS = ["llama", "mistral", "qwen2", "qwen3", "phi3"]
 PROMPT = [1, 17, 250, 33, 99, 5, 201, 64, 300, 12, 7, 380, 45]
 
 
