@@ -15,17 +15,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-
-def prompt_of(tokenizer_path: Path, tokens: int) -> str:
-    """`tokens` tokens of Python's own docs, as text."""
-    from pydoc_data.topics import topics
-    from tokenizers import Tokenizer
-
-    if tokenizer_path.is_dir():
-        tokenizer_path = tokenizer_path / "tokenizer" / "tokenizer.json"
-    tokenizer = Tokenizer.from_file(str(tokenizer_path))
-    text = " ".join(list(topics.values())[:20])
-    return tokenizer.decode(tokenizer.encode(text).ids[:tokens])
+from kiln.bench import load_tokenizer, synthetic_prompts
 
 
 def over_grpc(url: str, prompt: str, max_tokens: int) -> tuple[float, float]:
@@ -65,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     if model is None:
         with urllib.request.urlopen(f"{args.openai}/models", timeout=30) as response:
             model = json.loads(response.read())["data"][0]["id"]
-    prompt = prompt_of(args.tokenizer, args.input_tokens)
+    prompt = synthetic_prompts(load_tokenizer(args.tokenizer), 1, args.input_tokens)[0]
     times: dict[str, list[tuple[float, float]]] = {"triton gRPC (ensemble)": [], "OpenAI /v1/completions": []}
     for _ in range(args.rounds + 1):  # the first round warms both paths up and is not counted
         times["triton gRPC (ensemble)"].append(over_grpc(args.grpc, prompt, args.output_tokens))

@@ -46,12 +46,13 @@ def _serve(args) -> int:
     try:
         problem = server.watch(frontend=openai)
     except KeyboardInterrupt:
+        problem = None
+    finally:
         if openai is not None:
             openai.stop()
+    if problem is None:
         server.stop()
         return 0
-    if openai is not None:
-        openai.stop()
     # a dead backend process leaves Triton answering "ready" while its requests hang: stop the whole
     # server at once (it cannot shut down cleanly without that process), so its clients get errors
     # now and a supervisor can start it again

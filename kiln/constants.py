@@ -14,6 +14,7 @@ MANIFEST_FILE = "MANIFEST.json"
 TOKENIZER_DIR = "tokenizer"
 TOKENIZER_JSON = "tokenizer.json"
 TOKENIZER_CONFIG_JSON = "tokenizer_config.json"
+SPECIAL_TOKENS_MAP_JSON = "special_tokens_map.json"
 CHAT_TEMPLATE_FILE = "chat_template.jinja"  # the model's chat template, in tokenizer/ (else tokenizer_config.json's
 # "chat_template"), as transformers saves it
 PLUGINS_DIR = "plugins"

@@ -106,11 +106,15 @@ class LlamaModel:
 
     def decode_plan(self) -> tuple[list, list[int], list[float]]:
         """The layers as ops.decode_layers takes them (ops.decode_plan)."""
-        return ops.decode_plan([
-            {**{name: getattr(layer, name).plan() for name in LINEARS},
-             "post_attention_norm": layer.post_attention_norm, "next_norm": self.next_norm(index),
-             "kv_scales": layer.kv_scales, "q_norm": layer.q_norm, "k_norm": layer.k_norm}
-            for index, layer in enumerate(self.layers)])
+        return ops.decode_plan([self._plan_record(index, layer) for index, layer in enumerate(self.layers)])
+
+    def _plan_record(self, index: int, layer: Layer) -> dict:
+        record = {**{name: getattr(layer, name).plan() for name in LINEARS},
+                  "post_attention_norm": layer.post_attention_norm, "next_norm": self.next_norm(index),
+                  "kv_scales": layer.kv_scales}
+        if layer.q_norm is not None:  # named only where used: an engine's older library lacks the names
+            record.update(q_norm=layer.q_norm, k_norm=layer.k_norm)
+        return record
 
     def next_norm(self, index: int) -> torch.Tensor:
         """The norm after layer `index`: the next layer's input norm, or the final norm."""

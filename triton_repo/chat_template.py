@@ -13,18 +13,13 @@ from pathlib import Path
 
 from kiln import constants as names
 from kiln.errors import KilnError
+from kiln.triton_repo.model_utils import special_token_text
 
 SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 
 
 class ChatTemplateError(KilnError):
     """A chat template that cannot be compiled, or that refused the messages it was given."""
-
-
-def _token_text(value) -> str | None:
-    if isinstance(value, dict):  # AddedToken as saved by transformers
-        return value.get("content")
-    return value if isinstance(value, str) else None
 
 
 def _read_json(path: Path) -> dict:
@@ -82,9 +77,9 @@ class ChatTemplate:
         source = _template_source(config, folder)
         if source is None:
             return None
-        special_map = folder / "special_tokens_map.json"
+        special_map = folder / names.SPECIAL_TOKENS_MAP_JSON
         merged = {**(_read_json(special_map) if special_map.is_file() else {}), **config}
-        tokens = {key: _token_text(merged.get(key)) for key in SPECIAL_TOKEN_KEYS}
+        tokens = {key: special_token_text(merged.get(key)) for key in SPECIAL_TOKEN_KEYS}
         return cls(source, {key: value for key, value in tokens.items() if value is not None})
 
     def render(self, messages: list[dict], add_generation_prompt: bool = True, **variables) -> str:

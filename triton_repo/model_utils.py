@@ -18,6 +18,14 @@ def repo_path(args: dict, relative: str) -> str:
     return os.path.normpath(os.path.join(repo_root, relative))
 
 
+def special_token_text(value) -> str | None:
+    """A special token as tokenizer_config.json / special_tokens_map.json hold it: the text, or an
+    AddedToken saved as a dict with its `content`."""
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) else None
+
+
 def engine_tokenizer(args: dict):
     """The engine's tokenizer, found through the model's tokenizer_dir parameter."""
     from tokenizers import Tokenizer

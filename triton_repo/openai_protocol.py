@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import time
 import uuid
-from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
@@ -37,8 +36,9 @@ def validation_error(exc: ValidationError) -> OpenAIError:
     where = ".".join(str(part) for part in first["loc"] if part != "body") or None
     if first["type"] == "missing":
         return OpenAIError(400, f"{where} is required", param=where)
-    value = first.get("input")
-    shown = repr(value) if not isinstance(value, dict) or len(repr(value)) < 120 else "{...}"
+    shown = repr(first.get("input"))
+    if isinstance(first.get("input"), dict) and len(shown) >= 120:
+        shown = "{...}"
     return OpenAIError(400, f"{where or 'request'}: {first['msg']} (got {shown})", param=where)
 
 
@@ -186,15 +186,6 @@ class ChatCompletionRequest(_Request):
     @property
     def output_limit(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
-
-
-@dataclass
-class Generated:
-    """What the engine produced for one request, as it streams in."""
-    token_ids: list[int] = field(default_factory=list)
-    log_probs: list[float] = field(default_factory=list)
-    text: str = ""
-    finish_reason: str | None = None
 
 
 def completion_id(chat: bool) -> str:

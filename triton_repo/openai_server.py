@@ -8,6 +8,7 @@ import asyncio
 import json
 import socket
 import threading
+import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -384,7 +385,7 @@ class OpenAIServer:
                 return self
             if not self.thread.is_alive():
                 break
-            threading.Event().wait(0.05)
+            time.sleep(0.05)
         self.stop()
         raise KilnError(f"the OpenAI frontend on {self.host}:{self.port} did not start")
 

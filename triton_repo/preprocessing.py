@@ -12,7 +12,8 @@ import os
 import numpy as np
 
 from kiln import constants as names
-from kiln.triton_repo.model_utils import engine_tokenizer, error_response, input_array, parameter, repo_path
+from kiln.triton_repo.model_utils import (engine_tokenizer, error_response, input_array, parameter, repo_path,
+                                          special_token_text)
 
 
 def utf8_text(raw, name: str) -> str:
@@ -69,8 +70,7 @@ def default_end_id(tokenizer, tokenizer_dir: str) -> int:
     token = None
     if os.path.exists(path):
         with open(path) as f:
-            token = json.load(f).get("eos_token")
-        token = token.get("content") if isinstance(token, dict) else token
+            token = special_token_text(json.load(f).get("eos_token"))
     end = tokenizer.token_to_id(token) if token else None
     if end is None:
         engine_json = os.path.join(os.path.dirname(os.path.normpath(tokenizer_dir)), names.ENGINE_JSON)

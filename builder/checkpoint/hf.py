@@ -47,7 +47,7 @@ _FUSED = {
     "self_attn.qkv_proj.weight": ("attention.q.weight", "attention.k.weight", "attention.v.weight"),
     "mlp.gate_up_proj.weight": ("mlp.gate.weight", "mlp.up.weight"),
 }
-TOKENIZER_FILES = (names.TOKENIZER_JSON, names.TOKENIZER_CONFIG_JSON, "special_tokens_map.json",
+TOKENIZER_FILES = (names.TOKENIZER_JSON, names.TOKENIZER_CONFIG_JSON, names.SPECIAL_TOKENS_MAP_JSON,
                    names.CHAT_TEMPLATE_FILE)  # the chat template: transformers 4.43+ saves it on its own
 
 

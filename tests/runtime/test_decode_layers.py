@@ -82,6 +82,15 @@ def test_decode_layers_refuses_a_plan_of_the_wrong_size(tiny_engines):
                           model.scale, engine.spec.norm_eps)
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_a_plan_names_head_norms_only_where_the_model_has_them(arch, tiny_engines):
+    """An engine carries the plugin library it was built with: a model without head norms must not
+    name them, or an engine whose older library lacks the names could not decode."""
+    model = Engine(tiny_engines(arch)).model
+    record = model._plan_record(0, model.layers[0])
+    assert ("q_norm" in record and "k_norm" in record) == (arch == "qwen3")
+
+
 def test_decode_plan_records_are_checked_by_name(tiny_engines):
     """The plan's positions come from the library; a record naming a field, entry or kind the
     library does not declare is refused before anything runs."""
@@ -92,7 +101,7 @@ def test_decode_plan_records_are_checked_by_name(tiny_engines):
     tensors, ints, floats = ops.decode_plan([layer])
     per_linear = len(layout["linear_tensors"])
     assert len(tensors) == len(layout["layer_linears"]) * per_linear + len(layout["layer_tensors"])
-    assert tensors[0] is model.layers[0].qkv.weight and tensors[-1] is None  # kv_scales absent
+    assert tensors[0] is model.layers[0].qkv.weight and tensors[-1] is None  # kv_scales, head norms absent
     assert ints[0] == layout["linear_kinds"].index("dense")
     with pytest.raises(KeyError, match="unknown fields"):
         ops.decode_plan([{**layer, "qkv": {**layer["qkv"], "wieght": None}}])
