@@ -164,6 +164,9 @@ class RuntimeSection(_Section):
     scheduler: Literal["max_utilization", "guaranteed_no_evict"] = "max_utilization"
     enable_prefix_reuse: bool = True
     max_queue_size: int = Field(256, ge=1)
+    request_timeout: float = Field(0.0, ge=0, allow_inf_nan=False,
+                                   description="run-time: seconds after arrival at which a request ends with "
+                                               "finish reason 'timeout' and what it generated; 0: never")
 
     @field_validator("kv_cache_memory")
     @classmethod

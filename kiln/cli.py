@@ -16,11 +16,19 @@ def _size_or_fraction(text: str) -> str | float:
         return text
 
 
+def _seconds(text: str) -> float:
+    value = float(text)
+    if not (0 <= value < float("inf")):
+        raise argparse.ArgumentTypeError(f"expected a number of seconds >= 0, got {text!r}")
+    return value
+
+
 def _serve(args) -> int:
     from kiln.triton_repo.serve import TritonServer
 
     runtime = {"kv_cache_memory": args.kv_cache_memory, "max_queue_size": args.max_queue_size,
-               "scheduler": args.scheduler, "enable_prefix_reuse": args.enable_prefix_reuse}
+               "scheduler": args.scheduler, "enable_prefix_reuse": args.enable_prefix_reuse,
+               "request_timeout": args.request_timeout}
     server = TritonServer(args.repo, args.grpc_port, args.http_port, args.metrics_port, args.log_file, args.address,
                           {key: value for key, value in runtime.items() if value is not None})
     openai = None
@@ -135,6 +143,9 @@ def main(argv: list[str] | None = None) -> int:
     runtime.add_argument("--scheduler", choices=["max_utilization", "guaranteed_no_evict"], default=None)
     runtime.add_argument("--enable-prefix-reuse", type=lambda v: v.lower() in ("1", "true", "yes"), default=None,
                          metavar="true|false")
+    runtime.add_argument("--request-timeout", type=_seconds, default=None, metavar="SECONDS",
+                         help="end a request this long after it arrived, with what it generated (finish reason "
+                              "'timeout'): bounds what a client that went away unnoticed costs; 0: never")
     serve.set_defaults(run=_serve)
 
     openai = sub.add_parser("openai", help="serve the OpenAI API for a running tritonserver (docs/openai.md)")

@@ -34,6 +34,7 @@ log = logging.getLogger("kiln.executor")
 FINISH_STOP = "stop"  # an end id or a stop word was sampled
 FINISH_LENGTH = "length"  # max_tokens reached
 FINISH_CANCELLED = "cancelled"
+FINISH_TIMEOUT = "timeout"  # live longer than runtime.request_timeout: ends with what it has
 FINISH_ERROR = "error"
 
 
@@ -147,7 +148,10 @@ class Executor:
                          f"{self.options.max_queue_size}); retry later")
                 self._emit(Response(request_id, [], True, FINISH_ERROR, error, busy=True))
                 return request_id
-            self._incoming.append(Sequence(request_id, list(prompt_ids), params, self._stop_ids(params)))
+            seq = Sequence(request_id, list(prompt_ids), params, self._stop_ids(params))
+            if self.options.request_timeout:
+                seq.deadline = time.monotonic() + self.options.request_timeout
+            self._incoming.append(seq)
             self._queued += 1
             self._lock.notify_all()
         return request_id
@@ -230,7 +234,8 @@ class Executor:
                     seq = self._live.get(request_id)
                     if seq is not None:
                         self._finish(seq, FINISH_CANCELLED)
-                if cancelled:  # a cancelled request may have been waiting: no step may follow to recount
+                expired = self._expire()
+                if cancelled or expired:  # they may have been waiting: no step may follow to recount
                     self._queued = len(self._incoming) + len(self.scheduler.waiting)
             try:
                 self.step()
@@ -239,6 +244,20 @@ class Executor:
                 with self._lock:
                     for seq in list(self._live.values()):
                         self._finish(seq, FINISH_ERROR, f"internal error in the engine step: {exc}")
+
+    def _expire(self) -> bool:  # with the lock held
+        """End the requests live past their deadline (runtime.request_timeout): a client that went
+        away unnoticed (Triton does not pass an ensemble client's cancellation on) holds its
+        KV blocks and batch slot that long at most."""
+        if not self.options.request_timeout:
+            return False
+        now = time.monotonic()
+        expired = [seq for seq in self._live.values() if seq.deadline is not None and now >= seq.deadline]
+        for seq in expired:
+            log.warning("request %d timed out after %.1f s (runtime.request_timeout) with %d tokens generated",
+                        seq.request_id, self.options.request_timeout, seq.num_generated)
+            self._finish(seq, FINISH_TIMEOUT)
+        return bool(expired)
 
     def step(self) -> None:
         batch = self.scheduler.schedule()

@@ -33,6 +33,12 @@ class RuntimeOptions:
     scheduler: str = "max_utilization"
     enable_prefix_reuse: bool = True
     max_queue_size: int = 256
+    request_timeout: float = 0.0  # seconds from arrival after which a request ends ("timeout"); 0: never
+
+    def __post_init__(self):
+        if not (self.request_timeout >= 0 and self.request_timeout != float("inf")):
+            raise ValueError(f"request_timeout must be a finite number of seconds >= 0 (0: none), "
+                             f"got {self.request_timeout}")
 
     def kv_cache_bytes(self) -> int:
         if isinstance(self.kv_cache_memory, str):

@@ -28,6 +28,7 @@ class Sequence:
     block_hashes: list[int] = field(default_factory=list)  # of the full blocks, in order
     finish_reason: str | None = None
     context_logits: torch.Tensor | None = None  # [prompt, vocab], when the request asks for them
+    deadline: float | None = None  # time.monotonic() at which it ends ("timeout") if still live
 
     def __post_init__(self):
         self.token_ids = list(self.prompt_ids)

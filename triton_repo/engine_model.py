@@ -78,6 +78,7 @@ class Active:
         self.outbox: deque = deque()  # (response or None, flags)
         self.sending = False  # a send worker is draining the outbox
         self.outbox_lock = threading.Lock()
+        self.failed = False  # ended with an error by the dispatcher: nothing more is sent
 
 
 def _batched(array: np.ndarray) -> np.ndarray:
@@ -172,39 +173,65 @@ class TritonPythonModel:
             self.executor.cancel(request_id)
 
     def _dispatch(self):
+        """The dispatcher thread: one pass after another until finalize. A pass that fails is logged
+        and the next one runs, so no fault of one request can stop the responses of the others."""
         import triton_python_backend_utils as pb_utils
 
+        final = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+        due = {"metrics": 0.0, "cancel_check": 0.0}
+        while not self.stopping.is_set():
+            try:
+                self._dispatch_pass(final, due)
+            except Exception:
+                log.exception("the engine model's dispatcher pass failed; it goes on")
+                time.sleep(POLL_S)
+
+    def _dispatch_pass(self, final: int, due: dict[str, float]) -> None:
         from kiln.runtime.executor import FINISH_ERROR
 
-        final = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
-        next_metrics = next_cancel_check = 0.0
-        while not self.stopping.is_set():
-            responses = self.executor.await_responses(timeout=POLL_S)
-            with self.lock:
-                states = [self.active.get(r.request_id) for r in responses]
-                for response in responses:
-                    if response.finished:
-                        self.active.pop(response.request_id, None)
-            for response, state in zip(responses, states):
-                if state is None:
-                    continue
+        responses = self.executor.await_responses(timeout=POLL_S)
+        with self.lock:
+            states = [self.active.get(r.request_id) for r in responses]
+            for response in responses:
+                if response.finished:
+                    self.active.pop(response.request_id, None)
+        for response, state in zip(responses, states):
+            if state is None or state.failed:
+                continue
+            try:
                 if response.finish_reason == FINISH_ERROR:
                     code = "UNAVAILABLE" if response.busy else "INTERNAL"
                     self._post(state, error_response(response.error, code, state.coded_errors), final)
                 else:
                     self._forward(state, response, final)
-            now = time.monotonic()
-            if now >= next_cancel_check:  # outside the lock: each ask is a call into Triton
-                next_cancel_check = now + CANCEL_CHECK_S
-                with self.lock:
-                    live = list(self.active.items())
-                for request_id, state in live:
-                    if state.sender.is_cancelled():
-                        self.executor.cancel(request_id)
-            # refresh when due, and whenever a request ends (per request, not per token)
-            if now >= next_metrics or any(r.finished for r in responses):
-                self.metrics.update(self.executor.stats())
-                next_metrics = now + METRICS_INTERVAL_S
+            except Exception as exc:  # this request's outputs could not be made: it alone fails
+                log.exception("request %s: its response could not be made", state.triton_id)
+                self._fail(response.request_id, state, f"internal error making the response: {exc}", final)
+        now = time.monotonic()
+        if now >= due["cancel_check"]:  # outside the lock: each ask is a call into Triton
+            due["cancel_check"] = now + CANCEL_CHECK_S
+            with self.lock:
+                live = list(self.active.items())
+            for request_id, state in live:
+                try:
+                    cancelled = state.sender.is_cancelled()
+                except Exception:  # a sender that cannot say has lost its client
+                    log.warning("request %s: is_cancelled failed; ending it", state.triton_id, exc_info=True)
+                    cancelled = True
+                if cancelled:
+                    self.executor.cancel(request_id)
+        # refresh when due, and whenever a request ends (per request, not per token)
+        if now >= due["metrics"] or any(r.finished for r in responses):
+            due["metrics"] = now + METRICS_INTERVAL_S
+            self.metrics.update(self.executor.stats())
+
+    def _fail(self, request_id: int, state: Active, message: str, final: int) -> None:
+        """End one request with an error: the executor stops it and its later responses are dropped."""
+        state.failed = True
+        self.executor.cancel(request_id)
+        with self.lock:
+            self.active.pop(request_id, None)
+        self._post(state, error_response(message, "INTERNAL", state.coded_errors), final)
 
     def _post(self, state: Active, response=None, flags=0) -> None:
         """Queue a response for its stream; a send worker takes the stream's queue in order."""

@@ -140,6 +140,36 @@ def test_a_cancelled_bls_stream_ends_its_engine_request(smollm2_engines, server_
         assert http_generate(server, "kiln_bls", {"text_input": "Hello", "max_tokens": 4})[0] == 200
 
 
+def test_request_timeout_bounds_an_abandoned_ensemble_stream(smollm2_engines):
+    """Triton 2.51 does not tell an ensemble's steps that their client went away: a cancelled
+    ensemble stream runs on in the engine. kiln serve --request-timeout ends it (and frees its KV
+    blocks) that long after it arrived; a request that finishes in time is untouched."""
+    import queue
+
+    import tritonclient.grpc as grpcclient
+
+    from kiln.triton_repo.client import ensemble_inputs
+
+    repo = smollm2_engines("float32").parent / "triton_repo"
+    timeout = 4.0
+    with TritonServer(repo, runtime={"request_timeout": timeout}) as server:
+        results: queue.Queue = queue.Queue()
+        client = grpcclient.InferenceServerClient(server.grpc_url)
+        client.start_stream(callback=lambda result, error: results.put((result, error)))
+        arrived = time.monotonic()
+        client.async_stream_infer("ensemble", ensemble_inputs("Count to a thousand:", 900, True, end_id=-1))
+        assert results.get(timeout=120)[1] is None
+        assert wait_for_running(server, 1) == 1
+        client.stop_stream(cancel_requests=True)
+        client.close()
+        assert wait_for_running(server, 0, timeout=timeout + 10) == 0
+        ended = time.monotonic() - arrived
+        assert ended < timeout + 5, ended  # 900 tokens would take the float32 engine far longer
+        time.sleep(0.6)  # the gauges refresh every 0.5 s
+        assert metric(server, names.METRIC_KV_BLOCKS, "used") == 0
+        assert http_generate(server, "ensemble", {"text_input": "Hello", "max_tokens": 4})[0] == 200
+
+
 @pytest.mark.parametrize("scheduler", ["max_utilization", "guaranteed_no_evict"])
 def test_a_kv_pool_too_small_for_the_load_preempts_or_queues_and_serves_everyone(smollm2_engines, scheduler):
     """16 requests of ~200 tokens at once against a KV pool of 68 blocks (room for about four of

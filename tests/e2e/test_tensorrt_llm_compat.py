@@ -535,3 +535,53 @@ def test_requests_that_reuse_an_id_are_served_apart(server):
     want = np.concatenate(alone, axis=-1)
     for got in both:
         assert got is not None and np.array_equal(np.concatenate(got, axis=-1), want)
+
+
+# --- bad input over HTTP generate / generate_stream: a 400 naming the input, and the server keeps serving
+def http_status(server, model: str, body: bytes, stream: bool) -> tuple[int, str]:
+    """(HTTP status, the error message) of a generate call with this raw body; an error inside a
+    stream (status 200, `data: {"error": ...}`) counts as that error."""
+    path = f"/v2/models/{model}/generate" + ("_stream" if stream else "")
+    request = urllib.request.Request(f"http://{server.http_url}{path}", data=body,
+                                     headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=120) as response:
+            text = response.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode()
+    errors = [line for line in text.splitlines() if line.startswith("data: ") and '"error"' in line]
+    return (200, errors[0]) if errors else (200, "")
+
+
+def body_of(**override) -> bytes:
+    fields = {"text_input": PROMPT, "max_tokens": 4, **override}
+    return json.dumps({k: v for k, v in fields.items() if v is not None}).encode()
+
+
+BAD_HTTP_BODIES = {
+    "not JSON": (b'{"text_input": "Hello", "max_tokens": 4', "JSON"),
+    "text not UTF-8": (b'{"text_input": "caf\xe9 \xff", "max_tokens": 4}', "UTF-8"),
+    "empty prompt": (body_of(text_input=""), "empty"),
+    "max_tokens as text": (body_of(max_tokens="four"), "max_tokens"),
+    "max_tokens fractional": (body_of(max_tokens=4.5), "max_tokens"),
+    "max_tokens of two values": (body_of(max_tokens=[4, 5]), "max_tokens"),
+    "max_tokens zero": (body_of(max_tokens=0), "max_tokens"),
+    "temperature negative": (body_of(temperature=-1.0), "temperature"),
+    "temperature NaN": (b'{"text_input": "Hello", "max_tokens": 4, "temperature": NaN}', "temperature"),
+    "top_p over 1": (body_of(top_p=1.5), "top_p"),
+    "top_k negative": (body_of(top_k=-3), "top_k"),
+    "stop words not text": (body_of(stop_words=[[1, 2]]), "stop_words"),
+    "bias weights without words": (body_of(embedding_bias_weights=[1.0, 2.0]), "embedding_bias"),
+    "beam_width 2": (body_of(beam_width=2), "beam_width"),
+    "unknown input": (body_of(prompt_text="x"), "prompt_text"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_HTTP_BODIES))
+@pytest.mark.parametrize("stream", [False, True], ids=["generate", "generate_stream"])
+@pytest.mark.parametrize("model", ["ensemble", "tensorrt_llm_bls"])
+def test_a_bad_request_over_http_gets_a_400_naming_the_input(server, model, stream, case):
+    body, names_it = BAD_HTTP_BODIES[case]
+    status, message = http_status(server, model, body, stream)
+    assert (status, names_it.lower() in message.lower()) == (400, True), (status, message)
+    assert http_status(server, model, body_of(), stream) == (200, "")  # and it keeps serving

@@ -61,3 +61,26 @@ def test_smollm2_tokenizer_splits_digits_like_the_model(llm):
 def test_smollm2_bfloat16_engine_answers(smollm2_engines, llm_for):
     out = llm_for(smollm2_engines("bfloat16")).generate("The capital of France is", max_tokens=8)
     assert "Paris" in out.text
+
+
+def test_a_request_past_request_timeout_ends_with_what_it_generated(smollm2_engines, llm_for, llm):
+    """runtime.request_timeout ends a live request with finish reason 'timeout', its tokens so far
+    (the same as an untimed run's first ones), and its KV blocks freed. 600 tokens take the float32
+    engine many seconds; the timeout is 0.5 s."""
+    prompt = "Write a very long story about a lighthouse keeper."
+    timed = llm_for(smollm2_engines("float32"), request_timeout=0.5, kv_cache_memory="64MiB")
+    out = timed.generate(prompt, max_tokens=600, ignore_eos=True)
+    assert out.finish_reason == "timeout"
+    assert len(out.token_ids) < 600
+    assert out.token_ids == llm.generate(prompt, max_tokens=len(out.token_ids), ignore_eos=True).token_ids
+    stats = timed.stats()
+    assert (stats["running"], stats["queued"]) == (0, 0)
+    assert stats["blocks_used"] == 0
+
+
+def test_request_timeout_must_be_finite_and_not_negative(smollm2_engines):
+    from kiln.runtime.llm import LLM
+
+    for bad in (-1.0, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="request_timeout"):
+            LLM(smollm2_engines("float32"), request_timeout=bad)
