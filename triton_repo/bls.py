@@ -20,7 +20,8 @@ from kiln import constants as names
 from kiln.triton_repo.engine_calls import GrpcEngine, InProcessEngine, RequestFailed
 from kiln.triton_repo.model_configs import PREPROCESSING_TO_ENGINE, RESULT_OUTPUTS, TEXT_INPUTS, TO_ENGINE, \
     TO_PREPROCESSING
-from kiln.triton_repo.model_utils import engine_tokenizer, error_code, error_response, input_array, parameter
+from kiln.triton_repo.model_utils import engine_tokenizer, error_code, error_response, input_array, parameter, \
+    refuse_unknown_parameters
 
 log = logging.getLogger("kiln.triton.bls")
 
@@ -67,6 +68,10 @@ class TritonPythonModel:
     def _generate(self, request, sender) -> None:
         import triton_python_backend_utils as pb_utils
 
+        try:
+            refuse_unknown_parameters(request, [spec.name for spec in TEXT_INPUTS])
+        except ValueError as exc:
+            raise RequestFailed(str(exc), "INVALID_ARG") from None
         given = {spec.name: input_array(request, spec.name) for spec in TEXT_INPUTS}
         given = {name: array for name, array in given.items() if array is not None}
         pre = pb_utils.InferenceRequest(

@@ -80,6 +80,27 @@ def wants_coded_errors(request) -> bool:
     return given.get(names.CODED_ERRORS_PARAMETER) is True
 
 
+# request parameters Triton reserves (a client may send them beside the inputs, as kiln's own)
+TRITON_PARAMETERS = frozenset({"priority", "timeout", "sequence_id", "sequence_start", "sequence_end",
+                               "binary_data_output", "triton_enable_empty_final_response"})
+
+
+def refuse_unknown_parameters(request, inputs) -> None:
+    """Raise ValueError naming a request parameter kiln does not know. Triton's HTTP generate
+    endpoint passes every JSON key that is not one of the model's inputs on as a parameter, so a
+    misspelled input (`temprature`, `max_token`) would otherwise be dropped without a word."""
+    from kiln import constants as names
+
+    try:
+        given = json.loads(request.parameters() or "{}")
+    except ValueError:
+        return
+    unknown = sorted(set(given) - TRITON_PARAMETERS - {names.CODED_ERRORS_PARAMETER})
+    if unknown:
+        raise ValueError(f"unknown input {unknown[0]!r}" + (f" (and {unknown[1:]})" if unknown[1:] else "")
+                         + f"; the inputs are {sorted(inputs)}")
+
+
 ERROR_CODES = ("INVALID_ARG", "UNAVAILABLE", "CANCELLED", "NOT_FOUND", "UNSUPPORTED", "INTERNAL")
 
 

@@ -12,8 +12,9 @@ import os
 import numpy as np
 
 from kiln import constants as names
+from kiln.triton_repo.model_configs import TEXT_INPUTS
 from kiln.triton_repo.model_utils import (engine_tokenizer, error_response, input_array, parameter, repo_path,
-                                          special_token_text)
+                                          refuse_unknown_parameters, special_token_text)
 
 
 def utf8_text(raw, name: str) -> str:
@@ -93,6 +94,7 @@ class TritonPythonModel:
         responses = []
         for request in requests:
             try:
+                refuse_unknown_parameters(request, [spec.name for spec in TEXT_INPUTS])
                 outputs = self._one(lambda name, r=request: input_array(r, name))
             except (ValueError, UnicodeDecodeError) as exc:
                 responses.append(error_response(f"preprocessing: {exc}", "INVALID_ARG"))

@@ -558,22 +558,18 @@ def body_of(**override) -> bytes:
     return json.dumps({k: v for k, v in fields.items() if v is not None}).encode()
 
 
-BAD_HTTP_BODIES = {
-    "not JSON": (b'{"text_input": "Hello", "max_tokens": 4', "JSON"),
+BAD_HTTP_BODIES = {  # kiln's models answer these
     "text not UTF-8": (b'{"text_input": "caf\xe9 \xff", "max_tokens": 4}', "UTF-8"),
     "empty prompt": (body_of(text_input=""), "empty"),
-    "max_tokens as text": (body_of(max_tokens="four"), "max_tokens"),
-    "max_tokens fractional": (body_of(max_tokens=4.5), "max_tokens"),
-    "max_tokens of two values": (body_of(max_tokens=[4, 5]), "max_tokens"),
     "max_tokens zero": (body_of(max_tokens=0), "max_tokens"),
     "temperature negative": (body_of(temperature=-1.0), "temperature"),
     "temperature NaN": (b'{"text_input": "Hello", "max_tokens": 4, "temperature": NaN}', "temperature"),
     "top_p over 1": (body_of(top_p=1.5), "top_p"),
     "top_k negative": (body_of(top_k=-3), "top_k"),
-    "stop words not text": (body_of(stop_words=[[1, 2]]), "stop_words"),
     "bias weights without words": (body_of(embedding_bias_weights=[1.0, 2.0]), "embedding_bias"),
     "beam_width 2": (body_of(beam_width=2), "beam_width"),
-    "unknown input": (body_of(prompt_text="x"), "prompt_text"),
+    "unknown input": (body_of(prompt_text="x"), "unknown input 'prompt_text'"),
+    "misspelled input": (body_of(temprature=0.5), "unknown input 'temprature'"),
 }
 
 
@@ -585,3 +581,24 @@ def test_a_bad_request_over_http_gets_a_400_naming_the_input(server, model, stre
     status, message = http_status(server, model, body, stream)
     assert (status, names_it.lower() in message.lower()) == (400, True), (status, message)
     assert http_status(server, model, body_of(), stream) == (200, "")  # and it keeps serving
+
+
+TRITON_REFUSES = {  # Triton's HTTP frontend answers these itself, before any model runs
+    "not JSON": (b'{"text_input": "Hello", "max_tokens": 4', 500, "failed to parse the request JSON"),
+    "max_tokens as text": (body_of(max_tokens="four"), 500, "attempt to access JSON non-signed-integer"),
+    "max_tokens fractional": (body_of(max_tokens=4.5), 500, "attempt to access JSON non-signed-integer"),
+    "stop words not text": (body_of(stop_words=[[1, 2]]), 500, "Unable to parse JSON bytes array"),
+    "max_tokens of two values": (body_of(max_tokens=[4, 5]), 400, "batch size does not match"),
+}
+
+
+@pytest.mark.parametrize("case", list(TRITON_REFUSES))
+@pytest.mark.parametrize("stream", [False, True], ids=["generate", "generate_stream"])
+@pytest.mark.parametrize("model", ["ensemble", "tensorrt_llm_bls"])
+def test_a_body_tritons_frontend_cannot_parse_is_refused_and_serving_goes_on(server, model, stream, case):
+    """What users see for these (docs/triton.md): Triton's own status and message; kiln's models
+    never get the request."""
+    body, status, message = TRITON_REFUSES[case]
+    assert http_status(server, model, body, stream)[0] == status
+    assert message in http_status(server, model, body, stream)[1]
+    assert http_status(server, model, body_of(), stream) == (200, "")
