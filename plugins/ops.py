@@ -93,7 +93,7 @@ def library_info() -> dict:
 # --- ops on the library itself ------------------------------------------------------------
 @host_op
 def select_isa(isa: str) -> str:
-    """Switch every kernel to one instruction set ('auto', 'avx512bf16', 'avx512', 'avx2',
+    """Switch every kernel to one instruction set ('auto', 'avx512bf16', 'avx512', 'avx2vnni', 'avx2',
     'scalar'); returns the one chosen."""
 
 

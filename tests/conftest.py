@@ -5,6 +5,9 @@ import pytest
 
 from tests.helpers import SMOLLM2_CHECKPOINT, build_engine, make_tiny_model, seed_of
 
+# every kernel level the plugin library has, lowest first (AVX2 with AVX-VNNI is its own level)
+ISAS = ("scalar", "avx2", "avx2vnni", "avx512", "avx512bf16")
+
 
 @pytest.fixture(autouse=True)
 def fixed_seed(request):
@@ -61,7 +64,7 @@ def plugin_isas():
 
     ops.load_library(build_plugins())
     isas = []
-    for isa in ("scalar", "avx2", "avx512", "avx512bf16"):
+    for isa in ISAS:
         try:
             ops.select_isa(isa)
             isas.append(isa)
@@ -71,7 +74,7 @@ def plugin_isas():
     return isas
 
 
-@pytest.fixture(params=["scalar", "avx2", "avx512", "avx512bf16"])
+@pytest.fixture(params=ISAS)
 def isa(request, plugin_isas):
     from kiln.plugins import ops
 

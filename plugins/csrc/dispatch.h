@@ -7,6 +7,7 @@ static bool host_supports(const std::string& isa) {
   if (isa == "avx512")
     return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
            __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+  if (isa == "avx2vnni") return host_supports("avx2") && __builtin_cpu_supports("avxvnni");
   if (isa == "avx2") return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
   return isa == "scalar";
 }
@@ -16,13 +17,15 @@ static Kernels kernels_for(const std::string& requested) {
   if (isa == "auto")
     isa = host_supports("avx512bf16") ? "avx512bf16"
           : host_supports("avx512")   ? "avx512"
+          : host_supports("avx2vnni") ? "avx2vnni"
           : host_supports("avx2")     ? "avx2"
                                       : "scalar";
-  TORCH_CHECK(isa == "avx512bf16" || isa == "avx512" || isa == "avx2" || isa == "scalar",
-              "kiln: unknown ISA '", requested, "'; expected auto, avx512bf16, avx512, avx2 or scalar");
+  TORCH_CHECK(isa == "avx512bf16" || isa == "avx512" || isa == "avx2vnni" || isa == "avx2" || isa == "scalar",
+              "kiln: unknown ISA '", requested, "'; expected auto, avx512bf16, avx512, avx2vnni, avx2 or scalar");
   TORCH_CHECK(host_supports(isa), "kiln: this CPU does not support ISA '", isa, "'");
   if (isa == "avx512bf16") return KILN_KERNELS_OF(avx512bf16);
   if (isa == "avx512") return KILN_KERNELS_OF(avx512);
+  if (isa == "avx2vnni") return KILN_KERNELS_OF(avx2vnni);
   if (isa == "avx2") return KILN_KERNELS_OF(avx2);
   return KILN_KERNELS_OF(scalar);
 }

@@ -52,6 +52,17 @@ namespace avx2 {
 #pragma GCC pop_options
 
 #pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c,avxvnni")
+namespace avx2vnni {  // AVX2 with AVX-VNNI: vpdpbusd / vpdpwssd on 256-bit registers (Alder Lake, Zen 5)
+#define KILN_ISA_AVX2
+#define KILN_ISA_AVXVNNI
+#include "kernels/all.h"
+#undef KILN_ISA_AVXVNNI
+#undef KILN_ISA_AVX2
+}  // namespace avx2vnni
+#pragma GCC pop_options
+
+#pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")
 namespace avx512 {
 #define KILN_ISA_AVX512

@@ -37,8 +37,9 @@ AVX2_REFERENCE_KERNELS = {
 
 def test_avx2_hot_paths_run_no_reference_kernel(plugin_isas):
     """No x86-64-v3 CPU runs a plain-loop kernel on a hot path: the reference kernels compiled
-    into the AVX2 table (symbols kiln::avx2::*_ref) are exactly the ones listed, and the runtime
-    on AVX2 tiles int4 weights (vectorized) but not int8 (whose tiled kernel is a reference there)."""
+    into the AVX2 tables, with and without AVX-VNNI (symbols kiln::avx2::*_ref,
+    kiln::avx2vnni::*_ref), are exactly the ones listed, and the runtime on AVX2 tiles int4
+    weights (vectorized) but not int8 (whose tiled kernel is a reference there)."""
     import re
 
     from kiln.plugins import ops
@@ -46,13 +47,14 @@ def test_avx2_hot_paths_run_no_reference_kernel(plugin_isas):
 
     symbols = subprocess.run(["nm", "-C", "--defined-only", str(build_plugins())], capture_output=True, text=True,
                              check=True, timeout=120).stdout
-    found = set(re.findall(r"kiln::avx2::(\w+_ref)<", symbols))
-    assert found == set(AVX2_REFERENCE_KERNELS), (
-        f"reference kernels in the AVX2 table: {sorted(found)}; listed: {sorted(AVX2_REFERENCE_KERNELS)}")
-    assert "kiln::avx2::linear_w4_tiled_dp<" in symbols and "kiln::avx2::linear_w8_i16<" in symbols
-    if "avx2" in plugin_isas:
-        try:
-            ops.select_isa("avx2")
-            assert ops.tiled("int4") and not ops.tiled("int8")
-        finally:
-            ops.select_isa(os.environ.get("KILN_ISA", "auto"))
+    for table in ("avx2", "avx2vnni"):
+        found = set(re.findall(rf"kiln::{table}::(\w+_ref)<", symbols))
+        assert found == set(AVX2_REFERENCE_KERNELS), (
+            f"reference kernels in the {table} table: {sorted(found)}; listed: {sorted(AVX2_REFERENCE_KERNELS)}")
+        assert f"kiln::{table}::linear_w4_tiled_dp<" in symbols and f"kiln::{table}::linear_w8_i16<" in symbols
+        if table in plugin_isas:
+            try:
+                ops.select_isa(table)
+                assert ops.tiled("int4") and not ops.tiled("int8")
+            finally:
+                ops.select_isa(os.environ.get("KILN_ISA", "auto"))

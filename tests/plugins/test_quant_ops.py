@@ -3,6 +3,8 @@ random shapes (odd row counts, tails that are not a multiple of the vector width
 last int4 group). The AVX-512 W8A16 / W4A16 kernels quantize the input rows to 15 or 16 bits, so
 they are held to the bound that quantization allows (assert_within_input_quantization); the
 integer W8A8 / W4A8 kernels to exact integer references."""
+import os
+
 import pytest
 import torch
 
@@ -312,3 +314,29 @@ def test_fp8_weights_round_trip_within_half_a_step():
         assert ((back - w).abs() <= w.abs() / 16 + s[:, None] * 2.0**-10).all()  # 3 mantissa bits
         assert torch.allclose(back.abs().amax(dim=1 if not per_tensor else None),
                               w.abs().amax(dim=1 if not per_tensor else None))
+
+
+@pytest.mark.parametrize("kernel", ["linear_w4_tiled", "linear_w4a8_tiled", "linear_w8", "linear_w8a8"])
+@pytest.mark.parametrize("rows, k, n", [(1, 576, 64), (3, 1536, 48), (2, 200, 112), (5, 2112, 16)])
+def test_avx_vnni_sums_the_same_integers_as_avx2(plugin_isas, kernel, rows, k, n):
+    """AVX-VNNI's vpdpbusd / vpdpwssd replace AVX2's vpmaddubsw + vpmaddwd + add on the same
+    integers, so every integer kernel gives the same bits on both levels."""
+    if "avx2vnni" not in plugin_isas:
+        pytest.skip("this CPU lacks AVX-VNNI (avx2vnni)")
+    g = generator("vnni", kernel, rows, k, n)
+    x = rand(g, rows, k, scale=3).to(torch.bfloat16)
+    w = rand(g, n, k, scale=0.05)
+    if kernel in ("linear_w4_tiled", "linear_w4a8_tiled"):
+        packed, scales = quantize_int4(w, 32)
+        args = (x, *ops.pack_int4_tiled(packed, scales, 32), 32, None)
+    else:
+        q, s = quantize_int8(w)
+        args = (x, q, s, None) if kernel == "linear_w8" else (x, q, s, q.to(torch.int32).sum(dim=1, dtype=torch.int32))
+    out = {}
+    try:
+        for level in ("avx2", "avx2vnni"):
+            ops.select_isa(level)
+            out[level] = getattr(ops, kernel)(*args)
+    finally:
+        ops.select_isa(os.environ.get("KILN_ISA", "auto"))
+    assert torch.equal(out["avx2"], out["avx2vnni"]), f"{kernel} differs: {(out['avx2'] - out['avx2vnni']).abs().max()}"

@@ -6,6 +6,7 @@
 //                               dot products (tiles_w4t, shared with W4A8 in w4a8.h): on AVX-512
 //                               one vpdpbusd multiplies 16 rows by four inputs; on AVX2 two
 //                               vpmaddubsw multiply 8 rows by four inputs into int16 pairs
+//                               (with AVX-VNNI, one 256-bit vpdpbusd)
 //   dequantize_int4_tiled_avx512 / _rows  the weights back to [out, in] in the model dtype
 //                               (prefill's GEMM)
 
@@ -86,7 +87,8 @@ __attribute__((noinline)) void tiles_w4t(const int8_t* hi, const int8_t* lo, con
 #if defined(KILN_ISA_AVX2)
 // AVX2: a tile's 64-byte vector as two halves of 8 rows. vpmaddubsw multiplies the nibbles
 // (unsigned) by the input bytes into int16 pairs (at most 2 * 15 * 128 each: no saturation),
-// vpmaddwd sums the pairs into int32 lanes, the high plane's by 256. int32 sums go to float at
+// vpmaddwd sums the pairs into int32 lanes, the high plane's by 256. With AVX-VNNI one
+// vpdpbusd does all three per plane (the same integers: the two paths agree bit for bit). int32 sums go to float at
 // each group's end (no overflow: under 1.99e6 a block of 8 inputs, and a group is at most
 // kTiledMaxGroup = 1,024 blocks).
 
@@ -125,6 +127,16 @@ __attribute__((noinline)) void tiles_w4t_pairs(const int8_t* hi, const int8_t* l
           const __m256i first = _mm256_and_si256(wv, nib);
           const __m256i second = _mm256_and_si256(_mm256_srli_epi16(wv, 4), nib);
           for (int r = 0; r < R; ++r) {
+#if defined(KILN_ISA_AVXVNNI)
+            // the same integer sums, four multiply-adds per lane in one vpdpbusd
+            __m256i sum = a[v * R + r][half];
+            if (!A8) {
+              const __m256i h = _mm256_dpbusd_avx_epi32(
+                  _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), first, xh0[r]), second, xh1[r]);
+              sum = _mm256_add_epi32(sum, _mm256_slli_epi32(h, 8));
+            }
+            a[v * R + r][half] = _mm256_dpbusd_avx_epi32(_mm256_dpbusd_avx_epi32(sum, first, xl0[r]), second, xl1[r]);
+#else
             const __m256i l16 = _mm256_add_epi16(_mm256_maddubs_epi16(first, xl0[r]), _mm256_maddubs_epi16(second, xl1[r]));
             __m256i sum = _mm256_madd_epi16(l16, ones);
             if (!A8) {
@@ -133,6 +145,7 @@ __attribute__((noinline)) void tiles_w4t_pairs(const int8_t* hi, const int8_t* l
               sum = _mm256_add_epi32(sum, _mm256_madd_epi16(h16, c256));
             }
             a[v * R + r][half] = _mm256_add_epi32(a[v * R + r][half], sum);
+#endif
           }
         }
     }

@@ -1,6 +1,7 @@
 // SmoothQuant W8A8: int8 weights [out, in] with one scale per output channel, the activations
 // quantized per row to int8 at run time (absmax / 127), int8 x int8 -> int32 dot products
-// (VNNI vpdpbusd on CPUs with it: u8 x s8, so x is offset by 128 and 128 * rowsum(W) taken off;
+// (VNNI vpdpbusd on CPUs with it, 512- or 256-bit (AVX-VNNI): u8 x s8, so x is offset by 128 and
+// 128 * rowsum(W) taken off;
 // vpmaddwd on int16-widened bytes otherwise), then * x_scale[m] * w_scale[n]. With
 // input_scale > 0 the activations use that one static scale instead (Model Optimizer's
 // W8A8_SQ_PER_CHANNEL). Included per ISA inside kiln::<isa> after gemv.h.
@@ -43,6 +44,18 @@ inline int32_t dot_u8s8(const uint8_t* a, const int8_t* b, int64_t n) {
     acc = _mm512_add_epi32(acc, _mm512_madd_epi16(av, bv));
   }
   total = _mm512_reduce_add_epi32(acc);
+#elif defined(KILN_ISA_AVXVNNI)
+  __m256i acc = _mm256_setzero_si256(), acc1 = _mm256_setzero_si256();  // two chains: vpdpbusd's latency
+  for (; i + 64 <= n; i += 64) {
+    acc = _mm256_dpbusd_avx_epi32(acc, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + i)),
+                                  _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + i)));
+    acc1 = _mm256_dpbusd_avx_epi32(acc1, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + i + 32)),
+                                   _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + i + 32)));
+  }
+  for (; i + 32 <= n; i += 32)
+    acc = _mm256_dpbusd_avx_epi32(acc, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + i)),
+                                  _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + i)));
+  total = sum8_i32(_mm256_add_epi32(acc, acc1));
 #elif defined(KILN_ISA_AVX2)
   __m256i acc = _mm256_setzero_si256();
   for (; i + 16 <= n; i += 16) {
