@@ -53,7 +53,7 @@ namespace avx2 {
 
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c,avxvnni")
-namespace avx2vnni {  // AVX2 with AVX-VNNI: vpdpbusd / vpdpwssd on 256-bit registers (Alder Lake, Zen 5)
+namespace avx2vnni {  // AVX2 with AVX-VNNI: vpdpbusd on 256-bit registers (Alder Lake, Zen 5)
 #define KILN_ISA_AVX2
 #define KILN_ISA_AVXVNNI
 #include "kernels/all.h"

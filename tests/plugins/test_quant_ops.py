@@ -319,7 +319,7 @@ def test_fp8_weights_round_trip_within_half_a_step():
 @pytest.mark.parametrize("kernel", ["linear_w4_tiled", "linear_w4a8_tiled", "linear_w8", "linear_w8a8"])
 @pytest.mark.parametrize("rows, k, n", [(1, 576, 64), (3, 1536, 48), (2, 200, 112), (5, 2112, 16)])
 def test_avx_vnni_sums_the_same_integers_as_avx2(plugin_isas, kernel, rows, k, n):
-    """AVX-VNNI's vpdpbusd / vpdpwssd replace AVX2's vpmaddubsw + vpmaddwd + add on the same
+    """AVX-VNNI's vpdpbusd replaces AVX2's vpmaddubsw + vpmaddwd + add on the same
     integers, so every integer kernel gives the same bits on both levels."""
     if "avx2vnni" not in plugin_isas:
         pytest.skip("this CPU lacks AVX-VNNI (avx2vnni)")

@@ -3,8 +3,7 @@
 //
 //   linear_w8_float   inputs widened to fp32, weights widened per vector, FMAs (scalar)
 //   linear_w8_i16     inputs quantized to int16, weights widened to int16, vpdpwssd /
-//                     vpmaddwd: one instruction per 32 (AVX-512) or 16 (AVX2, AVX-VNNI's
-//                     vpdpwssd there) weights and row
+//                     vpmaddwd: one instruction per 32 (AVX-512) or 16 (AVX2) weights and row
 //   linear_w8_vnni    AVX512-VNNI, rows of kVnniBytesMinK inputs or more: inputs as two int8
 //                     planes, the weights as bytes with vpdpbusd (64 multiply-adds a step)
 // The decode path on AVX-512 is the tiled layout (int8_tiled.h); select.h chooses.
@@ -21,15 +20,10 @@ void linear_w8_float(const T* x, const int8_t* w, const float* scale, const T* b
 #if defined(KILN_ISA_AVX2)
 constexpr int64_t kFlush = 1024;  // int32 partial sums go to float this often (no overflow)
 
-// acc + the int16 pairs' products summed into int32 lanes: vpmaddwd and an add, or one vpdpwssd
-// with AVX-VNNI (the same integers)
-inline __m256i madd16_add(__m256i acc, __m256i a, __m256i b) {
-#if defined(KILN_ISA_AVXVNNI)
-  return _mm256_dpwssd_avx_epi32(acc, a, b);
-#else
-  return _mm256_add_epi32(acc, _mm256_madd_epi16(a, b));
-#endif
-}
+// acc + the int16 pairs' products summed into int32 lanes. vpmaddwd and an add even with
+// AVX-VNNI: one vpdpwssd puts its 5-cycle latency on the accumulator chain, and measured 2-3%
+// slower on one thread (benchmarks/gemv_isa.py)
+inline __m256i madd16_add(__m256i acc, __m256i a, __m256i b) { return _mm256_add_epi32(acc, _mm256_madd_epi16(a, b)); }
 
 // R input rows (int16, padded to kp with zeros) against one int8 weight row: vpmaddwd on 16
 // weights widened to int16; C independent chains per row (one chain is latency-bound)
