@@ -60,7 +60,7 @@ class GrpcEngine:
                     result, error = arrived.get(timeout=CANCEL_POLL_S)
                 except queue.Empty:
                     if cancelled():
-                        client.stop_stream(cancel_requests=True)
+                        _cancel_stream(client)
                         return
                     continue
                 if error is not None:
@@ -73,12 +73,25 @@ class GrpcEngine:
                 if response.parameters["triton_final_response"].bool_param:
                     return
                 if cancelled():
-                    client.stop_stream(cancel_requests=True)
+                    _cancel_stream(client)
                     return
         finally:
             with contextlib.suppress(Exception):  # closing a stream the server already ended
                 client.stop_stream()
                 client.close()
+
+
+def _cancel_stream(client) -> None:
+    """Cancel the client's stream and end its requests. tritonclient's
+    `stop_stream(cancel_requests=True)` cancels the responses but never ends the iterator gRPC
+    reads requests from, so gRPC's request thread waited for good: one thread (and its call)
+    stayed behind in the BLS process per cancelled stream. The end-of-requests marker lets it
+    return."""
+    stream = getattr(client, "_stream", None)
+    client.stop_stream(cancel_requests=True)
+    requests = getattr(stream, "_request_queue", None)
+    if requests is not None:
+        requests.put(None)
 
 
 def _grpc_inputs(inputs: Arrays) -> list:
