@@ -34,7 +34,7 @@ from pathlib import Path
 
 
 from host import host_info
-from kiln.triton_repo.client import ensemble_inputs
+from kiln.triton_repo.client import cancel_stream, ensemble_inputs
 from kiln.triton_repo.serve import TritonServer, group_members
 
 PROMPTS = ["Write a short story about a lighthouse keeper.", "Explain how a hash table works.",
@@ -103,7 +103,10 @@ def one_request(server: TritonServer, model: str, rng: random.Random, cancel: fl
         if outcome == "dropped":
             client.close()  # the connection goes away without a word
         else:
-            client.stop_stream(cancel_requests=outcome != "completed")
+            if outcome == "completed":
+                client.stop_stream()
+            else:
+                cancel_stream(client)
             client.close()
     return outcome
 

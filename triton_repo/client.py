@@ -40,6 +40,18 @@ def ensemble_inputs(prompt: str, max_tokens: int, stream: bool, module=None, **o
     return inputs
 
 
+def cancel_stream(client) -> None:
+    """Cancel a tritonclient.grpc client's stream and end its requests. tritonclient's
+    `stop_stream(cancel_requests=True)` cancels the responses but never ends the iterator gRPC
+    reads requests from, so gRPC's request thread waits for good: one thread (and its call) per
+    cancelled stream stays in the process. The end-of-requests marker lets it return."""
+    stream = getattr(client, "_stream", None)
+    client.stop_stream(cancel_requests=True)
+    requests = getattr(stream, "_request_queue", None)
+    if requests is not None:
+        requests.put(None)
+
+
 def connect(url: str):
     """A tritonclient.grpc client for url, checked to answer: KilnError saying so when nothing
     serves there (instead of the stream's own error, which names no address)."""

@@ -46,6 +46,7 @@ class GrpcEngine:
     def stream(self, inputs: Arrays, request_id: str, cancelled: Callable[[], bool]) -> Iterator[Arrays]:
         import tritonclient.grpc as grpcclient
 
+        from kiln.triton_repo.client import cancel_stream
         from kiln.triton_repo.model_utils import split_coded
 
         arrived: queue.SimpleQueue = queue.SimpleQueue()
@@ -60,7 +61,7 @@ class GrpcEngine:
                     result, error = arrived.get(timeout=CANCEL_POLL_S)
                 except queue.Empty:
                     if cancelled():
-                        _cancel_stream(client)
+                        cancel_stream(client)
                         return
                     continue
                 if error is not None:
@@ -73,25 +74,12 @@ class GrpcEngine:
                 if response.parameters["triton_final_response"].bool_param:
                     return
                 if cancelled():
-                    _cancel_stream(client)
+                    cancel_stream(client)
                     return
         finally:
             with contextlib.suppress(Exception):  # closing a stream the server already ended
                 client.stop_stream()
                 client.close()
-
-
-def _cancel_stream(client) -> None:
-    """Cancel the client's stream and end its requests. tritonclient's
-    `stop_stream(cancel_requests=True)` cancels the responses but never ends the iterator gRPC
-    reads requests from, so gRPC's request thread waited for good: one thread (and its call)
-    stayed behind in the BLS process per cancelled stream. The end-of-requests marker lets it
-    return."""
-    stream = getattr(client, "_stream", None)
-    client.stop_stream(cancel_requests=True)
-    requests = getattr(stream, "_request_queue", None)
-    if requests is not None:
-        requests.put(None)
 
 
 def _grpc_inputs(inputs: Arrays) -> list:

@@ -87,10 +87,10 @@ __attribute__((noinline)) void tiles_w4t(const int8_t* hi, const int8_t* lo, con
 #if defined(KILN_ISA_AVX2)
 // AVX2: a tile's 64-byte vector as two halves of 8 rows. vpmaddubsw multiplies the nibbles
 // (unsigned) by the input bytes into int16 pairs (at most 2 * 15 * 128 each: no saturation),
-// vpmaddwd sums the pairs into int32 lanes, the high plane's by 256. With AVX-VNNI one
-// vpdpbusd does all three per plane (the same integers: the two paths agree bit for bit). int32 sums go to float at
-// each group's end (no overflow: under 1.99e6 a block of 8 inputs, and a group is at most
-// kTiledMaxGroup = 1,024 blocks).
+// vpmaddwd sums the pairs into int32 lanes, the high plane's by 256; with AVX-VNNI one vpdpbusd
+// per input vector does the same (the same integers: the two paths agree bit for bit). int32
+// sums go to float at each group's end (no overflow: under 1.99e6 a block of 8 inputs, and a
+// group is at most kTiledMaxGroup = 1,024 blocks).
 
 // The tiles of a tile group for one row (decode) in one pass over their interleaved weights
 // (measured: 1.6x faster SmolLM2 int4 decode than two passes of two tiles, whose half-used

@@ -20,13 +20,9 @@ void linear_w8_float(const T* x, const int8_t* w, const float* scale, const T* b
 #if defined(KILN_ISA_AVX2)
 constexpr int64_t kFlush = 1024;  // int32 partial sums go to float this often (no overflow)
 
-// acc + the int16 pairs' products summed into int32 lanes. vpmaddwd and an add even with
-// AVX-VNNI: one vpdpwssd puts its 5-cycle latency on the accumulator chain, and measured 2-3%
-// slower on one thread (benchmarks/gemv_isa.py)
-inline __m256i madd16_add(__m256i acc, __m256i a, __m256i b) { return _mm256_add_epi32(acc, _mm256_madd_epi16(a, b)); }
-
 // R input rows (int16, padded to kp with zeros) against one int8 weight row: vpmaddwd on 16
-// weights widened to int16; C independent chains per row (one chain is latency-bound)
+// weights widened to int16; C independent chains per row (one chain is latency-bound). The same
+// on AVX-VNNI: vpdpwssd would put its latency on the accumulator chain (measured 2-3% slower)
 template <int R>
 inline void dot_rows_w8_i16(const int16_t* xq, int64_t kp, const int8_t* w, int64_t k, float* sums) {
   constexpr int C = R == 1 ? 4 : R == 2 ? 2 : 1;
@@ -43,12 +39,14 @@ inline void dot_rows_w8_i16(const int16_t* xq, int64_t kp, const int8_t* w, int6
       for (int c = 0; c < C; ++c) {
         const __m256i wv = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + i + 16 * c)));
         for (int r = 0; r < R; ++r)
-          acc[r][c] = madd16_add(acc[r][c], _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + r * kp + i + 16 * c)), wv);
+          acc[r][c] = _mm256_add_epi32(
+              acc[r][c], _mm256_madd_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + r * kp + i + 16 * c)), wv));
       }
     for (; i + 16 <= std::min(b1, full); i += 16) {
       const __m256i wv = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + i)));
       for (int r = 0; r < R; ++r)
-        acc[r][0] = madd16_add(acc[r][0], _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + r * kp + i)), wv);
+        acc[r][0] = _mm256_add_epi32(
+            acc[r][0], _mm256_madd_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + r * kp + i)), wv));
     }
     int32_t tail[R] = {};
     for (; i < b1; ++i)  // the row's last k % 16 weights
