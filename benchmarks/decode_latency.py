@@ -6,6 +6,8 @@ Hugging Face transformers (eager, float32, on the same GGUF) side by side as the
 
 --isa avx2 avx512bf16 runs every engine on each of those kernel levels in turn (side by side in
 one run; a level the CPU lacks is an error): an AVX-512 host measures its AVX2 kernels too.
+--prefetch 0 4096 runs every engine with its GEMVs' software weight prefetch off and at 4 KB ahead,
+taking turns run by run.
 
 Prints a table of medians and writes JSON. No timing is asserted anywhere."""
 from __future__ import annotations
@@ -23,7 +25,10 @@ from rich.markup import escape
 from rich.table import Table
 
 
-def time_kiln(engine_dir: str, prompt: list[int], decode: int, repeats: int, isa: str | None = None) -> dict:
+def time_kiln(engine_dir: str, prompt: list[int], decode: int, repeats: int, isa: str | None = None,
+              prefetch: list[int] | None = None) -> list[dict]:
+    """One row per software prefetch distance asked for (the distances take turns run by run),
+    or one row at the library's own distance."""
     from kiln.plugins import ops
     from kiln.runtime.engine import Engine
     from kiln.runtime.model import KVPool, StepContext
@@ -36,23 +41,34 @@ def time_kiln(engine_dir: str, prompt: list[int], decode: int, repeats: int, isa
     model, block_size = engine.model, engine.limits.kv_block_size
     blocks = -(-(len(prompt) + decode) // block_size)
     table = list(range(blocks))
-    prefill, decode_rates = [], []
-    for r in range(repeats + 1):  # the first run warms up
-        pool = KVPool(engine.spec, blocks, block_size, engine.model.kv_dtype)
-        start = time.perf_counter()
-        logits = model.forward(torch.tensor(prompt), StepContext.single(0, len(prompt), table), pool)
-        mid = time.perf_counter()
-        for i in range(decode):
-            token = int(torch.argmax(logits[0]))
-            logits = model.forward(torch.tensor([token]), StepContext.single(len(prompt) + i, 1, table), pool)
-        end = time.perf_counter()
-        if r:
-            prefill.append(mid - start)
-            decode_rates.append(decode / (end - mid))
+    start_prefetch = ops.set_prefetch(0)
+    distances = prefetch or [start_prefetch]
+    prefill = {d: [] for d in distances}
+    decode_rates = {d: [] for d in distances}
+    try:
+        for r in range(repeats + 1):  # the first run warms up
+            for d in distances:
+                ops.set_prefetch(d)
+                pool = KVPool(engine.spec, blocks, block_size, engine.model.kv_dtype)
+                start = time.perf_counter()
+                logits = model.forward(torch.tensor(prompt), StepContext.single(0, len(prompt), table), pool)
+                mid = time.perf_counter()
+                for i in range(decode):
+                    token = int(torch.argmax(logits[0]))
+                    logits = model.forward(torch.tensor([token]), StepContext.single(len(prompt) + i, 1, table), pool)
+                end = time.perf_counter()
+                if r:
+                    prefill[d].append(mid - start)
+                    decode_rates[d].append(decode / (end - mid))
+    finally:
+        ops.set_prefetch(start_prefetch)
     algo = engine.meta.get("quantization", {}).get("algo", "none")
     name = f"kiln {engine.meta['dtype']}" + ("" if algo == "none" else f" {algo}") + (f" [{isa}]" if isa else "")
-    return {"name": name, "prefill_ms": 1000 * statistics.median(prefill),
-            "decode_tok_s": statistics.median(decode_rates)}
+    first = statistics.median(decode_rates[distances[0]])
+    return [{"name": name + (f" pf {d}" if prefetch else ""), "prefetch_bytes": d,
+             "prefill_ms": 1000 * statistics.median(prefill[d]), "decode_tok_s": statistics.median(decode_rates[d]),
+             "decode_vs_first_prefetch": statistics.median(decode_rates[d]) / first}
+            for d in distances]
 
 
 def time_hf_gguf(prompt: list[int], decode: int, repeats: int) -> dict:
@@ -90,6 +106,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--isa", nargs="+", default=[None], help="kernel levels to run each engine on")
+    parser.add_argument("--prefetch", type=int, nargs="+", default=None, metavar="BYTES",
+                        help="software prefetch distances to take turns with, run by run (0: none)")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
 
@@ -99,8 +117,8 @@ def main() -> None:
         torch.set_num_threads(threads)
         for isa in args.isa:
             for engine in args.engine:
-                rows.append({"threads": threads, "isa": isa,
-                             **time_kiln(engine, prompt, args.decode_tokens, args.repeats, isa)})
+                rows += [{"threads": threads, "isa": isa, **row}
+                         for row in time_kiln(engine, prompt, args.decode_tokens, args.repeats, isa, args.prefetch)]
         if args.hf_gguf:
             rows.append({"threads": threads, "isa": None, **time_hf_gguf(prompt, args.decode_tokens, args.repeats)})
         reference = next((r for r in rows if r["threads"] == threads and r["name"].startswith("transformers")), None)
@@ -114,12 +132,13 @@ def main() -> None:
     table = Table(title=f"batch-1 latency: prompt {args.prompt_tokens} tokens, decode {args.decode_tokens} "
                         f"tokens, median of {args.repeats}")
     for column in ("threads", "engine", "prefill ms", "decode tok/s", "decode vs first engine",
-                   "decode vs transformers"):
+                   "decode vs transformers", *(["decode vs first prefetch"] if args.prefetch else [])):
         table.add_column(column, justify="right")
     for row in rows:
         ratio = row.get("decode_vs_transformers")
         table.add_row(str(row["threads"]), escape(row["name"]), f"{row['prefill_ms']:.1f}", f"{row['decode_tok_s']:.1f}",
-                      f"{row['decode_vs_first']:.2f}x", f"{ratio:.2f}x" if ratio else "-")
+                      f"{row['decode_vs_first']:.2f}x", f"{ratio:.2f}x" if ratio else "-",
+                      *([f"{row['decode_vs_first_prefetch']:.2f}x"] if args.prefetch else []))
     Console().print(table)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)

@@ -1,16 +1,24 @@
 """The quantized GEMVs of a decode step on each kernel level, side by side: for each of SmolLM2's
 linear shapes and each kernel kind (int4 tiled W4A16, W4A8 tiled, int8 W8A16 rows, SmoothQuant
-W8A8, bf16), one bf16 input row, the kernel levels taking turns call by call (so a noisy
+W8A8, FP8 weights, bf16), one bf16 input row, the kernel levels taking turns call by call (so a noisy
 neighbour slows them alike), one thread by default. Prints median microseconds, the weight
 read rate and each level against the first; writes JSON. No timing is asserted anywhere.
 
     python benchmarks/gemv_isa.py --isa avx2 avx2vnni avx512bf16 --json out/gemv-isa.json
 
 Weights are the same random tensors on every level, laid out as the runtime lays them out for
-that level (tiled int4 on every level); a level the CPU lacks is an error."""
+that level (tiled int4 on every level); a level the CPU lacks is an error.
+
+By default the weights stay in cache (the arithmetic is timed). --cold MB makes enough copies of
+each weight that the copies together exceed MB and each call reads the next one, as a decode
+step reads every weight from memory once (the memory-bound rate, next to a `sum`'s read rate in
+the same run):
+
+    python benchmarks/gemv_isa.py --isa avx2vnni avx512bf16 --cold 256"""
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import statistics
 import time
@@ -26,22 +34,44 @@ SMOLLM2_SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]
 GROUP = 64
 
 
-def kernels(n: int, k: int, g: torch.Generator) -> dict:
-    """kind -> (a function of the input row, weight bytes it reads)."""
+KINDS = ["int4 tiled", "w4a8 tiled", "int8 rows", "w8a8", "fp8", "bf16"]
+
+
+def kernel(kind: str, n: int, k: int, g: torch.Generator):
+    """(a function of the input row, the weight bytes it reads) for one kernel kind, on fresh
+    random weights laid out as the runtime lays them out."""
     from kiln.plugins import ops
 
-    w4 = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=g)
-    s4 = torch.rand(n, -(-k // GROUP), generator=g) + 0.5
-    w8 = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=g)
+    if kind in ("int4 tiled", "w4a8 tiled"):
+        w4 = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=g)
+        s4 = torch.rand(n, -(-k // GROUP), generator=g) + 0.5
+        t4, ts4 = ops.pack_int4_tiled(w4, s4, GROUP)
+        run = ops.linear_w4_tiled if kind == "int4 tiled" else ops.linear_w4a8_tiled
+        return (lambda x: run(x, t4, ts4, GROUP)), t4.nbytes + ts4.nbytes
     s8 = torch.rand(n, generator=g) + 0.5
-    w8sum = w8.to(torch.int32).sum(dim=1, dtype=torch.int32)
-    wb = torch.randn(n, k, generator=g).bfloat16()
-    t4, ts4 = ops.pack_int4_tiled(w4, s4, GROUP)
-    return {"int4 tiled": (lambda x: ops.linear_w4_tiled(x, t4, ts4, GROUP), n * k // 2),
-            "w4a8 tiled": (lambda x: ops.linear_w4a8_tiled(x, t4, ts4, GROUP), n * k // 2),
-            "int8 rows": (lambda x: ops.linear_w8(x, w8, s8), n * k),
-            "w8a8": (lambda x: ops.linear_w8a8(x, w8, s8, w8sum), n * k),
-            "bf16": (lambda x: ops.linear(x, wb), 2 * n * k)}
+    if kind in ("int8 rows", "w8a8"):
+        w8 = ops.to_hugepages(torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=g))
+        if kind == "int8 rows":
+            return (lambda x: ops.linear_w8(x, w8, s8)), w8.nbytes + s8.nbytes
+        w8sum = w8.to(torch.int32).sum(dim=1, dtype=torch.int32)
+        return (lambda x: ops.linear_w8a8(x, w8, s8, w8sum)), w8.nbytes + s8.nbytes
+    if kind == "fp8":
+        wf8 = ops.to_hugepages((torch.randn(n, k, generator=g) * 64).to(torch.float8_e4m3fn))
+        return (lambda x: ops.linear_fp8(x, wf8, s8)), wf8.nbytes + s8.nbytes
+    wb = ops.to_hugepages(torch.randn(n, k, generator=g).bfloat16())
+    return (lambda x: ops.linear(x, wb)), wb.nbytes
+
+
+def read_bandwidth(gib: float = 1.0, repeats: int = 5) -> float:
+    """Bytes/s a sum over a large float32 tensor reads (median), on the threads set."""
+    x = torch.ones(int(gib * 2**30 / 4))
+    x.sum()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        x.sum()
+        times.append(time.perf_counter() - start)
+    return x.nbytes / statistics.median(times)
 
 
 def main() -> None:
@@ -49,6 +79,10 @@ def main() -> None:
     parser.add_argument("--isa", nargs="+", default=["avx2", "avx2vnni", "avx512bf16"])
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--calls", type=int, default=400, help="timed calls per kernel and level")
+    parser.add_argument("--cold", type=float, default=0, metavar="MB",
+                        help="rotate through copies of each weight exceeding MB (0: one copy, in cache)")
+    parser.add_argument("--prefetch", type=int, nargs="+", default=None, metavar="BYTES",
+                        help="software prefetch distances to take turns with on each level (0: none)")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
 
@@ -57,43 +91,60 @@ def main() -> None:
 
     ops.load_library(build_plugins())
     torch.set_num_threads(args.threads)
-    start_isa = ops.active_isa()
+    start_isa, start_prefetch = ops.active_isa(), ops.set_prefetch(0)
+    ops.set_prefetch(start_prefetch)
+    # the variants taking turns: each level, at each prefetch distance asked for
+    variants = [(isa, pf) for isa in args.isa for pf in (args.prefetch or [start_prefetch])]
+    names = [isa if not args.prefetch else f"{isa} pf {pf}" for isa, pf in variants]
     g = torch.Generator().manual_seed(20261201)
     rows = []
     try:
         for n, k in SMOLLM2_SHAPES:
             x = torch.randn(1, k, generator=g).bfloat16()
-            for kind, (run, nbytes) in kernels(n, k, g).items():
-                times = {isa: [] for isa in args.isa}
-                for isa in args.isa:  # warm up each level
-                    ops.select_isa(isa)
+            for kind in KINDS:
+                copies = [kernel(kind, n, k, g)]
+                nbytes = copies[0][1]
+                while len(copies) * nbytes < args.cold * 1e6:
+                    copies.append(kernel(kind, n, k, g))
+                runs = itertools.cycle([run for run, _ in copies])
+                times = {name: [] for name in names}
+                for isa, pf in variants:  # warm up each variant
+                    ops.select_isa(isa), ops.set_prefetch(pf)
                     for _ in range(5):
-                        run(x)
+                        next(runs)(x)
                 for _ in range(args.calls):
-                    for isa in args.isa:
-                        ops.select_isa(isa)
+                    for name, (isa, pf) in zip(names, variants):
+                        ops.select_isa(isa), ops.set_prefetch(pf)
+                        run = next(runs)
                         t0 = time.perf_counter()
                         run(x)
-                        times[isa].append(time.perf_counter() - t0)
-                for isa in args.isa:
-                    median = statistics.median(times[isa])
-                    rows.append({"shape": f"{n}x{k}", "kernel": kind, "isa": isa, "median_us": 1e6 * median,
-                                 "GBps": nbytes / median / 1e9,
-                                 "vs_first": statistics.median(times[args.isa[0]]) / median})
+                        times[name].append(time.perf_counter() - t0)
+                for name, (isa, pf) in zip(names, variants):
+                    median = statistics.median(times[name])
+                    rows.append({"shape": f"{n}x{k}", "kernel": kind, "isa": isa, "prefetch_bytes": pf,
+                                 "variant": name, "median_us": 1e6 * median, "GBps": nbytes / median / 1e9,
+                                 "vs_first": statistics.median(times[names[0]]) / median})
+                del copies, runs
     finally:
-        ops.select_isa(start_isa)
+        ops.select_isa(start_isa), ops.set_prefetch(start_prefetch)
 
-    table = Table(title=f"GEMV, one bf16 row, {args.threads} thread(s), median of {args.calls} calls per level")
-    for column in ("shape", "kernel", *(f"{isa} µs" for isa in args.isa), *(f"{isa} / {args.isa[0]}" for isa in args.isa[1:])):
+    bandwidth = read_bandwidth() if args.cold else None
+    where = f"weights from memory (> {args.cold:g} MB of copies)" if args.cold else "weights in cache"
+    table = Table(title=f"GEMV, one bf16 row, {args.threads} thread(s), {where}, median of {args.calls} calls per level")
+    for column in ("shape", "kernel", *(f"{name} µs" for name in names), *(f"{name} GB/s" for name in names),
+                   *(f"{name} / {names[0]}" for name in names[1:])):
         table.add_column(column, justify="right")
-    for i in range(0, len(rows), len(args.isa)):
-        group = rows[i : i + len(args.isa)]
+    for i in range(0, len(rows), len(names)):
+        group = rows[i : i + len(names)]
         table.add_row(group[0]["shape"], group[0]["kernel"], *(f"{r['median_us']:.1f}" for r in group),
-                      *(f"{r['vs_first']:.2f}x" for r in group[1:]))
-    Console(width=160).print(table)
+                      *(f"{r['GBps']:.1f}" for r in group), *(f"{r['vs_first']:.2f}x" for r in group[1:]))
+    Console(width=200).print(table)
+    if bandwidth:
+        print(f"read bandwidth (a sum over 1 GiB, {args.threads} thread(s)): {bandwidth / 1e9:.1f} GB/s")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        meta = {**host_info(), "threads": args.threads, "calls": args.calls, "isa": args.isa}
+        meta = {**host_info(), "threads": args.threads, "calls": args.calls, "isa": args.isa, "prefetch": args.prefetch, "cold_mb": args.cold,
+                "read_bandwidth_GBps": bandwidth and bandwidth / 1e9}
         args.json.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
 
 

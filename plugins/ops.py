@@ -36,7 +36,7 @@ def op(fake: Callable) -> Callable:
 
 
 def host_op(function: Callable) -> Callable:
-    """Declare a kiln op on the library itself (strings in and out, nothing to fake)."""
+    """Declare a kiln op on the library itself (strings and ints in and out, nothing to fake)."""
     name = function.__name__
     _HOST_OPS.add(name)
 
@@ -106,6 +106,12 @@ def active_isa() -> str:
 def tiled_layouts() -> str:
     """The weight layouts to make at load for the active instruction set, comma-separated
     ('int4,int8': both tiled; csrc/kernels/select.h decides)."""
+
+
+@host_op
+def set_prefetch(nbytes: int) -> int:
+    """Set how many bytes ahead of their reads the GEMVs prefetch their weights (0: no software
+    prefetch; KILN_PREFETCH_BYTES sets it at load, default 4096); returns the previous value."""
 
 
 _HOST_OPS.add("library_info")  # read once at load: library_info() below

@@ -42,4 +42,5 @@
   OP(select_isa, "(str isa) -> str")      \
   OP(active_isa, "() -> str")             \
   OP(tiled_layouts, "() -> str")          \
+  OP(set_prefetch, "(int bytes) -> int")  \
   OP(library_info, "() -> str")

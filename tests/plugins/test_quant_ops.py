@@ -340,3 +340,49 @@ def test_avx_vnni_sums_the_same_integers_as_avx2(plugin_isas, kernel, rows, k, n
     finally:
         ops.select_isa(os.environ.get("KILN_ISA", "auto"))
     assert torch.equal(out["avx2"], out["avx2vnni"]), f"{kernel} differs: {(out['avx2'] - out['avx2vnni']).abs().max()}"
+
+
+def test_set_prefetch_returns_the_previous_distance_and_refuses_bad_ones(plugin_isas):
+    before = ops.set_prefetch(0)
+    try:
+        assert ops.set_prefetch(2048) == 0
+        assert ops.set_prefetch(before) == 2048
+        for bad in (-1, 1 << 21):
+            with pytest.raises(RuntimeError, match="set_prefetch: bytes must be in"):
+                ops.set_prefetch(bad)
+        assert ops.set_prefetch(before) == before  # a refused value leaves the distance alone
+    finally:
+        ops.set_prefetch(before)
+
+
+@pytest.mark.parametrize("rows, k, n", [(1, 576, 64), (3, 200, 48), (1, 1536, 96)])
+def test_software_prefetch_changes_no_result(isa, rows, k, n):
+    """Every decode GEMV gives the same bits with its weight prefetch off, at the default
+    distance and at one past the end of the weights (a prefetch never reads a value)."""
+    g = generator(isa, "prefetch", rows, k, n)
+    x = rand(g, rows, k).to(torch.bfloat16)
+    w = rand(g, n, k, scale=0.05)
+    q8, s8 = quantize_int8(w)
+    q4, s4 = quantize_int4(w, 32) if k % 32 == 0 else quantize_int4(w[:, : k // 32 * 32], 32)
+    x4 = x if k % 32 == 0 else x[:, : k // 32 * 32].contiguous()
+    t4, ts4 = ops.pack_int4_tiled(q4, s4, 32)
+    f8, fs8 = quantize_fp8(w, False)
+    runs = {"linear": lambda: ops.linear(x, w.to(torch.bfloat16)),
+            "linear_w8": lambda: ops.linear_w8(x, q8, s8),
+            "linear_w8a8": lambda: ops.linear_w8a8(x, q8, s8, q8.to(torch.int32).sum(dim=1, dtype=torch.int32)),
+            "linear_w4": lambda: ops.linear_w4(x4, q4, s4, 32),
+            "linear_w4_tiled": lambda: ops.linear_w4_tiled(x4, t4, ts4, 32),
+            "linear_w4a8_tiled": lambda: ops.linear_w4a8_tiled(x4, t4, ts4, 32),
+            "linear_fp8": lambda: ops.linear_fp8(x, f8, fs8)}
+    if ops.int8_tiles_fit(n, k):
+        t8 = ops.pack_int8_tiled(q8)
+        runs["linear_w8_tiled"] = lambda: ops.linear_w8_tiled(x, t8, s8)
+    before = ops.set_prefetch(0)
+    try:
+        plain = {name: run() for name, run in runs.items()}
+        for distance in (4096, n * k * 2 + 4096):
+            ops.set_prefetch(distance)
+            for name, run in runs.items():
+                assert torch.equal(run(), plain[name]), f"{name} with prefetch {distance} differs"
+    finally:
+        ops.set_prefetch(before)

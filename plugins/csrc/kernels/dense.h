@@ -11,14 +11,17 @@
 // to T at the end.
 // Included per ISA inside kiln::<isa> after vec.h.
 
-// The dense driver: each weight row o against the input rows four at a time (four(m, o, sums)
-// fills sums[0, 4)), the rows left over one by one (one(m, o)); out = sums + bias, rounded once.
+// The dense driver: each weight row o of w against the input rows four at a time (four(m, o,
+// sums) fills sums[0, 4)), the rows left over one by one (one(m, o)); out = sums + bias, rounded
+// once.
 template <typename T, typename Four, typename One>
-void dense_rows(const T* bias, T* out, int64_t rows, int64_t n, Four four, One one) {
+void dense_rows(const T* w, int64_t k, const T* bias, T* out, int64_t rows, int64_t n, Four four, One one) {
   const int64_t grouped = rows / 4 * 4;
+  const WeightRows stream{w, k * static_cast<int64_t>(sizeof(T))};
   at::parallel_for(0, n, 32, [&](int64_t begin, int64_t end) {
     float sums[4];
     for (int64_t o = begin; o < end; ++o) {
+      stream.ahead(o);
       const float b = bias ? to_f32(bias[o]) : 0.f;
       for (int64_t m = 0; m < grouped; m += 4) {
         four(m, o, sums);
@@ -34,7 +37,7 @@ void linear_float(const T* x, const T* w, const T* bias, T* out, int64_t rows, i
   std::vector<float> xf(rows * k);
   for (int64_t i = 0; i < rows * k; ++i) xf[i] = to_f32(x[i]);
   dense_rows(
-      bias, out, rows, n,
+      w, k, bias, out, rows, n,
       [&](int64_t m, int64_t o, float* sums) {
         const float* x0 = xf.data() + m * k;
         dot4(x0, x0 + k, x0 + 2 * k, x0 + 3 * k, w + o * k, k, sums);
@@ -81,7 +84,7 @@ inline void dot4_dp(const bf16* x, int64_t stride, const bf16* w, int64_t n, flo
 void linear_bf16_dp(const bf16* x, const bf16* w, const bf16* bias, bf16* out, int64_t rows, int64_t k,
                     int64_t n) {
   dense_rows(
-      bias, out, rows, n, [&](int64_t m, int64_t o, float* sums) { dot4_dp(x + m * k, k, w + o * k, k, sums); },
+      w, k, bias, out, rows, n, [&](int64_t m, int64_t o, float* sums) { dot4_dp(x + m * k, k, w + o * k, k, sums); },
       [&](int64_t m, int64_t o) { return dot_dp(x + m * k, w + o * k, k); });
 }
 #endif

@@ -1,9 +1,9 @@
 // FP8 E4M3 (round_fp8 and the loads are in vec.h). Included per ISA inside kiln::<isa> after gemv.h.
 //
-//   linear_fp8_float         out = x @ (e4m3 W * scale[n])^T: weights [n, k] widened to fp32
-//                            per vector (exact), FMAs
-//   linear_fp8_dp            AVX512-BF16, bf16 activations: the weights widened to bf16 (exact)
-//                            and vdpbf16ps (32 multiply-adds per instruction)
+//   linear_fp8_float         out = x @ (e4m3 W * scale[n])^T: the weights [n, k] widened one by
+//                            one (exact; the scalar path)
+//   linear_fp8_shift         AVX2 / AVX-512: the same, 32 / 64 weights a step widened by shifts
+//                            (no byte shuffle), the inputs reordered to match
 //   dequantize_fp8_elements  E4M3 weights -> float32 / bf16 (exact; bf16 holds every E4M3 value)
 //   quantize_fp8_elements    x * inv_scale rounded to the nearest E4M3 value (ties to even,
 //                            saturating at +-448), in x's dtype: static per-tensor FP8
@@ -80,27 +80,65 @@ void dequantize_fp8_elements(const uint8_t* w, T* out, int64_t count) {
   });
 }
 
-#if defined(KILN_ISA_AVX512BF16)
-// bf16 rows against one E4M3 weight row with vdpbf16ps: the weights become bf16 exactly (above)
-// and 32 multiply-adds take one instruction per row; products are exact, sums fp32.
+#if !defined(KILN_ISA_SCALAR)
+// E4M3 weights widened with no byte shuffle (vpmovsxbw and vcvtph2ps share one port, which held
+// the 8- or 16-at-a-time loads at 2.5x under the read bandwidth): each 16-bit lane of a load
+// holds two weights, shifted to the lane's top byte (the even one) or masked there (the odd),
+// then taken down one bit with the sign kept and bit 14 cleared: the fp16 of the weight / 2^8
+// (exact: fp16's exponent bias is 8 more than E4M3's, its subnormals cover E4M3's). A step of
+// kFp8Step weights gives four vectors (the evens of each half, then the odds of each), which
+// meet the inputs stored in that order (permuted(i, kFp8Step)); C chains per row; the sums
+// * 2^8 at the end (exact while no product falls below fp32's normal range).
+#if defined(KILN_ISA_AVX512)
+constexpr int kFp8Step = 64;
+inline void fp8_step(const uint8_t* p, __m512* wv) {
+  const __m512i v = _mm512_loadu_si512(p), keep = _mm512_set1_epi16(-16385);  // 0xBFFF
+  const __m512i evens = _mm512_and_si512(_mm512_srai_epi16(_mm512_slli_epi16(v, 8), 1), keep);
+  const __m512i odds = _mm512_and_si512(_mm512_srai_epi16(_mm512_and_si512(v, _mm512_set1_epi16(-256)), 1), keep);
+  wv[0] = _mm512_cvtph_ps(_mm512_castsi512_si256(evens)), wv[1] = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(evens, 1));
+  wv[2] = _mm512_cvtph_ps(_mm512_castsi512_si256(odds)), wv[3] = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(odds, 1));
+}
+#else
+constexpr int kFp8Step = 32;
+inline void fp8_step(const uint8_t* p, __m256* wv) {
+  const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)), keep = _mm256_set1_epi16(-16385);
+  const __m256i evens = _mm256_and_si256(_mm256_srai_epi16(_mm256_slli_epi16(v, 8), 1), keep);
+  const __m256i odds = _mm256_and_si256(_mm256_srai_epi16(_mm256_and_si256(v, _mm256_set1_epi16(-256)), 1), keep);
+  wv[0] = _mm256_cvtph_ps(_mm256_castsi256_si128(evens)), wv[1] = _mm256_cvtph_ps(_mm256_extracti128_si256(evens, 1));
+  wv[2] = _mm256_cvtph_ps(_mm256_castsi256_si128(odds)), wv[3] = _mm256_cvtph_ps(_mm256_extracti128_si256(odds, 1));
+}
+#endif
+
 template <int R>
-inline void dot_rows_fp8_dp(const bf16* x, int64_t k, const uint8_t* wrow, float* sums) {
-  __m512 acc[R];
-  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+inline void dot_rows_fp8(const float* xp, int64_t k, const uint8_t* wrow, float* sums) {
+  constexpr int C = R == 1 ? 4 : 2;
+  vfloat acc[R][C];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) acc[r][c] = vzero();
   int64_t i = 0;
-  for (; i + 32 <= k; i += 32) {
-    const __m512bh wv = (__m512bh)fp8x32_to_bf16(wrow + i);
-    for (int r = 0; r < R; ++r) acc[r] = _mm512_dpbf16_ps(acc[r], load_bf16x32(x + r * k + i), wv);
+  for (; i + kFp8Step <= k; i += kFp8Step) {
+    vfloat wv[4];
+    fp8_step(wrow + i, wv);
+    for (int q = 0; q < 4; ++q)
+      for (int r = 0; r < R; ++r) acc[r][q % C] = vfma(vload(xp + r * k + i + kLanes * q), wv[q], acc[r][q % C]);
   }
-  for (int r = 0; r < R; ++r) sums[r] = _mm512_reduce_add_ps(acc[r]);
-  for (; i < k; ++i)
-    for (int r = 0; r < R; ++r) sums[r] += to_f32(x[r * k + i]) * to_f32(fp8e4m3{wrow[i]});
+  for (int r = 0; r < R; ++r) {
+    vfloat total = acc[r][0];
+    for (int c = 1; c < C; ++c) total = vadd(total, acc[r][c]);
+    sums[r] = vsum(total) * 256.f;
+    for (int64_t j = i; j < k; ++j) sums[r] += xp[r * k + j] * to_f32(fp8e4m3{wrow[j]});  // the tail, in order
+  }
 }
 
-void linear_fp8_dp(const bf16* x, const uint8_t* w, const float* scale, const bf16* bias, bf16* out, int64_t rows,
-                   int64_t k, int64_t n) {
-  gemv_rows(x, bias, out, rows, k, n, [&](auto R, const bf16* xr, int64_t o, float* sums) {
-    dot_rows_fp8_dp<decltype(R)::value>(xr, k, w + o * k, sums);
+template <typename T>
+void linear_fp8_shift(const T* x, const uint8_t* w, const float* scale, const T* bias, T* out, int64_t rows,
+                      int64_t k, int64_t n) {
+  std::vector<float> xp(rows * k);  // each full step of inputs in the kernel's order
+  const int64_t full = k / kFp8Step * kFp8Step;
+  for (int64_t m = 0; m < rows; ++m)
+    for (int64_t i = 0; i < k; ++i) xp[m * k + (i < full ? permuted(i, kFp8Step) : i)] = to_f32(x[m * k + i]);
+  gemv_rows({w, k}, xp.data(), bias, out, rows, k, n, [&](auto R, const float* xr, int64_t o, float* sums) {
+    dot_rows_fp8<decltype(R)::value>(xr, k, w + o * k, sums);
     for (int r = 0; r < R; ++r) sums[r] *= scale[o];
   });
 }
@@ -109,7 +147,7 @@ void linear_fp8_dp(const bf16* x, const uint8_t* w, const float* scale, const bf
 template <typename T>
 void linear_fp8_float(const T* x, const uint8_t* w, const float* scale, const T* bias, T* out, int64_t rows,
                      int64_t k, int64_t n) {
-  gemv_float_rows(x, bias, out, rows, k, n, [&](auto R, const float* xr, int64_t o, float* sums) {
+  gemv_float_rows({w, k}, x, bias, out, rows, k, n, [&](auto R, const float* xr, int64_t o, float* sums) {
     dot_rows_bytes<decltype(R)::value>(xr, k, reinterpret_cast<const fp8e4m3*>(w + o * k), sums);
     for (int r = 0; r < R; ++r) sums[r] *= scale[o];
   });

@@ -28,10 +28,11 @@ inline void with_rows(int64_t mr, F&& f) {
 // The GEMV driver: each weight row o against the input rows xs (as the kernel reads them) four at
 // a time; dot(R, xs + m0 * k, o, sums) fills sums[0, R) and out = sums + bias.
 template <typename X, typename T, typename Dot>
-void gemv_rows(const X* xs, const T* bias, T* out, int64_t rows, int64_t k, int64_t n, Dot dot) {
+void gemv_rows(WeightRows w, const X* xs, const T* bias, T* out, int64_t rows, int64_t k, int64_t n, Dot dot) {
   at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
     float sums[4];
     for (int64_t o = begin; o < end; ++o) {
+      w.ahead(o);
       const float b = bias ? to_f32(bias[o]) : 0.f;
       for (int64_t m0 = 0; m0 < rows; m0 += 4) {
         const int64_t mr = std::min<int64_t>(4, rows - m0);
@@ -44,10 +45,10 @@ void gemv_rows(const X* xs, const T* bias, T* out, int64_t rows, int64_t k, int6
 
 // The float-input GEMV (AVX2 / scalar paths): the input rows widened to fp32 once first.
 template <typename T, typename Dot>
-void gemv_float_rows(const T* x, const T* bias, T* out, int64_t rows, int64_t k, int64_t n, Dot dot) {
+void gemv_float_rows(WeightRows w, const T* x, const T* bias, T* out, int64_t rows, int64_t k, int64_t n, Dot dot) {
   std::vector<float> xf(rows * k);
   for (int64_t i = 0; i < rows * k; ++i) xf[i] = to_f32(x[i]);
-  gemv_rows(xf.data(), bias, out, rows, k, n, dot);
+  gemv_rows(w, xf.data(), bias, out, rows, k, n, dot);
 }
 
 // R input rows against one weight row of one-byte elements W (int8_t, fp8e4m3: vec.h's vload and
@@ -136,7 +137,8 @@ void quantize_rows_i16(const T* x, int64_t rows, int64_t k, int64_t kp, int orde
 }
 
 // The int16-activation GEMV driver: weight rows in tiles of 16 against the input rows four at a
-// time; tile(R, m0, o0, o1, sums) fills sums[(o - o0) * R + r] for rows m0 + r, and
+// time; tile(R, m0, o0, o1, sums) fills sums[(o - o0) * R + r] for rows m0 + r (prefetching
+// each weight row's WeightRows::ahead as it goes: all 16 at once stalled), and
 // out = sums * xs[m] * out_scale(o) + bias.
 template <typename T, typename Tile, typename OutScale>
 void tiles_i16(const T* bias, T* out, const float* xs, int64_t rows, int64_t n, Tile tile, OutScale out_scale) {
@@ -304,6 +306,15 @@ inline f32x16 scaled16(f32x16 v, float s) {
   return {_mm256_mul_ps(v.lo, vs), _mm256_mul_ps(v.hi, vs)};
 }
 #endif
+
+// The tiled kernels' prefetch: the V vectors (tiles u0.. of a group of width U) g_prefetch_ahead
+// bytes past those block b reads (one row reads the group's vectors as one stream; several rows
+// read one tile's, U * 64 bytes apart)
+inline void tiles_ahead(const uint8_t* w, int64_t b, int64_t U, int64_t u0, int V) {
+  if (g_prefetch_ahead == 0) return;
+  const uint8_t* p = w + (b * U + u0) * 64 + g_prefetch_ahead;
+  for (int v = 0; v < V; ++v) prefetch_line(p + 64 * v);
+}
 
 // The tiled GEMVs' driver: tile groups in parallel, input rows four at a time. One row (decode):
 // the group's U tiles side by side, one stream (tiles(R = 1, V = U, u0 = 0)); more rows: tile by

@@ -70,7 +70,7 @@ template <typename T>
 void linear_w4_float(const T* x, const uint8_t* w, const float* scale, int64_t group, const T* bias, T* out,
                     int64_t rows, int64_t k, int64_t n) {
   const int64_t row_bytes = (k + 1) / 2, groups = (k + group - 1) / group;
-  gemv_float_rows(x, bias, out, rows, k, n, [&](auto R, const float* xr, int64_t o, float* sums) {
+  gemv_float_rows({w, row_bytes}, x, bias, out, rows, k, n, [&](auto R, const float* xr, int64_t o, float* sums) {
     dot_rows_w4<decltype(R)::value>(xr, k, w + o * row_bytes, scale + o * groups, group, sums);
   });
 }

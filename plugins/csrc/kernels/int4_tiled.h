@@ -53,6 +53,7 @@ __attribute__((noinline)) void tiles_w4t(const int8_t* hi, const int8_t* lo, con
     __m512i h[C], l[C];
     for (int c = 0; c < C; ++c) h[c] = l[c] = _mm512_setzero_si512();
     for (int64_t b = b0; b < b1; ++b) {
+      tiles_ahead(w, b, U, u0, V);
       __m512i xh0[R], xh1[R], xl0[R], xl1[R];
       for (int r = 0; r < R; ++r) {
         if (!A8) xh0[r] = broadcast4(hi + r * k + 8 * b), xh1[r] = broadcast4(hi + r * k + 8 * b + 4);
@@ -116,6 +117,7 @@ __attribute__((noinline)) void tiles_w4t_pairs(const int8_t* hi, const int8_t* l
     __m256i a[C][2];
     for (int c = 0; c < C; ++c) a[c][0] = a[c][1] = _mm256_setzero_si256();
     for (int64_t b = b0; b < b1; ++b) {
+      tiles_ahead(w, b, U, u0, V);
       __m256i xh0[R], xh1[R], xl0[R], xl1[R];
       for (int r = 0; r < R; ++r) {
         if (!A8) xh0[r] = bytes4(hi + r * k + 8 * b), xh1[r] = bytes4(hi + r * k + 8 * b + 4);

@@ -11,7 +11,7 @@
 template <typename T>
 void linear_w8_float(const T* x, const int8_t* w, const float* scale, const T* bias, T* out, int64_t rows,
                      int64_t k, int64_t n) {
-  gemv_float_rows(x, bias, out, rows, k, n, [&](auto R, const float* xr, int64_t o, float* sums) {
+  gemv_float_rows({w, k}, x, bias, out, rows, k, n, [&](auto R, const float* xr, int64_t o, float* sums) {
     dot_rows_bytes<decltype(R)::value>(xr, k, w + o * k, sums);
     for (int r = 0; r < R; ++r) sums[r] *= scale[o];
   });
@@ -68,9 +68,13 @@ void linear_w8_i16(const T* x, const int8_t* w, const float* scale, const T* bia
   std::vector<int16_t> xq(rows * kp);
   std::vector<float> xs(rows);
   quantize_rows_i16(x, rows, k, kp, 0, xq.data(), xs.data());
+  const WeightRows stream{w, k};
   tiles_i16(bias, out, xs.data(), rows, n, [&](auto R, int64_t m0, int64_t o0, int64_t o1, float* sums) {
     constexpr int r = decltype(R)::value;
-    for (int64_t o = o0; o < o1; ++o) dot_rows_w8_i16<r>(xq.data() + m0 * kp, kp, w + o * k, k, sums + (o - o0) * r);
+    for (int64_t o = o0; o < o1; ++o) {
+      if (m0 == 0) stream.ahead(o);
+      dot_rows_w8_i16<r>(xq.data() + m0 * kp, kp, w + o * k, k, sums + (o - o0) * r);
+    }
   }, [&](int64_t o) { return scale[o]; });
 }
 #endif
@@ -193,11 +197,14 @@ void linear_w8_vnni(const T* x, const int8_t* w, const float* scale, const T* bi
   std::vector<float> xs(rows);
   std::vector<int32_t> hsum(rows), lsum(rows);
   split_rows_i8(x, rows, k, kp, kp, hi.data(), lo.data(), xs.data(), hsum.data(), lsum.data());
+  const WeightRows stream{w, k};
   tiles_i16(bias, out, xs.data(), rows, n, [&](auto R, int64_t m0, int64_t o0, int64_t o1, float* sums) {
     constexpr int r = decltype(R)::value;
-    for (int64_t o = o0; o < o1; ++o)
+    for (int64_t o = o0; o < o1; ++o) {
+      if (m0 == 0) stream.ahead(o);
       dot_rows_w8_vnni<r>(hi.data() + m0 * kp, lo.data() + m0 * kp, kp, hsum.data() + m0, lsum.data() + m0,
                           w + o * k, k, sums + (o - o0) * r);
+    }
   }, [&](int64_t o) { return scale[o]; });
 }
 #endif

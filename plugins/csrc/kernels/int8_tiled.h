@@ -52,6 +52,7 @@ __attribute__((noinline)) void tiles_w8t(const int8_t* hi, const int8_t* lo, con
     __m512i h[C], l[C];
     for (int c = 0; c < C; ++c) h[c] = l[c] = _mm512_setzero_si512();
     for (int64_t b = b0; b < b1; ++b) {
+      tiles_ahead(w, b, U, u0, V);
       __m512i xh[R], xl[R];
       for (int r = 0; r < R; ++r) xh[r] = broadcast4(hi + r * k + 4 * b), xl[r] = broadcast4(lo + r * k + 4 * b);
       for (int v = 0; v < V; ++v) {

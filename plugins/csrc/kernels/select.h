@@ -87,8 +87,9 @@ template <typename T> constexpr auto dequantize_fp8 = dequantize_fp8_elements<T>
 template <typename T>
 void linear_fp8(const T* x, const uint8_t* w, const float* s, const T* bias, T* out, int64_t rows, int64_t k,
                 int64_t n) {
-#if defined(KILN_ISA_AVX512BF16)
-  if constexpr (std::is_same_v<T, bf16>) return linear_fp8_dp(x, w, s, bias, out, rows, k, n);
-#endif
+#if !defined(KILN_ISA_SCALAR)
+  linear_fp8_shift<T>(x, w, s, bias, out, rows, k, n);
+#else
   linear_fp8_float<T>(x, w, s, bias, out, rows, k, n);
+#endif
 }

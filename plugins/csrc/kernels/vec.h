@@ -54,6 +54,30 @@ inline void store_as(int8_t* p, float x) {  // x already divided by the scale
 }
 inline void store_as(fp8e4m3* p, float x) { p->bits = fp8_bits(round_fp8(x)); }
 
+// Software prefetch of a GEMV's weight stream. A decode step reads every weight once from
+// memory; on the hosts measured, the hardware prefetchers alone left one thread streaming a
+// GEMV's weights at about half the rate a plain `sum` reads memory (benchmarks/gemv_isa.py
+// --cold). The drivers ask for the line g_prefetch_ahead bytes (library.cpp) past the ones they
+// are about to read; 0 turns it off.
+inline void prefetch_line(const void* p) {
+#if !defined(KILN_ISA_SCALAR)
+  _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T0);
+#endif
+}
+// The weight rows a row-layout GEMV streams (row o at base + o * row_bytes); ahead(o), called
+// before row o is read, prefetches the lines g_prefetch_ahead bytes past row o's
+struct WeightRows {
+  const void* base;
+  int64_t row_bytes;
+  void ahead(int64_t o) const {
+#if !defined(KILN_ISA_SCALAR)
+    if (g_prefetch_ahead == 0) return;
+    const char* p = static_cast<const char*>(base) + o * row_bytes + g_prefetch_ahead;
+    for (int64_t i = 0; i < row_bytes; i += 64) prefetch_line(p + i);
+#endif
+  }
+};
+
 #if defined(KILN_ISA_AVX512)
 constexpr int kLanes = 16;
 using vfloat = __m512;

@@ -78,9 +78,11 @@ void linear_w8a8_rows(const T* x, const int8_t* w, const float* scale, const int
     for (int64_t m = begin; m < end; ++m) xs[m] = quantize_row_u8(x + m * k, xq.data() + m * k, k, static_scale);
   });
   // weight rows in tiles of 4 (L1-resident) against every input row
+  const WeightRows stream{w, k};
   at::parallel_for(0, (n + 3) / 4, 1, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const int64_t o0 = t * 4, o1 = std::min(n, o0 + 4);
+      for (int64_t o = o0; o < o1; ++o) stream.ahead(o);
       for (int64_t m = 0; m < rows; ++m) {
         const uint8_t* xr = xq.data() + m * k;
         for (int64_t o = o0; o < o1; ++o) {
