@@ -97,6 +97,40 @@ def time_hf_gguf(prompt: list[int], decode: int, repeats: int) -> dict:
             "decode_tok_s": statistics.median(decode_rates)}
 
 
+def plot(rows: list[dict], path: Path) -> None:
+    """Grouped bars: decode tok/s per engine, one bar per (threads, kernel level, prefetch)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    def engine(row):
+        return row["name"].split(" [")[0].split(" pf ")[0]
+
+    def variant(row):
+        pf = row.get("prefetch_bytes")
+        return f"{row['threads']}t {row['isa'] or 'auto'}" + (f" pf {pf}" if pf is not None else "")
+
+    engines = list(dict.fromkeys(engine(r) for r in rows))
+    variants = list(dict.fromkeys(variant(r) for r in rows))
+    width = 0.8 / len(variants)
+    fig, ax = plt.subplots(figsize=(max(8, 1.4 * len(engines)), 4.5))
+    bases = list(dict.fromkeys(v.split(" pf ")[0] for v in variants))  # one colour pair per threads + level
+    colours = plt.get_cmap("tab20")
+    for j, v in enumerate(variants):
+        values = [next((r["decode_tok_s"] for r in rows if engine(r) == e and variant(r) == v), 0) for e in engines]
+        shade = 1 if v.endswith(" pf 0") else 0  # prefetch off: the lighter of the pair
+        ax.bar([i + j * width for i in range(len(engines))], values, width, label=v,
+               color=colours((2 * bases.index(v.split(" pf ")[0]) + shade) % 20))
+    ax.set_xticks([i + 0.4 - width / 2 for i in range(len(engines))], [e.removeprefix("kiln ") for e in engines],
+                  fontsize=8)
+    ax.set_ylabel("decode tokens/s (batch 1)")
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--engine", action="append", default=[], help="engine dir (repeatable)")
@@ -109,6 +143,7 @@ def main() -> None:
     parser.add_argument("--prefetch", type=int, nargs="+", default=None, metavar="BYTES",
                         help="software prefetch distances to take turns with, run by run (0: none)")
     parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--plot", type=Path, default=None, help="a PNG of decode tok/s per engine and variant")
     args = parser.parse_args()
 
     prompt = [(i * 7919) % 40000 + 100 for i in range(args.prompt_tokens)]
@@ -144,6 +179,8 @@ def main() -> None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         meta = {**host_info(), "torch": torch.__version__, "args": {k: str(v) for k, v in vars(args).items()}}
         args.json.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
+    if args.plot:
+        plot(rows, args.plot)
 
 
 if __name__ == "__main__":

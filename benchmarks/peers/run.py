@@ -253,7 +253,7 @@ def main() -> None:
         bandwidth = read_bandwidth(threads)
         torch.set_num_threads(threads)
         for label, engine in engines.items():
-            result = time_kiln(engine, prompt, args.decode_tokens, args.repeats)
+            [result] = time_kiln(engine, prompt, args.decode_tokens, args.repeats)
             per_token = kiln_bytes_per_token(Path(engine))
             rows.append({"threads": threads, "engine": f"kiln {label}", "weights": result["name"].split()[-1],
                          "bytes_per_token": per_token, **result, "bandwidth_GBps": bandwidth / 1e9,
