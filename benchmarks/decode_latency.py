@@ -41,14 +41,16 @@ def time_kiln(engine_dir: str, prompt: list[int], decode: int, repeats: int, isa
     model, block_size = engine.model, engine.limits.kv_block_size
     blocks = -(-(len(prompt) + decode) // block_size)
     table = list(range(blocks))
-    start_prefetch = ops.set_prefetch(0)
+    # the library's own distance unless asked (engines built before kiln::set_prefetch lack it)
+    start_prefetch = ops.set_prefetch(0) if prefetch else None
     distances = prefetch or [start_prefetch]
     prefill = {d: [] for d in distances}
     decode_rates = {d: [] for d in distances}
     try:
         for r in range(repeats + 1):  # the first run warms up
             for d in distances:
-                ops.set_prefetch(d)
+                if prefetch:
+                    ops.set_prefetch(d)
                 pool = KVPool(engine.spec, blocks, block_size, engine.model.kv_dtype)
                 start = time.perf_counter()
                 logits = model.forward(torch.tensor(prompt), StepContext.single(0, len(prompt), table), pool)
@@ -61,7 +63,8 @@ def time_kiln(engine_dir: str, prompt: list[int], decode: int, repeats: int, isa
                     prefill[d].append(mid - start)
                     decode_rates[d].append(decode / (end - mid))
     finally:
-        ops.set_prefetch(start_prefetch)
+        if prefetch:
+            ops.set_prefetch(start_prefetch)
     algo = engine.meta.get("quantization", {}).get("algo", "none")
     name = f"kiln {engine.meta['dtype']}" + ("" if algo == "none" else f" {algo}") + (f" [{isa}]" if isa else "")
     first = statistics.median(decode_rates[distances[0]])

@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 
 import torch
-from host import host_info
+from host import host_info, read_bandwidth
 from rich.console import Console
 from rich.table import Table
 
@@ -60,18 +60,6 @@ def kernel(kind: str, n: int, k: int, g: torch.Generator):
         return (lambda x: ops.linear_fp8(x, wf8, s8)), wf8.nbytes + s8.nbytes
     wb = ops.to_hugepages(torch.randn(n, k, generator=g).bfloat16())
     return (lambda x: ops.linear(x, wb)), wb.nbytes
-
-
-def read_bandwidth(gib: float = 1.0, repeats: int = 5) -> float:
-    """Bytes/s a sum over a large float32 tensor reads (median), on the threads set."""
-    x = torch.ones(int(gib * 2**30 / 4))
-    x.sum()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        x.sum()
-        times.append(time.perf_counter() - start)
-    return x.nbytes / statistics.median(times)
 
 
 def main() -> None:
@@ -128,7 +116,7 @@ def main() -> None:
     finally:
         ops.select_isa(start_isa), ops.set_prefetch(start_prefetch)
 
-    bandwidth = read_bandwidth() if args.cold else None
+    bandwidth = read_bandwidth(args.threads) if args.cold else None
     where = f"weights from memory (> {args.cold:g} MB of copies)" if args.cold else "weights in cache"
     table = Table(title=f"GEMV, one bf16 row, {args.threads} thread(s), {where}, median of {args.calls} calls per level")
     for column in ("shape", "kernel", *(f"{name} µs" for name in names), *(f"{name} GB/s" for name in names),

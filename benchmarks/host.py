@@ -5,7 +5,9 @@ from __future__ import annotations
 import datetime
 import os
 import platform
+import statistics
 import subprocess
+import time
 from pathlib import Path
 
 
@@ -51,3 +53,19 @@ def host_info() -> dict:
     except Exception:  # the plugin library is not loaded (no kiln engine in this run)
         pass
     return info
+
+
+def read_bandwidth(threads: int, gib: float = 1.0, repeats: int = 5) -> float:
+    """Bytes/s that a sum over a large float32 tensor reads on `threads` threads (median): the
+    read-bandwidth ceiling the decode benchmarks quote. Leaves torch on that many threads."""
+    import torch
+
+    torch.set_num_threads(threads)
+    x = torch.ones(int(gib * 2**30 / 4))
+    x.sum()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        x.sum()
+        times.append(time.perf_counter() - start)
+    return x.nbytes / statistics.median(times)

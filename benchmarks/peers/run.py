@@ -38,6 +38,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from decode_latency import time_hf_gguf, time_kiln  # noqa: E402
+from host import read_bandwidth  # noqa: E402
 
 SOURCE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 LLAMA_FTYPES = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 7, "F16": 1}  # llama_ftype values (llama.h)
@@ -178,19 +179,6 @@ def time_openvino(python: Path, model: Path, prompt_tokens: int, decode: int, re
             return {**result, "failed_first": "; ".join(failures) or None}
         failures.append(f"{precision or 'default precision'}: exit {run.returncode} {run.stderr.strip()[-200:]}")
     raise RuntimeError(f"OpenVINO could not run {model}: {' | '.join(failures)}")
-
-
-def read_bandwidth(threads: int, gib: float = 1.0, repeats: int = 5) -> float:
-    """Bytes/s that a sum over a large float32 tensor reads (median)."""
-    torch.set_num_threads(threads)
-    x = torch.ones(int(gib * 2**30 / 4))
-    x.sum()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        x.sum()
-        times.append(time.perf_counter() - start)
-    return x.nbytes / statistics.median(times)
 
 
 def gguf_bytes_per_token(path: Path) -> int:

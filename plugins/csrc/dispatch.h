@@ -52,7 +52,8 @@ std::string tiled_layouts() {
 
 // The GEMVs' software prefetch distance in bytes (0: none); returns the previous one
 int64_t set_prefetch(int64_t bytes) {
-  TORCH_CHECK(bytes >= 0 && bytes <= (1 << 20), "kiln::set_prefetch: bytes must be in [0, 1048576], got ", bytes);
+  TORCH_CHECK(bytes >= 0 && bytes <= kMaxPrefetchBytes, "kiln::set_prefetch: bytes must be in [0, ", kMaxPrefetchBytes,
+              "], got ", bytes);
   const int64_t before = g_prefetch_ahead;
   g_prefetch_ahead = bytes;
   return before;

@@ -38,9 +38,10 @@ using bf16 = c10::BFloat16;
 
 // How many bytes ahead of their reads the GEMVs prefetch their weights (kernels/vec.h; 0: no
 // software prefetch): KILN_PREFETCH_BYTES sets it at load, the set_prefetch op for benchmarks
+constexpr int64_t kMaxPrefetchBytes = 1 << 20;
 inline int64_t prefetch_bytes_at_load() {
   const char* env = std::getenv("KILN_PREFETCH_BYTES");
-  return env ? std::max<int64_t>(0, std::atoll(env)) : 4096;
+  return env ? std::clamp<int64_t>(std::atoll(env), 0, kMaxPrefetchBytes) : 4096;
 }
 inline int64_t g_prefetch_ahead = prefetch_bytes_at_load();
 

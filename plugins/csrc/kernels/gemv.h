@@ -51,22 +51,13 @@ void gemv_float_rows(WeightRows w, const T* x, const T* bias, T* out, int64_t ro
   gemv_rows(w, xf.data(), bias, out, rows, k, n, dot);
 }
 
-// R input rows against one weight row of one-byte elements W (int8_t, fp8e4m3: vec.h's vload and
-// to_f32 widen them exactly); R is fixed at compile time so the accumulators stay in registers
+// R input rows against one weight row of one-byte elements W (int8_t, fp8e4m3: to_f32 widens
+// them exactly), one by one: the scalar reference paths' dot product (every vector level runs
+// its own int8 and FP8 kernels, select.h)
 template <int R, typename W>
 inline void dot_rows_bytes(const float* xf, int64_t k, const W* wrow, float* sums) {
-  int64_t i = 0;
   for (int r = 0; r < R; ++r) sums[r] = 0.f;
-#if !defined(KILN_ISA_SCALAR)
-  vfloat acc[R];
-  for (int r = 0; r < R; ++r) acc[r] = vzero();
-  for (; i + kLanes <= k; i += kLanes) {
-    const vfloat wv = vload(wrow + i);
-    for (int r = 0; r < R; ++r) acc[r] = vfma(vload(xf + r * k + i), wv, acc[r]);
-  }
-  for (int r = 0; r < R; ++r) sums[r] = vsum(acc[r]);
-#endif
-  for (; i < k; ++i)
+  for (int64_t i = 0; i < k; ++i)
     for (int r = 0; r < R; ++r) sums[r] += xf[r * k + i] * to_f32(wrow[i]);
 }
 
