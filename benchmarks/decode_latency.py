@@ -32,6 +32,7 @@ def time_kiln(engine_dir: str, prompt: list[int], decode: int, repeats: int, isa
     from kiln.plugins import ops
     from kiln.runtime.engine import Engine
     from kiln.runtime.model import KVPool, StepContext
+    from kiln.runtime.sampling import greedy_tokens
 
     if isa:  # the level is chosen before the engine loads: it lays its weights out for it
         meta = json.loads((Path(engine_dir) / "engine.json").read_text())
@@ -56,7 +57,7 @@ def time_kiln(engine_dir: str, prompt: list[int], decode: int, repeats: int, isa
                 logits = model.forward(torch.tensor(prompt), StepContext.single(0, len(prompt), table), pool)
                 mid = time.perf_counter()
                 for i in range(decode):
-                    token = int(torch.argmax(logits[0]))
+                    token = greedy_tokens(logits[0])
                     logits = model.forward(torch.tensor([token]), StepContext.single(len(prompt) + i, 1, table), pool)
                 end = time.perf_counter()
                 if r:

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 import torch
 
 from kiln.runtime.model import KVPool, LlamaModel, StepContext
-from kiln.runtime.sampling import process_logits
+from kiln.runtime.sampling import greedy_tokens, process_logits
 from kiln.runtime.sequence import Sequence
 
 
@@ -80,7 +80,7 @@ class ModelRunner:
         samples: list[Sample] = []
         plain = [(seq, row) for seq, row in step.sampling if seq.params.plain_greedy]
         if plain:
-            best = torch.argmax(logits[[row for _, row in plain]], dim=-1).tolist()
+            best = greedy_tokens(logits[[row for _, row in plain]])
             samples += [Sample(seq, token) for (seq, _), token in zip(plain, best)]
         for seq, row in step.sampling:
             if not seq.params.plain_greedy:

@@ -355,11 +355,9 @@ def test_set_prefetch_returns_the_previous_distance_and_refuses_bad_ones(plugin_
         ops.set_prefetch(before)
 
 
-@pytest.mark.parametrize("rows, k, n", [(1, 576, 64), (3, 200, 48), (1, 1536, 96)])
-def test_software_prefetch_changes_no_result(isa, rows, k, n):
-    """Every decode GEMV gives the same bits with its weight prefetch off, at the default
-    distance and at one past the end of the weights (a prefetch never reads a value)."""
-    g = generator(isa, "prefetch", rows, k, n)
+def decode_gemvs(isa, tag, rows, k, n):
+    """Every decode GEMV kind on one fresh input and weight: {name: a call that runs it}."""
+    g = generator(isa, tag, rows, k, n)
     x = rand(g, rows, k).to(torch.bfloat16)
     w = rand(g, n, k, scale=0.05)
     q8, s8 = quantize_int8(w)
@@ -373,10 +371,19 @@ def test_software_prefetch_changes_no_result(isa, rows, k, n):
             "linear_w4": lambda: ops.linear_w4(x4, q4, s4, 32),
             "linear_w4_tiled": lambda: ops.linear_w4_tiled(x4, t4, ts4, 32),
             "linear_w4a8_tiled": lambda: ops.linear_w4a8_tiled(x4, t4, ts4, 32),
-            "linear_fp8": lambda: ops.linear_fp8(x, f8, fs8)}
+            "linear_fp8": lambda: ops.linear_fp8(x, f8, fs8),
+            "silu_mul": lambda: ops.silu_mul(torch.cat([x, x.flip(1)], dim=1))}
     if ops.int8_tiles_fit(n, k):
         t8 = ops.pack_int8_tiled(q8)
         runs["linear_w8_tiled"] = lambda: ops.linear_w8_tiled(x, t8, s8)
+    return runs
+
+
+@pytest.mark.parametrize("rows, k, n", [(1, 576, 64), (3, 200, 48), (1, 1536, 96)])
+def test_software_prefetch_changes_no_result(isa, rows, k, n):
+    """Every decode GEMV gives the same bits with its weight prefetch off, at the default
+    distance and at one past the end of the weights (a prefetch never reads a value)."""
+    runs = decode_gemvs(isa, "prefetch", rows, k, n)
     before = ops.set_prefetch(0)
     try:
         plain = {name: run() for name, run in runs.items()}
@@ -386,3 +393,21 @@ def test_software_prefetch_changes_no_result(isa, rows, k, n):
                 assert torch.equal(run(), plain[name]), f"{name} with prefetch {distance} differs"
     finally:
         ops.set_prefetch(before)
+
+
+# 36 tiles of 16 outputs (two threads split a group of 4 tiles at tile 18), 7 tiles, 5 tiles
+@pytest.mark.parametrize("rows, k, n", [(1, 576, 576), (1, 256, 112), (3, 200, 80), (2, 1536, 112)])
+def test_results_do_not_depend_on_the_thread_count(isa, rows, k, n):
+    """Each output is computed alike whichever thread runs it (a thread's share of a tiled GEMV
+    may start inside a group of tiles): 1, 2 and 3 threads give the same bits."""
+    runs = decode_gemvs(isa, "threads", rows, k, n)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = {name: run() for name, run in runs.items()}
+        for threads in (2, 3):
+            torch.set_num_threads(threads)
+            for name, run in runs.items():
+                assert torch.equal(run(), one[name]), f"{name} on {threads} threads differs from one thread"
+    finally:
+        torch.set_num_threads(before)

@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from kiln.errors import RequestError
-from kiln.runtime.sampling import Sampler, SamplingParams
+from kiln.runtime.sampling import Sampler, SamplingParams, greedy_tokens
 
 
 @pytest.fixture(scope="module")
@@ -25,6 +25,20 @@ def test_seed_makes_sampling_repeatable(llm):
 def test_top_k_one_is_greedy(llm):
     greedy = llm.generate(PROMPT, max_tokens=16, ignore_eos=True)
     assert llm.generate(PROMPT, max_tokens=16, temperature=1.5, top_k=1, seed=3, ignore_eos=True).token_ids == greedy.token_ids
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_greedy_tokens_are_torch_argmax_with_ties_and_nans(dtype):
+    seed = 20261202
+    generator = torch.Generator().manual_seed(seed)
+    # few distinct values, so most rows hold ties for their maximum
+    logits = torch.randint(-4, 4, (16, 49152), generator=generator).to(dtype)
+    logits[3, 100] = logits[5, 7] = logits[5, 90] = float("nan")  # a NaN wins; the first of two
+    logits[6] = float("-inf")
+    logits[7, 11] = float("inf")
+    assert greedy_tokens(logits) == torch.argmax(logits, dim=-1).tolist(), f"seed {seed}"
+    assert greedy_tokens(logits[5]) == 7 and greedy_tokens(logits[6]) == 0
+    assert greedy_tokens(logits[:, ::2]) == torch.argmax(logits[:, ::2], dim=-1).tolist()  # a strided view
 
 
 def test_top_k_and_top_p_restrict_the_support():

@@ -307,24 +307,28 @@ inline void tiles_ahead(const uint8_t* w, int64_t b, int64_t U, int64_t u0, int 
   for (int v = 0; v < V; ++v) prefetch_line(p + 64 * v);
 }
 
-// The tiled GEMVs' driver: tile groups in parallel, input rows four at a time. One row (decode):
-// the group's U tiles side by side, one stream (tiles(R = 1, V = U, u0 = 0)); more rows: tile by
-// tile (V = 1). tiles(R, V, t0, U, u0, m0, acc) fills acc[v * R + r] for tiles t0 + u0 + v and
-// input rows m0 + r (R and V as std::integral_constant); row(m, o0, acc, sums) turns one
-// accumulator into the 16 outputs of row m from o0 (before the bias), which is added here.
+// The tiled GEMVs' driver: tiles in parallel (a thread's share may start or end inside a group,
+// so two threads split a 576-output GEMV 18 / 18 tiles rather than 5 / 4 groups), input rows four
+// at a time. One row (decode): the share's tiles of a group side by side, one stream
+// (tiles(R = 1, V, t0, U, u0)); more rows: tile by tile (V = 1). tiles(R, V, t0, U, u0, m0, acc)
+// fills acc[v * R + r] for tiles t0 + u0 + v of the group at t0 (U tiles wide) and input rows
+// m0 + r (R and V as std::integral_constant); row(m, o0, acc, sums) turns one accumulator into the
+// 16 outputs of row m from o0 (before the bias), which is added here. Each output's arithmetic is
+// the same whichever thread runs it.
 template <typename T, typename Tiles, typename Row>
 void tiled_gemv(const TiledLayout& L, const T* bias, T* out, int64_t rows, int64_t n, Tiles tiles, Row row) {
-  at::parallel_for(0, (L.tiles + kTileGroup - 1) / kTileGroup, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, L.tiles, 1, [&](int64_t begin, int64_t end) {
     f32x16 acc[kTileGroup * 4];
     float sums[kTileRows];
-    for (int64_t tg = begin; tg < end; ++tg) {
-      const int64_t t0 = tg * kTileGroup, U = L.width(t0);
+    for (int64_t t = begin; t < end;) {
+      const int64_t t0 = t / kTileGroup * kTileGroup, U = L.width(t0), u0 = t - t0;
+      const int64_t count = std::min(t0 + U, end) - t;  // this share's tiles of the group
       for (int64_t m0 = 0; m0 < rows; m0 += 4) {
         const int64_t mr = std::min<int64_t>(4, rows - m0);
-        auto emit = [&](int64_t V, int64_t R, int64_t u0) {
+        auto emit = [&](int64_t V, int64_t R, int64_t first) {
           for (int64_t v = 0; v < V; ++v)
             for (int64_t r = 0; r < R; ++r) {
-              const int64_t o0 = (t0 + u0 + v) * kTileRows;
+              const int64_t o0 = (t0 + first + v) * kTileRows;
               row(m0 + r, o0, acc[v * R + r], sums);
               for (int64_t j = 0; j < kTileRows; ++j)
                 store_as(out + (m0 + r) * n + o0 + j, sums[j] + (bias ? to_f32(bias[o0 + j]) : 0.f));
@@ -332,21 +336,22 @@ void tiled_gemv(const TiledLayout& L, const T* bias, T* out, int64_t rows, int64
         };
         using One = std::integral_constant<int, 1>;
         if (mr == 1) {
-          switch (U) {
-            case 4: tiles(One{}, std::integral_constant<int, 4>{}, t0, U, 0, m0, acc); break;
-            case 3: tiles(One{}, std::integral_constant<int, 3>{}, t0, U, 0, m0, acc); break;
-            case 2: tiles(One{}, std::integral_constant<int, 2>{}, t0, U, 0, m0, acc); break;
-            default: tiles(One{}, One{}, t0, U, 0, m0, acc);
+          switch (count) {
+            case 4: tiles(One{}, std::integral_constant<int, 4>{}, t0, U, u0, m0, acc); break;
+            case 3: tiles(One{}, std::integral_constant<int, 3>{}, t0, U, u0, m0, acc); break;
+            case 2: tiles(One{}, std::integral_constant<int, 2>{}, t0, U, u0, m0, acc); break;
+            default: tiles(One{}, One{}, t0, U, u0, m0, acc);
           }
-          emit(U, 1, 0);
+          emit(count, 1, u0);
         } else {
-          for (int64_t u0 = 0; u0 < U; ++u0)
+          for (int64_t u = u0; u < u0 + count; ++u)
             with_rows(mr, [&](auto R) {
-              tiles(R, One{}, t0, U, u0, m0, acc);
-              emit(1, decltype(R)::value, u0);
+              tiles(R, One{}, t0, U, u, m0, acc);
+              emit(1, decltype(R)::value, u);
             });
         }
       }
+      t += count;
     }
   });
 }

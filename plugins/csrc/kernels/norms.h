@@ -38,21 +38,24 @@ void add_rms_norm_rows(T* residual, const T* x, const T* weight, T* out, int64_t
 // as PyTorch's separate silu and mul would.
 template <typename T>
 void silu_mul_rows(const T* gate_up, T* out, int64_t rows, int64_t n) {
-  at::parallel_for(0, rows, 4, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
+  constexpr int64_t kChunk = 256;  // elements of a row per task: a decode step's one row still splits
+  const int64_t chunks = (n + kChunk - 1) / kChunk;
+  at::parallel_for(0, rows * chunks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t r = task / chunks, first = task % chunks * kChunk, last = std::min(n, first + kChunk);
       const T* gate = gate_up + r * 2 * n;
       const T* up = gate + n;
       T* o = out + r * n;
-      int64_t i = 0;
+      int64_t i = first;
 #if !defined(KILN_ISA_SCALAR)
       float silu[kLanes];
-      for (; i + kLanes <= n; i += kLanes) {  // silu in vector lanes (vexp), then rounded and multiplied as below
+      for (; i + kLanes <= last; i += kLanes) {  // silu in vector lanes (vexp), then rounded and multiplied as below
         const vfloat g = vload(gate + i);
         vstore(silu, vdiv(g, vadd(vset1(1.f), vexp(vsub(vzero(), g)))));
         for (int j = 0; j < kLanes; ++j) store_as(o + i + j, round_as<T>(silu[j]) * to_f32(up[i + j]));
       }
 #endif
-      for (; i < n; ++i) {
+      for (; i < last; ++i) {
         const float g = to_f32(gate[i]);
         store_as(o + i, round_as<T>(g / (1.0f + std::exp(-g))) * to_f32(up[i]));
       }

@@ -6,6 +6,28 @@
 
 using OptionalTensors = c10::List<c10::optional<at::Tensor>>;
 
+// x [rows, k] times an AWQ / SmoothQuant pre-scale [k] of x's dtype, each product rounded to that
+// dtype as PyTorch's x * pre_scale rounds it; a plain loop, without the dispatcher and tensor
+// iterator that cost more than the ~600 multiplies of a decode row
+static at::Tensor scale_columns(const at::Tensor& x_in, const at::Tensor& pre_scale) {
+  const at::Tensor x = x_in.contiguous();
+  TORCH_CHECK(x.dim() == 2 && pre_scale.dim() == 1 && pre_scale.is_contiguous() &&
+                  pre_scale.size(0) == x.size(1) && pre_scale.scalar_type() == x.scalar_type() &&
+                  (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
+              "kiln::decode_layers: a pre_scale must be contiguous [", x.size(1), "] of the activations' dtype");
+  at::Tensor out = at::empty_like(x);
+  const int64_t rows = x.size(0), k = x.size(1);
+  auto run = [&](auto* o, const auto* in, const auto* s) {
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t i = 0; i < k; ++i) o[r * k + i] = static_cast<float>(in[r * k + i]) * static_cast<float>(s[i]);
+  };
+  if (x.scalar_type() == at::kFloat)
+    run(out.data_ptr<float>(), x.data_ptr<float>(), pre_scale.data_ptr<float>());
+  else
+    run(out.data_ptr<at::BFloat16>(), x.data_ptr<at::BFloat16>(), pre_scale.data_ptr<at::BFloat16>());
+  return out;
+}
+
 // One linear of the plan: its record starts at tensors[t], ints[i], floats[f]
 static at::Tensor planned_linear(const at::Tensor& x, const OptionalTensors& tensors, int64_t t, const int64_t* ints,
                                  const double* floats) {
@@ -18,7 +40,7 @@ static at::Tensor planned_linear(const at::Tensor& x, const OptionalTensors& ten
   TORCH_CHECK(kind >= 0 && kind < plan::kKinds, "kiln::decode_layers: unknown linear kind ", kind);
   TORCH_CHECK(weight.has_value() && (kind == plan::dense || scales.has_value()),
               "kiln::decode_layers: a linear's plan lacks its weight or scales");
-  at::Tensor in = pre_scale.has_value() ? x * *pre_scale : x;  // as QuantLinear.__call__
+  at::Tensor in = pre_scale.has_value() ? scale_columns(x, *pre_scale) : x;  // as QuantLinear.__call__
   if (inv_input_scale > 0) in = quantize_fp8(in, inv_input_scale);
 #pragma GCC diagnostic push
 #pragma GCC diagnostic error "-Wswitch"  // every kind of KILN_LINEAR_KINDS has its case
