@@ -238,8 +238,7 @@ def main() -> None:
     engines = dict(item.split("=", 1) for item in args.kiln)
     rows = []
     for threads in args.threads:
-        bandwidth = read_bandwidth(threads)
-        torch.set_num_threads(threads)
+        bandwidth = read_bandwidth(threads)  # (and leaves torch on that many threads)
         for label, engine in engines.items():
             [result] = time_kiln(engine, prompt, args.decode_tokens, args.repeats)
             per_token = kiln_bytes_per_token(Path(engine))

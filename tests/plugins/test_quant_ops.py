@@ -355,8 +355,8 @@ def test_set_prefetch_returns_the_previous_distance_and_refuses_bad_ones(plugin_
         ops.set_prefetch(before)
 
 
-def decode_gemvs(isa, tag, rows, k, n):
-    """Every decode GEMV kind on one fresh input and weight: {name: a call that runs it}."""
+def decode_kernels(isa, tag, rows, k, n):
+    """Every decode GEMV kind, and SwiGLU, on one fresh input and weight: {name: a call that runs it}."""
     g = generator(isa, tag, rows, k, n)
     x = rand(g, rows, k).to(torch.bfloat16)
     w = rand(g, n, k, scale=0.05)
@@ -383,7 +383,7 @@ def decode_gemvs(isa, tag, rows, k, n):
 def test_software_prefetch_changes_no_result(isa, rows, k, n):
     """Every decode GEMV gives the same bits with its weight prefetch off, at the default
     distance and at one past the end of the weights (a prefetch never reads a value)."""
-    runs = decode_gemvs(isa, "prefetch", rows, k, n)
+    runs = decode_kernels(isa, "prefetch", rows, k, n)
     before = ops.set_prefetch(0)
     try:
         plain = {name: run() for name, run in runs.items()}
@@ -400,7 +400,7 @@ def test_software_prefetch_changes_no_result(isa, rows, k, n):
 def test_results_do_not_depend_on_the_thread_count(isa, rows, k, n):
     """Each output is computed alike whichever thread runs it (a thread's share of a tiled GEMV
     may start inside a group of tiles): 1, 2 and 3 threads give the same bits."""
-    runs = decode_gemvs(isa, "threads", rows, k, n)
+    runs = decode_kernels(isa, "threads", rows, k, n)
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
