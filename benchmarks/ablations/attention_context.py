@@ -1,40 +1,112 @@
-"""One-thread kiln::paged_attention for one decode token (SmolLM2's 9 heads / 3 KV heads / 64,
-bf16 pool) at several cached lengths: warm (called again and again) and cold (64 MB read
+"""kiln::paged_attention for one decode token (SmolLM2's 9 heads / 3 KV heads / 64, bf16 pool) at
+several cached lengths, on 1 and 2 threads: warm (called again and again) and cold (64 MB read
 between calls, as the weights a decode step streams evict the KV cache). Median of the calls.
 
-    PYTHONPATH=. python benchmarks/ablations/attention_context.py"""
+    PYTHONPATH=. python benchmarks/ablations/attention_context.py --threads 1 2 --isa avx2
+
+With --library NAME=PATH (twice or more) it compares plugin libraries (e.g. the one inside an
+engine built by another version of kiln against this tree's): one process per library and
+thread count, the libraries taking turns for --rounds rounds, medians over the rounds, each
+against the first. No timing is asserted anywhere."""
+from __future__ import annotations
+
+import argparse
+import json
 import statistics
+import subprocess
+import sys
 import time
+from pathlib import Path
 
-import torch
+CONTEXTS = (1, 190, 1000, 4000)
+HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 32
 
-from kiln.plugins import ops
-from kiln.plugins.build import build_plugins
 
-ops.load_library(build_plugins())
-torch.set_num_threads(1)
-heads, kv_heads, head_dim, block = 9, 3, 64, 32
-junk = torch.randn(16 << 20)
-cos, sin = torch.randn(8192, head_dim).bfloat16(), torch.randn(8192, head_dim).bfloat16()
-for context in (1, 190, 1000, 4000):
-    blocks = context // block + 2
-    k_pool = torch.randn(blocks, block, kv_heads, head_dim).bfloat16()
-    v_pool = torch.randn(blocks, block, kv_heads, head_dim).bfloat16()
-    qkv = torch.randn(1, (heads + 2 * kv_heads) * head_dim).bfloat16()
-    tables = torch.arange(blocks, dtype=torch.int32)[None]
-    starts, lens = torch.tensor([0, 1], dtype=torch.int32), torch.tensor([context], dtype=torch.int32)
+def measure(library: str | None, threads: int, isa: str | None, calls: int) -> dict[str, float]:
+    """{"<context> warm|cold": median µs} in this process."""
+    import torch
 
-    def call():
-        ops.paged_attention(qkv, k_pool, v_pool, tables, starts, lens, cos, sin, heads, head_dim ** -0.5, None)
+    from kiln.plugins import ops
+    from kiln.plugins.build import build_plugins
 
-    row = []
-    for cold in (False, True):
-        times = []
-        for _ in range(60):
-            if cold:
-                junk.sum()
-            start = time.perf_counter()
-            call()
-            times.append(time.perf_counter() - start)
-        row.append(f"{'cold' if cold else 'warm'} {statistics.median(times[10:]) * 1e6:7.1f} us")
-    print(f"{context:5d} cached tokens  " + "  ".join(row), flush=True)
+    ops.load_library(library or build_plugins())
+    if isa:
+        ops.select_isa(isa)
+    torch.set_num_threads(threads)
+    torch.manual_seed(0)
+    junk = torch.randn(16 << 20)
+    cos, sin = torch.randn(8192, HEAD_DIM).bfloat16(), torch.randn(8192, HEAD_DIM).bfloat16()
+    out = {}
+    for context in CONTEXTS:
+        blocks = context // BLOCK + 2
+        k_pool = torch.randn(blocks, BLOCK, KV_HEADS, HEAD_DIM).bfloat16()
+        v_pool = torch.randn(blocks, BLOCK, KV_HEADS, HEAD_DIM).bfloat16()
+        qkv = torch.randn(1, (HEADS + 2 * KV_HEADS) * HEAD_DIM).bfloat16()
+        tables = torch.arange(blocks, dtype=torch.int32)[None]
+        starts, lens = torch.tensor([0, 1], dtype=torch.int32), torch.tensor([context], dtype=torch.int32)
+        for cold in (False, True):
+            times = []
+            for _ in range(calls if not cold else max(calls // 10, 20)):
+                if cold:
+                    junk.sum()
+                start = time.perf_counter()
+                ops.paged_attention(qkv, k_pool, v_pool, tables, starts, lens, cos, sin, HEADS, HEAD_DIM**-0.5, None)
+                times.append(time.perf_counter() - start)
+            out[f"{context} {'cold' if cold else 'warm'}"] = statistics.median(times[len(times) // 10:]) * 1e6
+    return out
+
+
+def child(library: str, threads: int, isa: str | None, calls: int) -> dict[str, float]:
+    command = [sys.executable, __file__, "--child", library, "--threads", str(threads), "--calls", str(calls)]
+    if isa:
+        command += ["--isa", isa]
+    done = subprocess.run(command, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise SystemExit(f"{library}: {done.stderr[-2000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--threads", type=int, nargs="+", default=[1])
+    parser.add_argument("--isa", default=None, help="kernel level (default: the best this CPU runs)")
+    parser.add_argument("--library", action="append", default=[], metavar="NAME=PATH")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--calls", type=int, default=500)
+    parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child is not None:
+        print(json.dumps(measure(args.child or None, args.threads[0], args.isa, args.calls)))
+        return
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from host import host_info
+
+    libraries = dict(spec.split("=", 1) for spec in args.library) or {"this tree": ""}
+    rounds = args.rounds if args.library else 1
+    runs: dict[tuple[str, int], list[dict[str, float]]] = {}
+    for r in range(rounds):
+        for threads in args.threads:
+            for name, path in libraries.items():
+                runs.setdefault((name, threads), []).append(child(path, threads, args.isa, args.calls))
+        print(f"round {r + 1}/{rounds} done", file=sys.stderr, flush=True)
+    rows = []
+    for (name, threads), results in runs.items():
+        medians = {key: statistics.median(run[key] for run in results) for key in results[0]}
+        rows.append({"library": name, "threads": threads, "us": medians})
+    first = {row["threads"]: row["us"] for row in rows if row["library"] == next(iter(libraries))}
+    keys = list(rows[0]["us"])
+    print(f"paged_attention, one decode token, µs (median of {rounds} rounds; isa {args.isa or 'best'})")
+    print("library        threads  " + "  ".join(f"{key:>11s}" for key in keys))
+    for row in rows:
+        cells = [f"{row['us'][key]:7.1f}" + (f" {first[row['threads']][key] / row['us'][key]:.2f}x"
+                                            if len(libraries) > 1 else "") for key in keys]
+        print(f"{row['library']:14s} {row['threads']:7d}  " + "  ".join(f"{cell:>11s}" for cell in cells))
+    if args.json:
+        args.json.write_text(json.dumps({"host": host_info(), "isa": args.isa, "contexts": list(CONTEXTS),
+                                         "rounds": rounds, "rows": rows}, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -46,6 +46,7 @@ SHAPES = [
     (6, 2, 48, 7, 4, 19, 33),     # odd block size and head_dim, lengths off the block grid
     (2, 2, 6, 5, 3, 9, 12),       # tiny head_dim (the scalar tail only)
     (4, 2, 128, 16, 2, 6, 40),    # head_dim 128 (Llama 7B's; the rotation's largest in-register block)
+    (12, 2, 64, 32, 2, 3, 2200),  # GQA 6 (heads in groups of 4 and 2), contexts of up to 16 chunks
 ]
 
 
@@ -235,3 +236,39 @@ def test_rotary_tables_too_short_are_refused(plugin_isas):
     batch["cos"], batch["sin"] = batch["cos"][:0], batch["sin"][:0]
     with pytest.raises(RuntimeError, match="beyond the rotary tables"):
         ops.paged_attention(**batch, scale=1.0)
+
+
+def decode_row(batch, t):
+    """Token t of a packed batch (after the batch wrote its keys and values) as a one-token
+    decode step over the same pool: its sequence's cached context is every earlier position."""
+    starts = batch["query_start"].tolist()
+    s = max(i for i in range(len(starts) - 1) if starts[i] <= t)
+    position = int(batch["context_lens"][s]) + t - starts[s]
+    return {**batch, "qkv": batch["qkv"][t:t + 1], "block_tables": batch["block_tables"][s:s + 1],
+            "query_start": torch.tensor([0, 1], dtype=torch.int32),
+            "context_lens": torch.tensor([position], dtype=torch.int32)}
+
+
+@pytest.mark.parametrize("pool_dtype", [None, torch.int8], ids=["bf16-pool", "int8-pool"])
+def test_attention_does_not_depend_on_the_batch_or_the_thread_count(isa, pool_dtype):
+    """A token's attention is the same bits in a prefill chunk of several sequences as in a decode
+    step of its own, and on 1, 2 or 3 threads, over contexts long enough to be split into chunks
+    that different threads run and that are merged afterwards (up to 16 at 2,000 positions)."""
+    rng = random.Random(f"invariance{isa}{pool_dtype}")
+    batch = random_batch(rng, torch.bfloat16, 9, 3, 64, 32, 3, 12, 2000)
+    if pool_dtype is not None:
+        batch = quantized_pools(batch, pool_dtype, torch.Generator().manual_seed(rng.randrange(2**31)))
+    scale = 64**-0.5
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        whole = ops.paged_attention(**batch, scale=scale)  # writes the batch's keys and values
+        tokens = list(range(batch["qkv"].shape[0]))
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            assert torch.equal(ops.paged_attention(**batch, scale=scale), whole), f"{threads} threads"
+            for t in rng.sample(tokens, min(6, len(tokens))):
+                alone = ops.paged_attention(**decode_row(batch, t), scale=scale)
+                assert torch.equal(alone[0], whole[t]), f"token {t} alone on {threads} threads"
+    finally:
+        torch.set_num_threads(before)

@@ -22,10 +22,14 @@
 // unchanged, but the few channels where RoPE'd keys are large are spread over all B, so the
 // cache's per-value rounding error (FP8's is relative to each value) no longer lands on the
 // channels that dominate the scores (hadamard.h; plugins/formats.py).
-// With AVX-512 a block's scores are computed sixteen keys at a time (one transposing reduction
-// for the sixteen dot products), exponentiated sixteen at a time, and the weighted values summed
-// in registers: 1.6-2x the scalar-reduction loop with warm caches (190-4,000 cached tokens;
-// benchmarks/ablations/attention_context.py).
+// A block's scores are computed kLanes keys at a time (one transposing reduction for the kLanes
+// dot products), exponentiated kLanes at a time, and the weighted values summed in registers.
+// The query heads that share a KV head go through its blocks together, so each key and value is
+// loaded and widened once for all of them, and the next block's keys and values are prefetched
+// while one block runs. Each (token, KV head) takes its context in chunks of whole blocks that
+// threads run separately; their partial softmaxes are merged in chunk order. The chunks depend
+// on the token's context alone, so a token's result is the same bits in any batch and on any
+// number of threads (benchmarks/ablations/attention_context.py; tests/plugins/test_attention.py).
 // Included per ISA inside kiln::<isa> after vec.h and hadamard.h.
 
 // x * cos + rotate_half(x) * sin for one head vector, into fp32 (values rounded to T).
@@ -77,6 +81,15 @@ inline float exp_shifted(float* scores, int64_t n, float shift) {
   }
   return _mm512_reduce_add_ps(total);
 }
+// the largest of x[0, n), n >= 1 (a block's scores: the softmax shift)
+inline float max_of(const float* x, int64_t n) {
+  __m512 m = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) m = _mm512_max_ps(m, _mm512_loadu_ps(x + i));
+  float top = _mm512_reduce_max_ps(m);
+  for (; i < n; ++i) top = std::max(top, x[i]);
+  return top;
+}
 #elif defined(KILN_ISA_AVX2)
 // Eight vectors -> one vector of their sums (lane i = the sum of v[i])
 inline __m256 sum8(const __m256* v) {
@@ -105,69 +118,102 @@ inline float exp_shifted(float* scores, int64_t n, float shift) {
   }
   return sum;
 }
+
+// the largest of x[0, n), n >= 1 (a block's scores: the softmax shift)
+inline float max_of(const float* x, int64_t n) {
+  __m256 m = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) m = _mm256_max_ps(m, _mm256_loadu_ps(x + i));
+  __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+  h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+  float top = _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
+  for (; i < n; ++i) top = std::max(top, x[i]);
+  return top;
+}
 #endif
 
+// The query heads that share a KV head (grouped-query attention) go through its blocks together:
+// each key and value vector is loaded (and widened from bf16 / int8 / FP8) once for all of them.
+// Each head's arithmetic is the one-head loop's, in the same order.
 #if !defined(KILN_ISA_SCALAR)
-// scores[i] = q . k_i for the n keys of a block (key i at k + i * stride), kLanes at a time
-template <typename P>
-inline void block_scores(const float* q, const P* k, int64_t stride, int64_t n, int64_t head_dim, float* scores) {
+// scores[h * s_stride + i] = q_h . k_i for HG heads (q_h at q + h * q_stride) and the n keys of a
+// block (key i at k + i * stride), kLanes keys at a time
+template <int HG, typename P>
+inline void group_scores_n(const float* q, int64_t q_stride, const P* k, int64_t stride, int64_t n, int64_t head_dim,
+                           float* scores, int64_t s_stride) {
   int64_t i = 0;
   if (head_dim % kLanes == 0) {
-    vfloat acc[kLanes];
+    vfloat acc[HG][kLanes];
     for (; i + kLanes <= n; i += kLanes) {
       for (int j = 0; j < kLanes; ++j) {
         const P* kj = k + (i + j) * stride;
-        vfloat a = vmul(vload(q), vload(kj));
-        for (int64_t d = kLanes; d < head_dim; d += kLanes) a = vfma(vload(q + d), vload(kj + d), a);
-        acc[j] = a;
+        const vfloat k0 = vload(kj);
+        vfloat a[HG];
+        for (int h = 0; h < HG; ++h) a[h] = vmul(vload(q + h * q_stride), k0);
+        for (int64_t d = kLanes; d < head_dim; d += kLanes) {
+          const vfloat kd = vload(kj + d);
+          for (int h = 0; h < HG; ++h) a[h] = vfma(vload(q + h * q_stride + d), kd, a[h]);
+        }
+        for (int h = 0; h < HG; ++h) acc[h][j] = a[h];
       }
-      vstore(scores + i, sum_lanes(acc));
+      for (int h = 0; h < HG; ++h) vstore(scores + h * s_stride + i, sum_lanes(acc[h]));
     }
   }
-  for (; i < n; ++i) scores[i] = dot(q, k + i * stride, head_dim);
+  for (; i < n; ++i)
+    for (int h = 0; h < HG; ++h) scores[h * s_stride + i] = dot(q + h * q_stride, k + i * stride, head_dim);
 }
 
-// acc[0, kLanes C) += sum_i p[i] * v_i (value i at v + i * stride), the accumulators in registers
-template <int C, typename P>
-inline void block_pv_c(float* acc, const float* p, const P* v, int64_t stride, int64_t n) {
-  vfloat a[C];
-  for (int c = 0; c < C; ++c) a[c] = vload(acc + kLanes * c);
+// acc_h[0, kLanes C) += sum_i p_h[i] * v_i for HG heads (acc_h at acc + h * a_stride, p_h at
+// p + h * p_stride; value i at v + i * stride), the accumulators in registers
+template <int HG, int C, typename P>
+inline void group_pv_c(float* acc, int64_t a_stride, const float* p, int64_t p_stride, const P* v, int64_t stride,
+                       int64_t n) {
+  vfloat a[HG][C];
+  for (int h = 0; h < HG; ++h)
+    for (int c = 0; c < C; ++c) a[h][c] = vload(acc + h * a_stride + kLanes * c);
   for (int64_t i = 0; i < n; ++i) {
-    const vfloat pi = vset1(p[i]);
+    vfloat pi[HG];
+    for (int h = 0; h < HG; ++h) pi[h] = vset1(p[h * p_stride + i]);
     const P* vi = v + i * stride;
-    for (int c = 0; c < C; ++c) a[c] = vfma(pi, vload(vi + kLanes * c), a[c]);
+    for (int c = 0; c < C; ++c) {
+      const vfloat vc = vload(vi + kLanes * c);
+      for (int h = 0; h < HG; ++h) a[h][c] = vfma(pi[h], vc, a[h][c]);
+    }
   }
-  for (int c = 0; c < C; ++c) vstore(acc + kLanes * c, a[c]);
+  for (int h = 0; h < HG; ++h)
+    for (int c = 0; c < C; ++c) vstore(acc + h * a_stride + kLanes * c, a[h][c]);
 }
 
-template <typename P>
-inline void block_pv(float* acc, const float* p, const P* v, int64_t stride, int64_t n, int64_t head_dim) {
-  const int64_t vectors = head_dim % kLanes == 0 ? head_dim / kLanes : 0;
-#if defined(KILN_ISA_AVX2)
-  if (vectors > 8 && vectors % 8 == 0) {  // e.g. head_dim 128: eight vectors at a time
-    for (int64_t c0 = 0; c0 < vectors; c0 += 8) block_pv_c<8>(acc + c0 * kLanes, p, v + c0 * kLanes, stride, n);
+template <int HG, typename P>
+inline void group_pv_n(float* acc, int64_t a_stride, const float* p, int64_t p_stride, const P* v, int64_t stride,
+                       int64_t n, int64_t head_dim) {
+  if (head_dim % kLanes != 0) {
+    for (int h = 0; h < HG; ++h)
+      for (int64_t i = 0; i < n; ++i) axpy(acc + h * a_stride, p[h * p_stride + i], v + i * stride, head_dim);
     return;
   }
-#endif
-  switch (vectors) {
-    case 2: return block_pv_c<2>(acc, p, v, stride, n);
-    case 3: return block_pv_c<3>(acc, p, v, stride, n);
-    case 4: return block_pv_c<4>(acc, p, v, stride, n);
-    case 6: return block_pv_c<6>(acc, p, v, stride, n);
-    case 8: return block_pv_c<8>(acc, p, v, stride, n);
-    default:
-      for (int64_t i = 0; i < n; ++i) axpy(acc, p[i], v + i * stride, head_dim);
-  }
+  // columns per pass: the accumulators (HG x C) stay within the registers (16 AVX2, 32 AVX-512)
+  constexpr int kBudget = kLanes == 16 ? 24 : 12;
+  constexpr int C = kBudget / HG >= 8 ? 8 : kBudget / HG >= 4 ? 4 : kBudget / HG >= 2 ? 2 : 1;
+  const int64_t vectors = head_dim / kLanes;
+  int64_t c0 = 0;
+  for (; c0 + C <= vectors; c0 += C)
+    group_pv_c<HG, C>(acc + c0 * kLanes, a_stride, p, p_stride, v + c0 * kLanes, stride, n);
+  for (; c0 < vectors; ++c0) group_pv_c<HG, 1>(acc + c0 * kLanes, a_stride, p, p_stride, v + c0 * kLanes, stride, n);
 }
 #else
-template <typename P>
-inline void block_pv(float* acc, const float* p, const P* v, int64_t stride, int64_t n, int64_t head_dim) {
-  for (int64_t i = 0; i < n; ++i) axpy(acc, p[i], v + i * stride, head_dim);
+template <int HG, typename P>
+inline void group_scores_n(const float* q, int64_t q_stride, const P* k, int64_t stride, int64_t n, int64_t head_dim,
+                           float* scores, int64_t s_stride) {
+  for (int64_t i = 0; i < n; ++i)
+    for (int h = 0; h < HG; ++h) scores[h * s_stride + i] = dot(q + h * q_stride, k + i * stride, head_dim);
 }
 
-template <typename P>
-inline void block_scores(const float* q, const P* k, int64_t stride, int64_t n, int64_t head_dim, float* scores) {
-  for (int64_t i = 0; i < n; ++i) scores[i] = dot(q, k + i * stride, head_dim);
+template <int HG, typename P>
+inline void group_pv_n(float* acc, int64_t a_stride, const float* p, int64_t p_stride, const P* v, int64_t stride,
+                       int64_t n, int64_t head_dim) {
+  for (int h = 0; h < HG; ++h)
+    for (int64_t i = 0; i < n; ++i) axpy(acc + h * a_stride, p[h * p_stride + i], v + i * stride, head_dim);
 }
 
 inline float exp_shifted(float* scores, int64_t n, float shift) {
@@ -175,7 +221,40 @@ inline float exp_shifted(float* scores, int64_t n, float shift) {
   for (int64_t i = 0; i < n; ++i) total += scores[i] = std::exp(scores[i] - shift);
   return total;
 }
+
+inline float max_of(const float* x, int64_t n) { return *std::max_element(x, x + n); }
 #endif
+
+// group_scores_n / group_pv_n for any number of heads: four at a time, then the rest
+template <typename P>
+inline void group_scores(const float* q, int64_t heads, int64_t q_stride, const P* k, int64_t stride, int64_t n,
+                         int64_t head_dim, float* scores, int64_t s_stride) {
+  int64_t h = 0;
+  for (; h + 4 <= heads; h += 4)
+    group_scores_n<4>(q + h * q_stride, q_stride, k, stride, n, head_dim, scores + h * s_stride, s_stride);
+  switch (heads - h) {
+    case 3: return group_scores_n<3>(q + h * q_stride, q_stride, k, stride, n, head_dim, scores + h * s_stride, s_stride);
+    case 2: return group_scores_n<2>(q + h * q_stride, q_stride, k, stride, n, head_dim, scores + h * s_stride, s_stride);
+    case 1: return group_scores_n<1>(q + h * q_stride, q_stride, k, stride, n, head_dim, scores + h * s_stride, s_stride);
+  }
+}
+
+template <typename P>
+inline void group_pv(float* acc, int64_t heads, int64_t a_stride, const float* p, int64_t p_stride, const P* v,
+                     int64_t stride, int64_t n, int64_t head_dim) {
+  int64_t h = 0;
+  for (; h + 4 <= heads; h += 4)
+    group_pv_n<4>(acc + h * a_stride, a_stride, p + h * p_stride, p_stride, v, stride, n, head_dim);
+  switch (heads - h) {
+    case 3: return group_pv_n<3>(acc + h * a_stride, a_stride, p + h * p_stride, p_stride, v, stride, n, head_dim);
+    case 2: return group_pv_n<2>(acc + h * a_stride, a_stride, p + h * p_stride, p_stride, v, stride, n, head_dim);
+    case 1: return group_pv_n<1>(acc + h * a_stride, a_stride, p + h * p_stride, p_stride, v, stride, n, head_dim);
+  }
+}
+
+// a context's chunk for the work split (in tokens, rounded down to whole blocks), and the most
+// chunks one token's context is split into
+constexpr int64_t kChunkTokens = 128, kMaxChunks = 16;
 
 template <typename T, typename P>
 void paged_attention_impl(const T* qkv, const T* cos, const T* sin, P* k_pool, P* v_pool, T* out,
@@ -198,10 +277,23 @@ void paged_attention_impl(const T* qkv, const T* cos, const T* sin, P* k_pool, P
   const int64_t q_size = shape.heads * head_dim;
   std::vector<float> inv_scales(quantized ? 2 * row : 0);  // 1 / k_scale, then 1 / v_scale
   for (size_t i = 0; i < inv_scales.size(); ++i) inv_scales[i] = 1.f / kv_scales[i];
+  // each token's rotated queries, scaled (and with K's scales folded in), made once for every
+  // chunk of its context that attends with them
+  const int64_t group = shape.heads / shape.kv_heads, tokens = shape.tokens;
+  std::vector<float> queries(tokens * shape.heads * head_dim);
   at::parallel_for(0, shape.tokens, 16, [&](int64_t begin, int64_t end) {
     std::vector<float> rotated(head_dim);
     for (int64_t t = begin; t < end; ++t) {
       const int64_t position = position_of(t);
+      for (int64_t h = 0; h < shape.heads; ++h) {
+        float* q = queries.data() + (t * shape.heads + h) * head_dim;
+        rope_into(q, qkv + t * qkv_row + h * head_dim, cos + position * head_dim, sin + position * head_dim,
+                  head_dim);
+        if (shape.key_hadamard) hadamard_inplace(q, head_dim, shape.key_hadamard);
+        for (int64_t d = 0; d < head_dim; ++d) q[d] *= scale;
+        if constexpr (quantized)
+          for (int64_t d = 0; d < head_dim; ++d) q[d] *= kv_scales[(h / group) * head_dim + d];
+      }
       const int64_t slot = slot_of(token_seq[t], position);
       const T* k = qkv + t * qkv_row + q_size;
       for (int64_t g = 0; g < shape.kv_heads; ++g) {
@@ -246,38 +338,73 @@ void paged_attention_impl(const T* qkv, const T* cos, const T* sin, P* k_pool, P
     }
   }
 
-  const int64_t group = shape.heads / shape.kv_heads;
-  at::parallel_for(0, shape.tokens * shape.heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(head_dim), acc(head_dim), scores(bs);
+  // Work items: (token, KV head, chunk of the token's context). A chunk is a run of whole blocks,
+  // sized by the token's context alone (kChunkTokens, at most kMaxChunks of them), so a token's
+  // result is the same bits in any batch and on any number of threads; the chunks of a long
+  // context go to different threads, and their partial softmaxes are merged afterwards.
+  const int64_t chunk_blocks = std::max<int64_t>(1, kChunkTokens / bs);
+  std::vector<int64_t> chunks(tokens), per_chunk(tokens), first_item(tokens + 1, 0), first_part(tokens + 1, 0);
+  for (int64_t t = 0; t < tokens; ++t) {
+    const int64_t blocks = (position_of(t) + bs) / bs;  // context position + 1 keys
+    const int64_t most = std::min((blocks + chunk_blocks - 1) / chunk_blocks, kMaxChunks);
+    per_chunk[t] = (blocks + most - 1) / most;
+    chunks[t] = (blocks + per_chunk[t] - 1) / per_chunk[t];  // none of them empty
+    first_item[t + 1] = first_item[t] + shape.kv_heads * chunks[t];
+    first_part[t + 1] = first_part[t] + (chunks[t] > 1 ? shape.heads * chunks[t] : 0);
+  }
+  const int64_t part_size = head_dim + 2;  // a partial: running max, denominator, accumulator
+  std::vector<float> parts(first_part[tokens] * part_size);
+
+  auto write_out = [&](T* orow, const float* acc, float inv, int64_t g) {
+    if constexpr (quantized) {
+      const float* v_scale = kv_scales + row + g * head_dim;
+      for (int64_t d = 0; d < head_dim; ++d) store_as(orow + d, acc[d] * inv * v_scale[d]);
+    } else {
+      for (int64_t d = 0; d < head_dim; ++d) store_as(orow + d, acc[d] * inv);
+    }
+  };
+
+  at::parallel_for(0, first_item[tokens], 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> acc(group * head_dim), scores(group * bs), running_max(group), denom(group);
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t t = item / shape.heads, h = item % shape.heads, g = h / group;
+      const int64_t t = std::upper_bound(first_item.begin(), first_item.end(), item) - first_item.begin() - 1;
+      const int64_t g = (item - first_item[t]) / chunks[t], c = (item - first_item[t]) % chunks[t];
       const int64_t s = token_seq[t];
       const int32_t* table = block_tables + s * shape.max_blocks;
-      const int64_t position = position_of(t);
-      rope_into(qf.data(), qkv + t * qkv_row + h * head_dim, cos + position * head_dim,
-                sin + position * head_dim, head_dim);
-      if (shape.key_hadamard) hadamard_inplace(qf.data(), head_dim, shape.key_hadamard);
-      for (int64_t d = 0; d < head_dim; ++d) qf[d] *= scale;
-      if constexpr (quantized)
-        for (int64_t d = 0; d < head_dim; ++d) qf[d] *= kv_scales[g * head_dim + d];
+      const int64_t position = position_of(t), context = position + 1;
+      const int64_t blocks = (context + bs - 1) / bs;
+      const int64_t b_first = c * per_chunk[t], b_last = std::min(blocks, b_first + per_chunk[t]);
+      const float* qf = queries.data() + (t * shape.heads + g * group) * head_dim;  // the group's heads
       std::fill(acc.begin(), acc.end(), 0.f);
-      float running_max = -std::numeric_limits<float>::infinity(), denom = 0.f;
-      const int64_t context = position + 1;
+      std::fill(running_max.begin(), running_max.end(), -std::numeric_limits<float>::infinity());
+      std::fill(denom.begin(), denom.end(), 0.f);
       // keys / values: the block storage; block_at(b): the storage block holding block b
       auto attend = [&](const auto* keys, const auto* values, auto block_at) {
-        for (int64_t first = 0, b = 0; first < context; first += bs, ++b) {
-          const int64_t n = std::min(bs, context - first);
+        for (int64_t b = b_first; b < b_last; ++b) {
+          const int64_t n = std::min(bs, context - b * bs);
           const int64_t at = block_at(b) * block_stride + g * head_dim;
-          block_scores(qf.data(), keys + at, row, n, head_dim, scores.data());
-          const float block_max = *std::max_element(scores.begin(), scores.begin() + n);
-          if (block_max > running_max) {
-            const float correction = std::exp(running_max - block_max);
-            denom *= correction;
-            scale_inplace(acc.data(), correction, head_dim);
-            running_max = block_max;
+          if (b + 1 < b_last) {  // the next block's keys and values of this KV head, while this one runs
+            const int64_t next = block_at(b + 1) * block_stride + g * head_dim;
+            const int64_t bytes = head_dim * static_cast<int64_t>(sizeof(*keys));
+            for (int64_t i = 0; i < std::min(bs, context - (b + 1) * bs); ++i)
+              for (int64_t at_byte = 0; at_byte < bytes; at_byte += 64) {
+                prefetch_line(reinterpret_cast<const char*>(keys + next + i * row) + at_byte);
+                prefetch_line(reinterpret_cast<const char*>(values + next + i * row) + at_byte);
+              }
           }
-          denom += exp_shifted(scores.data(), n, running_max);
-          block_pv(acc.data(), scores.data(), values + at, row, n, head_dim);
+          group_scores(qf, group, head_dim, keys + at, row, n, head_dim, scores.data(), bs);
+          for (int64_t j = 0; j < group; ++j) {
+            float* sj = scores.data() + j * bs;
+            const float block_max = max_of(sj, n);
+            if (block_max > running_max[j]) {
+              const float correction = std::exp(running_max[j] - block_max);
+              denom[j] *= correction;
+              scale_inplace(acc.data() + j * head_dim, correction, head_dim);
+              running_max[j] = block_max;
+            }
+            denom[j] += exp_shifted(sj, n, running_max[j]);
+          }
+          group_pv(acc.data(), group, head_dim, scores.data(), bs, values + at, row, n, head_dim);
         }
       };
       if (widened.empty() || widened[s].empty()) {
@@ -286,14 +413,37 @@ void paged_attention_impl(const T* qkv, const T* cos, const T* sin, P* k_pool, P
         const std::vector<bf16>& copy = widened[s];
         attend(copy.data(), copy.data() + copy.size() / 2, [](int64_t b) { return b; });
       }
-      T* orow = out + (t * shape.heads + h) * head_dim;
-      const float inv = 1.f / denom;
-      if constexpr (quantized) {
-        const float* v_scale = kv_scales + row + g * head_dim;
-        for (int64_t d = 0; d < head_dim; ++d) store_as(orow + d, acc[d] * inv * v_scale[d]);
-      } else {
-        for (int64_t d = 0; d < head_dim; ++d) store_as(orow + d, acc[d] * inv);
+      for (int64_t j = 0; j < group; ++j) {
+        const int64_t h = g * group + j;
+        if (chunks[t] == 1) {
+          write_out(out + (t * shape.heads + h) * head_dim, acc.data() + j * head_dim, 1.f / denom[j], g);
+        } else {
+          float* part = parts.data() + (first_part[t] + h * chunks[t] + c) * part_size;
+          part[0] = running_max[j];
+          part[1] = denom[j];
+          std::copy(acc.begin() + j * head_dim, acc.begin() + (j + 1) * head_dim, part + 2);
+        }
       }
+    }
+  });
+  if (parts.empty()) return;
+  // the chunks of each (token, head), merged in chunk order (a decode step's few on the calling thread)
+  at::parallel_for(0, tokens * shape.heads, 64, [&](int64_t begin, int64_t end) {
+    std::vector<float> acc(head_dim);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t t = item / shape.heads, h = item % shape.heads;
+      if (chunks[t] == 1) continue;
+      const float* first = parts.data() + (first_part[t] + h * chunks[t]) * part_size;
+      float top = -std::numeric_limits<float>::infinity(), denom = 0.f;
+      for (int64_t c = 0; c < chunks[t]; ++c) top = std::max(top, first[c * part_size]);
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t c = 0; c < chunks[t]; ++c) {
+        const float* part = first + c * part_size;
+        const float weight = std::exp(part[0] - top);
+        denom += part[1] * weight;
+        axpy(acc.data(), weight, part + 2, head_dim);
+      }
+      write_out(out + (t * shape.heads + h) * head_dim, acc.data(), 1.f / denom, h / group);
     }
   });
 }
