@@ -98,11 +98,12 @@ def main() -> None:
     first = {row["threads"]: row["us"] for row in rows if row["library"] == next(iter(libraries))}
     keys = list(rows[0]["us"])
     print(f"paged_attention, one decode token, µs (median of {rounds} rounds; isa {args.isa or 'best'})")
-    print("library        threads  " + "  ".join(f"{key:>11s}" for key in keys))
+    width = 13 if len(libraries) > 1 else 7
+    print("library        threads  " + "  ".join(f"{key:>{width}s}" for key in keys))
     for row in rows:
         cells = [f"{row['us'][key]:7.1f}" + (f" {first[row['threads']][key] / row['us'][key]:.2f}x"
                                             if len(libraries) > 1 else "") for key in keys]
-        print(f"{row['library']:14s} {row['threads']:7d}  " + "  ".join(f"{cell:>11s}" for cell in cells))
+        print(f"{row['library']:14s} {row['threads']:7d}  " + "  ".join(f"{cell:>{width}s}" for cell in cells))
     if args.json:
         args.json.write_text(json.dumps({"host": host_info(), "isa": args.isa, "contexts": list(CONTEXTS),
                                          "rounds": rounds, "rows": rows}, indent=2))
