@@ -1,5 +1,5 @@
 """kiln::paged_attention for one decode token (SmolLM2's 9 heads / 3 KV heads / 64, bf16 pool) at
-several cached lengths, on 1 and 2 threads: warm (called again and again) and cold (64 MB read
+several cached lengths, and for a 128-token prefill chunk, on 1 and 2 threads: warm (called again and again) and cold (64 MB read
 between calls, as the weights a decode step streams evict the KV cache). Median of the calls.
 
     PYTHONPATH=. python benchmarks/ablations/attention_context.py --threads 1 2 --isa avx2
@@ -18,12 +18,14 @@ import sys
 import time
 from pathlib import Path
 
-CONTEXTS = (1, 190, 1000, 4000)
+# (label, cached tokens, new tokens): one decode token at several cached lengths, and a
+# 128-token prefill chunk (its RoPE, KV write and causal attention)
+CASES = (("1", 1, 1), ("190", 190, 1), ("1000", 1000, 1), ("4000", 4000, 1), ("prefill128", 0, 128))
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 32
 
 
 def measure(library: str | None, threads: int, isa: str | None, calls: int) -> dict[str, float]:
-    """{"<context> warm|cold": median µs} in this process."""
+    """{"<case> warm|cold": median µs} in this process."""
     import torch
 
     from kiln.plugins import ops
@@ -37,13 +39,13 @@ def measure(library: str | None, threads: int, isa: str | None, calls: int) -> d
     junk = torch.randn(16 << 20)
     cos, sin = torch.randn(8192, HEAD_DIM).bfloat16(), torch.randn(8192, HEAD_DIM).bfloat16()
     out = {}
-    for context in CONTEXTS:
-        blocks = context // BLOCK + 2
+    for label, cached, new in CASES:
+        blocks = (cached + new) // BLOCK + 2
         k_pool = torch.randn(blocks, BLOCK, KV_HEADS, HEAD_DIM).bfloat16()
         v_pool = torch.randn(blocks, BLOCK, KV_HEADS, HEAD_DIM).bfloat16()
-        qkv = torch.randn(1, (HEADS + 2 * KV_HEADS) * HEAD_DIM).bfloat16()
+        qkv = torch.randn(new, (HEADS + 2 * KV_HEADS) * HEAD_DIM).bfloat16()
         tables = torch.arange(blocks, dtype=torch.int32)[None]
-        starts, lens = torch.tensor([0, 1], dtype=torch.int32), torch.tensor([context], dtype=torch.int32)
+        starts, lens = torch.tensor([0, new], dtype=torch.int32), torch.tensor([cached], dtype=torch.int32)
         for cold in (False, True):
             times = []
             for _ in range(calls if not cold else max(calls // 10, 20)):
@@ -52,7 +54,7 @@ def measure(library: str | None, threads: int, isa: str | None, calls: int) -> d
                 start = time.perf_counter()
                 ops.paged_attention(qkv, k_pool, v_pool, tables, starts, lens, cos, sin, HEADS, HEAD_DIM**-0.5, None)
                 times.append(time.perf_counter() - start)
-            out[f"{context} {'cold' if cold else 'warm'}"] = statistics.median(times[len(times) // 10:]) * 1e6
+            out[f"{label} {'cold' if cold else 'warm'}"] = statistics.median(times[len(times) // 10:]) * 1e6
     return out
 
 
@@ -97,7 +99,7 @@ def main() -> None:
         rows.append({"library": name, "threads": threads, "us": medians})
     first = {row["threads"]: row["us"] for row in rows if row["library"] == next(iter(libraries))}
     keys = list(rows[0]["us"])
-    print(f"paged_attention, one decode token, µs (median of {rounds} rounds; isa {args.isa or 'best'})")
+    print(f"paged_attention, µs (median of {rounds} rounds; isa {args.isa or 'best'})")
     width = 13 if len(libraries) > 1 else 7
     print("library        threads  " + "  ".join(f"{key:>{width}s}" for key in keys))
     for row in rows:
@@ -105,7 +107,7 @@ def main() -> None:
                                             if len(libraries) > 1 else "") for key in keys]
         print(f"{row['library']:14s} {row['threads']:7d}  " + "  ".join(f"{cell:>{width}s}" for cell in cells))
     if args.json:
-        args.json.write_text(json.dumps({"host": host_info(), "isa": args.isa, "contexts": list(CONTEXTS),
+        args.json.write_text(json.dumps({"host": host_info(), "isa": args.isa, "cases": [list(case) for case in CASES],
                                          "rounds": rounds, "rows": rows}, indent=2))
 
 

@@ -32,10 +32,53 @@
 // number of threads (benchmarks/ablations/attention_context.py; tests/plugins/test_attention.py).
 // Included per ISA inside kiln::<isa> after vec.h and hadamard.h.
 
+#if !defined(KILN_ISA_SCALAR)
+// x rounded to bf16 and back, kLanes at a time, as c10::BFloat16(float) rounds (to nearest, ties
+// to even; NaN stays NaN)
+inline vfloat round_bf16(vfloat x) {
+#if defined(KILN_ISA_AVX512)
+  const __m512i bits = _mm512_castps_si512(x);
+  const __m512i bias = _mm512_add_epi32(_mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1)),
+                                        _mm512_set1_epi32(0x7fff));
+  const __m512 rounded = _mm512_castsi512_ps(
+      _mm512_and_si512(_mm512_add_epi32(bits, bias), _mm512_set1_epi32(static_cast<int>(0xffff0000u))));
+  return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), rounded, x);
+#else
+  const __m256i bits = _mm256_castps_si256(x);
+  const __m256i bias = _mm256_add_epi32(_mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1)),
+                                        _mm256_set1_epi32(0x7fff));
+  const __m256 rounded = _mm256_castsi256_ps(
+      _mm256_and_si256(_mm256_add_epi32(bits, bias), _mm256_set1_epi32(static_cast<int>(0xffff0000u))));
+  return _mm256_blendv_ps(rounded, x, _mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+#endif
+}
+template <typename T>
+inline vfloat vround_as(vfloat x) {
+  if constexpr (std::is_same_v<T, float>)
+    return x;
+  else
+    return round_bf16(x);
+}
+#endif
+
 // x * cos + rotate_half(x) * sin for one head vector, into fp32 (values rounded to T).
 template <typename T>
 inline void rope_into(float* dst, const T* x, const T* cos, const T* sin, int64_t head_dim) {
   const int64_t half = head_dim / 2;
+#if !defined(KILN_ISA_SCALAR)
+  if (half % kLanes == 0) {  // the same roundings, kLanes at a time
+    const vfloat minus_one = vset1(-1.f);  // -x exactly, the sign of zero included
+    for (int64_t d = 0; d < half; d += kLanes) {
+      const vfloat lo = vload(x + d), hi = vload(x + d + half);
+      const vfloat neg_hi = vmul(hi, minus_one);
+      vstore(dst + d, vround_as<T>(vadd(vround_as<T>(vmul(lo, vload(cos + d))),
+                                        vround_as<T>(vmul(neg_hi, vload(sin + d))))));
+      vstore(dst + d + half, vround_as<T>(vadd(vround_as<T>(vmul(hi, vload(cos + d + half))),
+                                               vround_as<T>(vmul(lo, vload(sin + d + half))))));
+    }
+    return;
+  }
+#endif
   for (int64_t d = 0; d < head_dim; ++d) {
     const float rotated = d < half ? -to_f32(x[d + half]) : to_f32(x[d - half]);
     dst[d] = round_as<T>(round_as<T>(to_f32(x[d]) * to_f32(cos[d])) +
@@ -232,10 +275,12 @@ inline void group_scores(const float* q, int64_t heads, int64_t q_stride, const 
   int64_t h = 0;
   for (; h + 4 <= heads; h += 4)
     group_scores_n<4>(q + h * q_stride, q_stride, k, stride, n, head_dim, scores + h * s_stride, s_stride);
+  const float* qh = q + h * q_stride;
+  float* sh = scores + h * s_stride;
   switch (heads - h) {
-    case 3: return group_scores_n<3>(q + h * q_stride, q_stride, k, stride, n, head_dim, scores + h * s_stride, s_stride);
-    case 2: return group_scores_n<2>(q + h * q_stride, q_stride, k, stride, n, head_dim, scores + h * s_stride, s_stride);
-    case 1: return group_scores_n<1>(q + h * q_stride, q_stride, k, stride, n, head_dim, scores + h * s_stride, s_stride);
+    case 3: return group_scores_n<3>(qh, q_stride, k, stride, n, head_dim, sh, s_stride);
+    case 2: return group_scores_n<2>(qh, q_stride, k, stride, n, head_dim, sh, s_stride);
+    case 1: return group_scores_n<1>(qh, q_stride, k, stride, n, head_dim, sh, s_stride);
   }
 }
 
@@ -245,10 +290,12 @@ inline void group_pv(float* acc, int64_t heads, int64_t a_stride, const float* p
   int64_t h = 0;
   for (; h + 4 <= heads; h += 4)
     group_pv_n<4>(acc + h * a_stride, a_stride, p + h * p_stride, p_stride, v, stride, n, head_dim);
+  float* ah = acc + h * a_stride;
+  const float* ph = p + h * p_stride;
   switch (heads - h) {
-    case 3: return group_pv_n<3>(acc + h * a_stride, a_stride, p + h * p_stride, p_stride, v, stride, n, head_dim);
-    case 2: return group_pv_n<2>(acc + h * a_stride, a_stride, p + h * p_stride, p_stride, v, stride, n, head_dim);
-    case 1: return group_pv_n<1>(acc + h * a_stride, a_stride, p + h * p_stride, p_stride, v, stride, n, head_dim);
+    case 3: return group_pv_n<3>(ah, a_stride, ph, p_stride, v, stride, n, head_dim);
+    case 2: return group_pv_n<2>(ah, a_stride, ph, p_stride, v, stride, n, head_dim);
+    case 1: return group_pv_n<1>(ah, a_stride, ph, p_stride, v, stride, n, head_dim);
   }
 }
 
@@ -353,7 +400,9 @@ void paged_attention_impl(const T* qkv, const T* cos, const T* sin, P* k_pool, P
     first_part[t + 1] = first_part[t] + (chunks[t] > 1 ? shape.heads * chunks[t] : 0);
   }
   const int64_t part_size = head_dim + 2;  // a partial: running max, denominator, accumulator
-  std::vector<float> parts(first_part[tokens] * part_size);
+  // every partial is written before the merge reads it: no need to zero what a long prefill chunk
+  // at a long context makes large (tokens x heads x chunks)
+  const std::unique_ptr<float[]> parts(first_part[tokens] > 0 ? new float[first_part[tokens] * part_size] : nullptr);
 
   auto write_out = [&](T* orow, const float* acc, float inv, int64_t g) {
     if constexpr (quantized) {
@@ -364,76 +413,82 @@ void paged_attention_impl(const T* qkv, const T* cos, const T* sin, P* k_pool, P
     }
   };
 
-  at::parallel_for(0, first_item[tokens], 1, [&](int64_t begin, int64_t end) {
+  // Thread i of n takes items i, i + n, i + 2n, ...: a prefill chunk's later tokens attend over
+  // more positions, so contiguous shares would leave the first thread waiting for the last.
+  const int64_t items = first_item[tokens];
+  const int64_t shares = std::min<int64_t>(items, at::get_num_threads());
+  at::parallel_for(0, shares, 1, [&](int64_t first_share, int64_t last_share) {
     std::vector<float> acc(group * head_dim), scores(group * bs), running_max(group), denom(group);
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t t = std::upper_bound(first_item.begin(), first_item.end(), item) - first_item.begin() - 1;
-      const int64_t g = (item - first_item[t]) / chunks[t], c = (item - first_item[t]) % chunks[t];
-      const int64_t s = token_seq[t];
-      const int32_t* table = block_tables + s * shape.max_blocks;
-      const int64_t position = position_of(t), context = position + 1;
-      const int64_t blocks = (context + bs - 1) / bs;
-      const int64_t b_first = c * per_chunk[t], b_last = std::min(blocks, b_first + per_chunk[t]);
-      const float* qf = queries.data() + (t * shape.heads + g * group) * head_dim;  // the group's heads
-      std::fill(acc.begin(), acc.end(), 0.f);
-      std::fill(running_max.begin(), running_max.end(), -std::numeric_limits<float>::infinity());
-      std::fill(denom.begin(), denom.end(), 0.f);
-      // keys / values: the block storage; block_at(b): the storage block holding block b
-      auto attend = [&](const auto* keys, const auto* values, auto block_at) {
-        for (int64_t b = b_first; b < b_last; ++b) {
-          const int64_t n = std::min(bs, context - b * bs);
-          const int64_t at = block_at(b) * block_stride + g * head_dim;
-          if (b + 1 < b_last) {  // the next block's keys and values of this KV head, while this one runs
-            const int64_t next = block_at(b + 1) * block_stride + g * head_dim;
-            const int64_t bytes = head_dim * static_cast<int64_t>(sizeof(*keys));
-            for (int64_t i = 0; i < std::min(bs, context - (b + 1) * bs); ++i)
-              for (int64_t at_byte = 0; at_byte < bytes; at_byte += 64) {
-                prefetch_line(reinterpret_cast<const char*>(keys + next + i * row) + at_byte);
-                prefetch_line(reinterpret_cast<const char*>(values + next + i * row) + at_byte);
-              }
-          }
-          group_scores(qf, group, head_dim, keys + at, row, n, head_dim, scores.data(), bs);
-          for (int64_t j = 0; j < group; ++j) {
-            float* sj = scores.data() + j * bs;
-            const float block_max = max_of(sj, n);
-            if (block_max > running_max[j]) {
-              const float correction = std::exp(running_max[j] - block_max);
-              denom[j] *= correction;
-              scale_inplace(acc.data() + j * head_dim, correction, head_dim);
-              running_max[j] = block_max;
+    for (int64_t share = first_share; share < last_share; ++share) {
+      for (int64_t item = share; item < items; item += shares) {
+        const int64_t t = std::upper_bound(first_item.begin(), first_item.end(), item) - first_item.begin() - 1;
+        const int64_t g = (item - first_item[t]) / chunks[t], c = (item - first_item[t]) % chunks[t];
+        const int64_t s = token_seq[t];
+        const int32_t* table = block_tables + s * shape.max_blocks;
+        const int64_t position = position_of(t), context = position + 1;
+        const int64_t blocks = (context + bs - 1) / bs;
+        const int64_t b_first = c * per_chunk[t], b_last = std::min(blocks, b_first + per_chunk[t]);
+        const float* qf = queries.data() + (t * shape.heads + g * group) * head_dim;  // the group's heads
+        std::fill(acc.begin(), acc.end(), 0.f);
+        std::fill(running_max.begin(), running_max.end(), -std::numeric_limits<float>::infinity());
+        std::fill(denom.begin(), denom.end(), 0.f);
+        // keys / values: the block storage; block_at(b): the storage block holding block b
+        auto attend = [&](const auto* keys, const auto* values, auto block_at) {
+          for (int64_t b = b_first; b < b_last; ++b) {
+            const int64_t n = std::min(bs, context - b * bs);
+            const int64_t at = block_at(b) * block_stride + g * head_dim;
+            if (b + 1 < b_last) {  // the next block's keys and values of this KV head, while this one runs
+              const int64_t next = block_at(b + 1) * block_stride + g * head_dim;
+              const int64_t bytes = head_dim * static_cast<int64_t>(sizeof(*keys));
+              for (int64_t i = 0; i < std::min(bs, context - (b + 1) * bs); ++i)
+                for (int64_t at_byte = 0; at_byte < bytes; at_byte += 64) {
+                  prefetch_line(reinterpret_cast<const char*>(keys + next + i * row) + at_byte);
+                  prefetch_line(reinterpret_cast<const char*>(values + next + i * row) + at_byte);
+                }
             }
-            denom[j] += exp_shifted(sj, n, running_max[j]);
+            group_scores(qf, group, head_dim, keys + at, row, n, head_dim, scores.data(), bs);
+            for (int64_t j = 0; j < group; ++j) {
+              float* sj = scores.data() + j * bs;
+              const float block_max = max_of(sj, n);
+              if (block_max > running_max[j]) {
+                const float correction = std::exp(running_max[j] - block_max);
+                denom[j] *= correction;
+                scale_inplace(acc.data() + j * head_dim, correction, head_dim);
+                running_max[j] = block_max;
+              }
+              denom[j] += exp_shifted(sj, n, running_max[j]);
+            }
+            group_pv(acc.data(), group, head_dim, scores.data(), bs, values + at, row, n, head_dim);
           }
-          group_pv(acc.data(), group, head_dim, scores.data(), bs, values + at, row, n, head_dim);
-        }
-      };
-      if (widened.empty() || widened[s].empty()) {
-        attend(k_pool, v_pool, [table](int64_t b) { return static_cast<int64_t>(table[b]); });
-      } else {
-        const std::vector<bf16>& copy = widened[s];
-        attend(copy.data(), copy.data() + copy.size() / 2, [](int64_t b) { return b; });
-      }
-      for (int64_t j = 0; j < group; ++j) {
-        const int64_t h = g * group + j;
-        if (chunks[t] == 1) {
-          write_out(out + (t * shape.heads + h) * head_dim, acc.data() + j * head_dim, 1.f / denom[j], g);
+        };
+        if (widened.empty() || widened[s].empty()) {
+          attend(k_pool, v_pool, [table](int64_t b) { return static_cast<int64_t>(table[b]); });
         } else {
-          float* part = parts.data() + (first_part[t] + h * chunks[t] + c) * part_size;
-          part[0] = running_max[j];
-          part[1] = denom[j];
-          std::copy(acc.begin() + j * head_dim, acc.begin() + (j + 1) * head_dim, part + 2);
+          const std::vector<bf16>& copy = widened[s];
+          attend(copy.data(), copy.data() + copy.size() / 2, [](int64_t b) { return b; });
+        }
+        for (int64_t j = 0; j < group; ++j) {
+          const int64_t h = g * group + j;
+          if (chunks[t] == 1) {
+            write_out(out + (t * shape.heads + h) * head_dim, acc.data() + j * head_dim, 1.f / denom[j], g);
+          } else {
+            float* part = parts.get() + (first_part[t] + h * chunks[t] + c) * part_size;
+            part[0] = running_max[j];
+            part[1] = denom[j];
+            std::copy(acc.begin() + j * head_dim, acc.begin() + (j + 1) * head_dim, part + 2);
+          }
         }
       }
     }
   });
-  if (parts.empty()) return;
+  if (!parts) return;
   // the chunks of each (token, head), merged in chunk order (a decode step's few on the calling thread)
   at::parallel_for(0, tokens * shape.heads, 64, [&](int64_t begin, int64_t end) {
     std::vector<float> acc(head_dim);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t t = item / shape.heads, h = item % shape.heads;
       if (chunks[t] == 1) continue;
-      const float* first = parts.data() + (first_part[t] + h * chunks[t]) * part_size;
+      const float* first = parts.get() + (first_part[t] + h * chunks[t]) * part_size;
       float top = -std::numeric_limits<float>::infinity(), denom = 0.f;
       for (int64_t c = 0; c < chunks[t]; ++c) top = std::max(top, first[c * part_size]);
       std::fill(acc.begin(), acc.end(), 0.f);
