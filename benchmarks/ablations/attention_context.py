@@ -1,6 +1,7 @@
 """kiln::paged_attention for one decode token (SmolLM2's 9 heads / 3 KV heads / 64, bf16 pool) at
-several cached lengths, and for a 128-token prefill chunk, on 1 and 2 threads: warm (called again and again) and cold (64 MB read
-between calls, as the weights a decode step streams evict the KV cache). Median of the calls.
+several cached lengths, and for a 128-token prefill chunk, on 1 and 2 threads: warm (called again
+and again) and cold (64 MB read between calls, as the weights a decode step streams evict the KV
+cache). Median of the calls.
 
     PYTHONPATH=. python benchmarks/ablations/attention_context.py --threads 1 2 --isa avx2
 
@@ -100,12 +101,13 @@ def main() -> None:
     first = {row["threads"]: row["us"] for row in rows if row["library"] == next(iter(libraries))}
     keys = list(rows[0]["us"])
     print(f"paged_attention, µs (median of {rounds} rounds; isa {args.isa or 'best'})")
-    width = 13 if len(libraries) > 1 else 7
-    print("library        threads  " + "  ".join(f"{key:>{width}s}" for key in keys))
+    widths = [max(len(key), 13 if len(libraries) > 1 else 7) for key in keys]
+    print("library        threads  " + "  ".join(f"{key:>{w}s}" for key, w in zip(keys, widths)))
     for row in rows:
         cells = [f"{row['us'][key]:7.1f}" + (f" {first[row['threads']][key] / row['us'][key]:.2f}x"
                                             if len(libraries) > 1 else "") for key in keys]
-        print(f"{row['library']:14s} {row['threads']:7d}  " + "  ".join(f"{cell:>{width}s}" for cell in cells))
+        print(f"{row['library']:14s} {row['threads']:7d}  "
+              + "  ".join(f"{cell:>{w}s}" for cell, w in zip(cells, widths)))
     if args.json:
         args.json.write_text(json.dumps({"host": host_info(), "isa": args.isa, "cases": [list(case) for case in CASES],
                                          "rounds": rounds, "rows": rows}, indent=2))

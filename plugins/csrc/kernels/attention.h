@@ -32,35 +32,6 @@
 // number of threads (benchmarks/ablations/attention_context.py; tests/plugins/test_attention.py).
 // Included per ISA inside kiln::<isa> after vec.h and hadamard.h.
 
-#if !defined(KILN_ISA_SCALAR)
-// x rounded to bf16 and back, kLanes at a time, as c10::BFloat16(float) rounds (to nearest, ties
-// to even; NaN stays NaN)
-inline vfloat round_bf16(vfloat x) {
-#if defined(KILN_ISA_AVX512)
-  const __m512i bits = _mm512_castps_si512(x);
-  const __m512i bias = _mm512_add_epi32(_mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1)),
-                                        _mm512_set1_epi32(0x7fff));
-  const __m512 rounded = _mm512_castsi512_ps(
-      _mm512_and_si512(_mm512_add_epi32(bits, bias), _mm512_set1_epi32(static_cast<int>(0xffff0000u))));
-  return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), rounded, x);
-#else
-  const __m256i bits = _mm256_castps_si256(x);
-  const __m256i bias = _mm256_add_epi32(_mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1)),
-                                        _mm256_set1_epi32(0x7fff));
-  const __m256 rounded = _mm256_castsi256_ps(
-      _mm256_and_si256(_mm256_add_epi32(bits, bias), _mm256_set1_epi32(static_cast<int>(0xffff0000u))));
-  return _mm256_blendv_ps(rounded, x, _mm256_cmp_ps(x, x, _CMP_UNORD_Q));
-#endif
-}
-template <typename T>
-inline vfloat vround_as(vfloat x) {
-  if constexpr (std::is_same_v<T, float>)
-    return x;
-  else
-    return round_bf16(x);
-}
-#endif
-
 // x * cos + rotate_half(x) * sin for one head vector, into fp32 (values rounded to T).
 template <typename T>
 inline void rope_into(float* dst, const T* x, const T* cos, const T* sin, int64_t head_dim) {
@@ -178,6 +149,15 @@ inline float max_of(const float* x, int64_t n) {
 // The query heads that share a KV head (grouped-query attention) go through its blocks together:
 // each key and value vector is loaded (and widened from bf16 / int8 / FP8) once for all of them.
 // Each head's arithmetic is the one-head loop's, in the same order.
+
+// acc_h += sum_i p_h[i] * v_i head by head (the scalar level, and head_dims off the vector width)
+template <typename P>
+inline void group_pv_plain(float* acc, int64_t heads, int64_t a_stride, const float* p, int64_t p_stride, const P* v,
+                           int64_t stride, int64_t n, int64_t head_dim) {
+  for (int64_t h = 0; h < heads; ++h)
+    for (int64_t i = 0; i < n; ++i) axpy(acc + h * a_stride, p[h * p_stride + i], v + i * stride, head_dim);
+}
+
 #if !defined(KILN_ISA_SCALAR)
 // scores[h * s_stride + i] = q_h . k_i for HG heads (q_h at q + h * q_stride) and the n keys of a
 // block (key i at k + i * stride), kLanes keys at a time
@@ -230,11 +210,7 @@ inline void group_pv_c(float* acc, int64_t a_stride, const float* p, int64_t p_s
 template <int HG, typename P>
 inline void group_pv_n(float* acc, int64_t a_stride, const float* p, int64_t p_stride, const P* v, int64_t stride,
                        int64_t n, int64_t head_dim) {
-  if (head_dim % kLanes != 0) {
-    for (int h = 0; h < HG; ++h)
-      for (int64_t i = 0; i < n; ++i) axpy(acc + h * a_stride, p[h * p_stride + i], v + i * stride, head_dim);
-    return;
-  }
+  if (head_dim % kLanes != 0) return group_pv_plain(acc, HG, a_stride, p, p_stride, v, stride, n, head_dim);
   // columns per pass: the accumulators (HG x C) stay within the registers (16 AVX2, 32 AVX-512)
   constexpr int kBudget = kLanes == 16 ? 24 : 12;
   constexpr int C = kBudget / HG >= 8 ? 8 : kBudget / HG >= 4 ? 4 : kBudget / HG >= 2 ? 2 : 1;
@@ -255,8 +231,7 @@ inline void group_scores_n(const float* q, int64_t q_stride, const P* k, int64_t
 template <int HG, typename P>
 inline void group_pv_n(float* acc, int64_t a_stride, const float* p, int64_t p_stride, const P* v, int64_t stride,
                        int64_t n, int64_t head_dim) {
-  for (int h = 0; h < HG; ++h)
-    for (int64_t i = 0; i < n; ++i) axpy(acc + h * a_stride, p[h * p_stride + i], v + i * stride, head_dim);
+  group_pv_plain(acc, HG, a_stride, p, p_stride, v, stride, n, head_dim);
 }
 
 inline float exp_shifted(float* scores, int64_t n, float shift) {
@@ -268,35 +243,33 @@ inline float exp_shifted(float* scores, int64_t n, float shift) {
 inline float max_of(const float* x, int64_t n) { return *std::max_element(x, x + n); }
 #endif
 
-// group_scores_n / group_pv_n for any number of heads: four at a time, then the rest
+// run(std::integral_constant<int, HG>, h): heads [h, h + HG) of `heads`, four at a time, then the rest
+template <typename Run>
+inline void by_head_groups(int64_t heads, Run run) {
+  int64_t h = 0;
+  for (; h + 4 <= heads; h += 4) run(std::integral_constant<int, 4>{}, h);
+  switch (heads - h) {
+    case 3: return run(std::integral_constant<int, 3>{}, h);
+    case 2: return run(std::integral_constant<int, 2>{}, h);
+    case 1: return run(std::integral_constant<int, 1>{}, h);
+  }
+}
+
 template <typename P>
 inline void group_scores(const float* q, int64_t heads, int64_t q_stride, const P* k, int64_t stride, int64_t n,
                          int64_t head_dim, float* scores, int64_t s_stride) {
-  int64_t h = 0;
-  for (; h + 4 <= heads; h += 4)
-    group_scores_n<4>(q + h * q_stride, q_stride, k, stride, n, head_dim, scores + h * s_stride, s_stride);
-  const float* qh = q + h * q_stride;
-  float* sh = scores + h * s_stride;
-  switch (heads - h) {
-    case 3: return group_scores_n<3>(qh, q_stride, k, stride, n, head_dim, sh, s_stride);
-    case 2: return group_scores_n<2>(qh, q_stride, k, stride, n, head_dim, sh, s_stride);
-    case 1: return group_scores_n<1>(qh, q_stride, k, stride, n, head_dim, sh, s_stride);
-  }
+  by_head_groups(heads, [&](auto hg, int64_t h) {
+    group_scores_n<decltype(hg)::value>(q + h * q_stride, q_stride, k, stride, n, head_dim, scores + h * s_stride,
+                                        s_stride);
+  });
 }
 
 template <typename P>
 inline void group_pv(float* acc, int64_t heads, int64_t a_stride, const float* p, int64_t p_stride, const P* v,
                      int64_t stride, int64_t n, int64_t head_dim) {
-  int64_t h = 0;
-  for (; h + 4 <= heads; h += 4)
-    group_pv_n<4>(acc + h * a_stride, a_stride, p + h * p_stride, p_stride, v, stride, n, head_dim);
-  float* ah = acc + h * a_stride;
-  const float* ph = p + h * p_stride;
-  switch (heads - h) {
-    case 3: return group_pv_n<3>(ah, a_stride, ph, p_stride, v, stride, n, head_dim);
-    case 2: return group_pv_n<2>(ah, a_stride, ph, p_stride, v, stride, n, head_dim);
-    case 1: return group_pv_n<1>(ah, a_stride, ph, p_stride, v, stride, n, head_dim);
-  }
+  by_head_groups(heads, [&](auto hg, int64_t h) {
+    group_pv_n<decltype(hg)::value>(acc + h * a_stride, a_stride, p + h * p_stride, p_stride, v, stride, n, head_dim);
+  });
 }
 
 // a context's chunk for the work split (in tokens, rounded down to whole blocks), and the most

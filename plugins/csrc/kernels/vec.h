@@ -329,6 +329,35 @@ inline float round_as<float>(float x) {
   return x;
 }
 
+#if !defined(KILN_ISA_SCALAR)
+// round_as, kLanes at a time: x rounded to bf16 and back, as c10::BFloat16(float) rounds (to nearest, ties
+// to even; NaN stays NaN)
+inline vfloat round_bf16(vfloat x) {
+#if defined(KILN_ISA_AVX512)
+  const __m512i bits = _mm512_castps_si512(x);
+  const __m512i bias = _mm512_add_epi32(_mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1)),
+                                        _mm512_set1_epi32(0x7fff));
+  const __m512 rounded = _mm512_castsi512_ps(
+      _mm512_and_si512(_mm512_add_epi32(bits, bias), _mm512_set1_epi32(static_cast<int>(0xffff0000u))));
+  return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), rounded, x);
+#else
+  const __m256i bits = _mm256_castps_si256(x);
+  const __m256i bias = _mm256_add_epi32(_mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1)),
+                                        _mm256_set1_epi32(0x7fff));
+  const __m256 rounded = _mm256_castsi256_ps(
+      _mm256_and_si256(_mm256_add_epi32(bits, bias), _mm256_set1_epi32(static_cast<int>(0xffff0000u))));
+  return _mm256_blendv_ps(rounded, x, _mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+#endif
+}
+template <typename T>
+inline vfloat vround_as(vfloat x) {
+  if constexpr (std::is_same_v<T, float>)
+    return x;
+  else
+    return round_bf16(x);
+}
+#endif
+
 // out[r] = sum_i x[r][i] * w[i] for four rows at once: w is loaded (and widened) once.
 template <typename B>
 inline void dot4(const float* x0, const float* x1, const float* x2, const float* x3, const B* w,
