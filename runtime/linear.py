@@ -13,7 +13,8 @@ Each may carry a `pre_scale` [in] that multiplies the input first (AWQ / SmoothQ
 that could not be folded into a norm), and an `input_scale` (static per-tensor FP8
 activations): x / input_scale is rounded to E4M3, which bf16 holds exactly, and input_scale
 is folded into the weight scales once at load. Few rows (decode steps) go to kiln's kernels, which
-stream the packed weights once; many rows (prefill) dequantize once and use PyTorch's GEMM.
+stream the packed weights once; many rows (prefill) dequantize once and use PyTorch's GEMM
+(gemm(): in float32 for bf16 where PyTorch has no fast bf16 GEMM).
 
 Engines store weights in the row layouts (plugins/formats.py); int4 and int8 weights are
 re-laid out at load into the tiled layouts of the kernels the host runs (ops.tiled: which ones
@@ -30,6 +31,30 @@ from kiln.plugins import ops
 
 FP8_ACTIVATION_KINDS = (names.LINEAR_FP8, names.LINEAR_W4A8_FP8)
 SKINNY_ROWS = 8  # up to this many rows take the GEMV plugins (measured: 1.2x at 4 streams for bf16)
+WIDEN_BLOCK = 1 << 18  # weights widened to float32 at a time by gemm() (1 MB: stays in a core's L2)
+
+
+def native_bf16_gemm() -> bool:
+    """Whether PyTorch's bf16 GEMM runs at full speed: on CPUs with AVX-512 BF16 (kiln's kernels at
+    that level; KILN_ISA below it takes the float32 route, so tests exercise that on any host).
+    Elsewhere it widens in a slow path: on an AVX2 CPU (AMD EPYC, Zen 3) 5-8x slower than
+    float32 (docs/benchmarks.md, "Prefill on AVX2")."""
+    return ops.active_isa() == "avx512bf16"
+
+
+def gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ weight.T (+ bias) for many rows, by PyTorch's GEMM. bf16 without a native bf16 GEMM:
+    in float32, a block of weight rows widened at a time (exact), each output rounded once to
+    bf16 as the bf16 GEMM rounds its float32 sums; only the order of the sums differs."""
+    if x.dtype != torch.bfloat16 or native_bf16_gemm():
+        return F.linear(x, weight, bias)
+    xf = x.float()
+    out = torch.empty(x.shape[0], weight.shape[0], dtype=torch.bfloat16)
+    step = max(16, WIDEN_BLOCK // weight.shape[1])
+    for i in range(0, weight.shape[0], step):
+        part = None if bias is None else bias[i:i + step].float()
+        out[:, i:i + step] = F.linear(xf, weight[i:i + step].float(), part)
+    return out
 
 
 class DenseLinear:
@@ -46,7 +71,7 @@ class DenseLinear:
         not depend on the batch size."""
         if x.shape[0] <= SKINNY_ROWS and x.dtype == torch.bfloat16:
             return ops.linear(x, self.weight, self.bias)
-        return F.linear(x, self.weight, self.bias)
+        return gemm(x, self.weight, self.bias)
 
 
 class QuantLinear:
@@ -85,7 +110,7 @@ class QuantLinear:
         raise NotImplementedError
 
     def dense(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.dequantize(), self.bias)
+        return gemm(x, self.dequantize(), self.bias)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.pre_scale is not None:
@@ -200,7 +225,7 @@ class Fp8Linear(QuantLinear):
         return ops.linear_fp8(x, self.qweight, self.scales, self.bias)
 
     def dense(self, x: torch.Tensor) -> torch.Tensor:
-        out = F.linear(x, ops.dequantize_fp8(self.qweight, x.dtype)) * self.dense_scales
+        out = gemm(x, ops.dequantize_fp8(self.qweight, x.dtype)) * self.dense_scales
         return out if self.bias is None else out + self.bias
 
 
