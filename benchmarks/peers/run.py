@@ -38,7 +38,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from decode_latency import time_hf_gguf, time_kiln  # noqa: E402
-from host import read_bandwidth  # noqa: E402
+from host import host_info, read_bandwidth  # noqa: E402
 
 SOURCE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 LLAMA_FTYPES = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 7, "F16": 1}  # llama_ftype values (llama.h)
@@ -317,7 +317,7 @@ def main() -> None:
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         meta = {"cpus": os.cpu_count(), "load_avg": list(os.getloadavg()), "torch": torch.__version__,
-                "args": {k: str(v) for k, v in vars(args).items()}}
+                "host": host_info(), "args": {k: str(v) for k, v in vars(args).items()}}
         args.json.write_text(json.dumps({"meta": meta, "rows": rows, "parallel": parallel}, indent=2))
 
 
