@@ -14,6 +14,7 @@ import json
 import statistics
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -24,9 +25,21 @@ from host import host_info  # noqa: E402
 ROUTES = ("bf16", "float32")
 
 
+@contextmanager
+def forced_route(route: str):
+    """runtime/linear.py's gemm() on one route ("bf16": PyTorch's bf16 GEMM) while inside."""
+    from kiln.runtime import linear
+
+    chosen = linear.native_bf16_gemm
+    linear.native_bf16_gemm = lambda: route == "bf16"
+    try:
+        yield
+    finally:
+        linear.native_bf16_gemm = chosen
+
+
 def time_engine(engine_dir: str, prompt_tokens: list[int], threads: list[int], repeats: int,
                 all_logits: bool) -> list[dict]:
-    from kiln.runtime import linear
     from kiln.runtime.engine import Engine
     from kiln.runtime.model import KVPool, StepContext
 
@@ -42,11 +55,11 @@ def time_engine(engine_dir: str, prompt_tokens: list[int], threads: list[int], r
             times = {route: [] for route in ROUTES}
             for r in range(repeats + 1):  # the first round warms up
                 for route in ROUTES:
-                    linear.native_bf16_gemm = (lambda native=(route == "bf16"): native)
                     pool = KVPool(engine.spec, blocks, block_size, model.kv_dtype)
                     ctx = StepContext.single(0, n, list(range(blocks)), all_logits=all_logits)
-                    start = time.perf_counter()
-                    model.forward(ids[:n], ctx, pool)
+                    with forced_route(route):
+                        start = time.perf_counter()
+                        model.forward(ids[:n], ctx, pool)
                     if r:
                         times[route].append(time.perf_counter() - start)
             ms = {route: 1000 * statistics.median(v) for route, v in times.items()}
