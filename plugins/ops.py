@@ -251,6 +251,29 @@ def dequantize_fp8(qweight, dtype=torch.float32):
     return qweight.new_empty(qweight.shape, dtype=dtype)
 
 
+# --- the build's weight rounding -------------------------------------------------------------
+@op
+def gptq_block(pending, hinv, scales, clip, column, group_size, grid):
+    """GPTQ's column loop over one block of columns: pending [out, B] float32 (the block's
+    columns as they stand; updated in place), hinv [B, B] (the block's part of the upper
+    Cholesky factor of the inverse Gram matrix). Column by column: q = the column on its grid,
+    error = (column - q) / hinv[i, i], the block's later columns -= error * hinv[i, :]. grid
+    "int4": each group's scale (absmax x clip[:, g] / 7 as its columns stand at its first column,
+    `column` being the block's first column overall) written into scales [out, groups]; "int8" /
+    "fp8": fixed per-row scales [out]. -> (q [out, B], errors [out, B]); the same bits as
+    reference.gptq_block."""
+    return torch.empty_like(pending), torch.empty_like(pending)
+
+
+@op
+def fake_quant_int4(w, column_scales, group_size, ratio=1.0):
+    """w [n, k] float32, times column_scales [k] where given, rounded to its int4 groups' grid
+    and back (each group's scale max(absmax x ratio / 7, 1e-10)), then divided by the column
+    scales again: an AWQ search's candidate weights in one pass; the same bits as
+    reference.fake_quant_int4."""
+    return torch.empty_like(w, memory_format=torch.contiguous_format)
+
+
 # --- weight layouts made at load ------------------------------------------------------------
 @op
 def pack_int4_tiled(qweight, scales, group_size):

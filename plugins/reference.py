@@ -188,3 +188,39 @@ def pack_int4_tiled(qweight, scales, group_size):
         s = scales[t0 * 16:(t0 + u) * 16].reshape(u, 16, -1)
         scale_parts.append(s.permute(2, 0, 1).reshape(-1))
     return torch.cat(words).reshape(qweight.shape), torch.cat(scale_parts).reshape(scales.shape)
+
+
+def gptq_block(pending, hinv, scales, clip, column, group_size, grid):
+    """GPTQ's column loop over one block, column by column in PyTorch ops (pending and, for int4,
+    scales updated in place, as the op does)."""
+    q, errors = torch.zeros_like(pending), torch.zeros_like(pending)
+    for i in range(pending.shape[1]):
+        col = column + i
+        if grid == "int4":
+            g = col // group_size
+            if col % group_size == 0:
+                amax = pending[:, i:i + group_size].abs().amax(dim=1)
+                if clip is not None:
+                    amax = amax * clip[:, g]
+                scales[:, g] = (amax / 7).clamp(min=1e-10)
+            s = scales[:, g]
+            q[:, i] = torch.round(pending[:, i] / s).clamp(-8, 7) * s
+        elif grid == "int8":
+            q[:, i] = torch.round(pending[:, i] / scales).clamp(-127, 127) * scales
+        else:
+            q[:, i] = (pending[:, i] / scales).clamp(-448, 448).to(torch.float8_e4m3fn).float() * scales
+        errors[:, i] = (pending[:, i] - q[:, i]) / hinv[i, i]
+        pending[:, i:] -= errors[:, i:i + 1] * hinv[i:i + 1, i:]
+    return q, errors
+
+
+def fake_quant_int4(w, column_scales, group_size, ratio=1.0):
+    """In PyTorch ops, as quantize/formats.py's int4 grid: (w x s) grouped, scale = absmax x
+    ratio / 7, round, clamp, times the scale, / s."""
+    v = w if column_scales is None else w * column_scales
+    n, k = v.shape
+    groups = -(-k // group_size)
+    grouped = torch.nn.functional.pad(v, (0, groups * group_size - k)).reshape(n, groups, group_size)
+    scale = (grouped.abs().amax(dim=2) * ratio / 7).clamp(min=1e-10)
+    q = (torch.round(grouped / scale[:, :, None]).clamp(-8, 7) * scale[:, :, None]).reshape(n, -1)[:, :k]
+    return q if column_scales is None else q / column_scales

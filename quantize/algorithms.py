@@ -32,9 +32,10 @@ from dataclasses import dataclass
 import torch
 
 from kiln import constants as names
+from kiln.plugins import ops
 from kiln.quantize.calibrate import HEAD_STATS, KVStats, LinearStats
 from kiln.quantize.formats import (
-    FP8_MAX, fake_quant_fp8, fake_quant_int4, group_view, int4_scales, int8_scales, quantize_fp8, quantize_int4,
+    FP8_MAX, fake_quant_fp8, group_view, int4_scales, int8_scales, quantize_fp8, quantize_int4,
     quantize_int8)
 from kiln.runtime.spec import ModelSpec
 
@@ -202,7 +203,7 @@ def awq_scales(w: torch.Tensor, x: torch.Tensor, absmean_x: torch.Tensor, group:
     for i in range(AWQ_GRID):
         s = absmean_x.clamp(min=1e-4).pow(i / AWQ_GRID)
         s = s / (s.max() * s.min()).sqrt()
-        error = (x @ (fake_quant_int4(w * s, group) / s).T - reference).pow(2).mean().item()
+        error = (x @ ops.fake_quant_int4(w, s, group).T - reference).pow(2).mean().item()  # Q(w * s) / s
         if error < best_error:
             best_error, best = error, s
     return best
@@ -220,8 +221,7 @@ def awq_clip(w: torch.Tensor, x: torch.Tensor, group: int) -> torch.Tensor:
     best = torch.ones_like(amax)
     for i in range(CLIP_GRID):
         ratio = 1 - i * CLIP_MAX_SHRINK / CLIP_GRID
-        s = (amax * ratio / 7).clamp(min=1e-10)
-        q = torch.round(wg / s[:, :, None]).clamp(-8, 7) * s[:, :, None]
+        q, _ = group_view(ops.fake_quant_int4(w, None, group, ratio), group)  # scales amax * ratio / 7
         error = (torch.bmm(xt, q.permute(1, 2, 0)) - reference).pow(2).mean(dim=1).T  # [out, groups]
         better = error < best_error
         best_error = torch.where(better, error, best_error)
@@ -229,16 +229,20 @@ def awq_clip(w: torch.Tensor, x: torch.Tensor, group: int) -> torch.Tensor:
     return best
 
 
-def gptq(w: torch.Tensor, gram: torch.Tensor, round_column: Callable[[int, torch.Tensor], torch.Tensor],
-         block: int = GPTQ_BLOCK) -> torch.Tensor:
+def gptq(w: torch.Tensor, gram: torch.Tensor, grid: str, scales: torch.Tensor, group: int = 0,
+         clip: torch.Tensor | None = None, block: int = GPTQ_BLOCK) -> torch.Tensor:
     """GPTQ (Frantar et al. 2022): round the input columns in order, each one's rounding error
     spread over the columns not yet rounded through the inverse of the inputs' Gram matrix
     sum x^T x: the least-squares correction of the layer's output on the calibration tokens.
-    round_column(column, pending) gets the weights of this and the block's later columns as they
-    stand ([out, >= 1], updated) and returns column `column` on its grid. -> w on its grid.
-    `block` only batches the updates (the result does not depend on it)."""
+    grid "int4": groups of `group` columns, each group's scale its absmax (times `clip`) / 7 as
+    the weights stand when its first column is reached, written into scales [out, groups];
+    "int8" / "fp8": fixed per-row scales [out]. -> w on its grid. The column loop of each block
+    runs in the plugin library (ops.gptq_block, rows in parallel); `block` only batches the
+    updates of the later columns (the result does not depend on it) and holds whole groups."""
     w = w.float().clone()
     in_features = w.shape[1]
+    if grid == "int4" and block % group:
+        raise ValueError(f"GPTQ: a block of {block} columns does not hold whole groups of {group}")
     h = gram.double().clone()
     dead = h.diagonal() == 0  # inputs never seen non-zero: rounded to nearest (GPTQ zeroes them; a
     h[dead, dead] = 1           # prompt unlike the calibration text may use them)
@@ -253,14 +257,11 @@ def gptq(w: torch.Tensor, gram: torch.Tensor, round_column: Callable[[int, torch
                          "(calibrate on more text, or set quantization.weight_rounding: nearest)")
     hinv = torch.linalg.cholesky(torch.cholesky_inverse(factor), upper=True).float()
     q = torch.zeros_like(w)
+    clip = None if clip is None else clip.float().contiguous()
     for i1 in range(0, in_features, block):
         i2 = min(i1 + block, in_features)
-        pending, h1 = w[:, i1:i2].clone(), hinv[i1:i2, i1:i2]
-        errors = torch.zeros_like(pending)
-        for i in range(i2 - i1):
-            q[:, i1 + i] = round_column(i1 + i, pending[:, i:])
-            errors[:, i] = (pending[:, i] - q[:, i1 + i]) / h1[i, i]
-            pending[:, i:] -= errors[:, i:i + 1] * h1[i:i + 1, i:]
+        q[:, i1:i2], errors = ops.gptq_block(w[:, i1:i2].contiguous(), hinv[i1:i2, i1:i2].contiguous(), scales,
+                                             clip, i1, group, grid)
         w[:, i2:] -= errors @ hinv[i1:i2, i2:]
     return q
 
@@ -270,27 +271,18 @@ def gptq_int4(w: torch.Tensor, gram: torch.Tensor, group: int,
     """GPTQ on the int4 grid: each group's scale is its absmax (times `clip`) as the weights
     stand when its first column is reached. -> (w on its grid, scales [out, groups])."""
     scales = torch.zeros(w.shape[0], -(-w.shape[1] // group))
-
-    def round_column(column: int, pending: torch.Tensor) -> torch.Tensor:
-        g = column // group
-        if column % group == 0:
-            scales[:, g] = int4_scales(pending[:, :group], group, None if clip is None else clip[:, g:g + 1])[:, 0]
-        s = scales[:, g]
-        return torch.round(pending[:, 0] / s).clamp(-8, 7) * s
-
-    # blocks hold whole groups, so a group's pending columns are all up to date
-    return gptq(w, gram, round_column, group * max(1, GPTQ_BLOCK // group)), scales
+    return gptq(w, gram, "int4", scales, group, clip, group * max(1, GPTQ_BLOCK // group)), scales
 
 
 def gptq_int8(w: torch.Tensor, gram: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """GPTQ on the int8 grid with the per-row scales absmax / 127. -> (w on its grid, scales)."""
     scales = int8_scales(w)
-    return gptq(w, gram, lambda column, pending: torch.round(pending[:, 0] / scales).clamp(-127, 127) * scales), scales
+    return gptq(w, gram, "int8", scales.float().contiguous()), scales
 
 
 def gptq_fp8(w: torch.Tensor, gram: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """GPTQ on the E4M3 grid with fixed per-row scales [out]."""
-    return gptq(w, gram, lambda column, pending: fake_quant_fp8(pending[:, 0], scales))
+    return gptq(w, gram, "fp8", scales.float().contiguous())
 
 
 def round_int4(w: torch.Tensor, gram: torch.Tensor | None, group: int,

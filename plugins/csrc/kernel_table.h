@@ -45,7 +45,9 @@
   K(ns, quantize_fp8_f32, quantize_fp8<float>)                         \
   K(ns, quantize_fp8_bf16, quantize_fp8<bf16>)                         \
   K(ns, dequantize_fp8_f32, dequantize_fp8<float>)                     \
-  K(ns, dequantize_fp8_bf16, dequantize_fp8<bf16>)
+  K(ns, dequantize_fp8_bf16, dequantize_fp8<bf16>)                     \
+  K(ns, gptq_block, gptq_block_rows)                                   \
+  K(ns, fake_quant_int4, fake_quant_int4_rows)
 
 #define KILN_KERNEL_FIELD(ns, field, ...) std::decay_t<decltype(ns::__VA_ARGS__)> field = nullptr;
 #define KILN_KERNEL_SET(ns, field, ...) k.field = ns::__VA_ARGS__;

@@ -33,6 +33,10 @@
   OP(linear_fp8, "(Tensor x, Tensor qweight, Tensor scales, Tensor? bias=None) -> Tensor")                      \
   OP(quantize_fp8, "(Tensor x, float inv_scale) -> Tensor")                                                     \
   OP(dequantize_fp8, "(Tensor qweight, ScalarType dtype=float) -> Tensor")                                      \
+  OP(gptq_block,                                                                                                \
+     "(Tensor(a!) pending, Tensor hinv, Tensor(b!) scales, Tensor? clip, int column, int group_size, str grid) " \
+     "-> (Tensor, Tensor)")                                                                                     \
+  OP(fake_quant_int4, "(Tensor w, Tensor? column_scales, int group_size, float ratio=1.) -> Tensor")           \
   OP(pack_int4_tiled, "(Tensor qweight, Tensor scales, int group_size) -> (Tensor, Tensor)")                    \
   OP(pack_int8_tiled, "(Tensor qweight) -> Tensor")                                                             \
   OP(to_hugepages, "(Tensor t) -> Tensor")

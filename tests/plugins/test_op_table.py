@@ -12,7 +12,7 @@ SEED = 20261201
 OPS = ["rms_norm", "add_rms_norm", "silu_mul", "linear", "paged_attention", "decode_layers", "linear_w8",
        "linear_w8_tiled", "dequantize_int8_tiled", "linear_w4", "dequantize_int4", "linear_w4_tiled",
        "dequantize_int4_tiled", "linear_w8a8", "linear_w4a8", "linear_w4a8_tiled", "linear_fp8", "quantize_fp8",
-       "dequantize_fp8", "pack_int4_tiled", "pack_int8_tiled", "to_hugepages"]
+       "dequantize_fp8", "gptq_block", "fake_quant_int4", "pack_int4_tiled", "pack_int8_tiled", "to_hugepages"]
 NO_SCHEMA_TEST = ("test_faketensor", "test_autograd_registration")  # torch lacks float8 ops the schema test needs
 
 
@@ -88,6 +88,10 @@ def samples():
         "linear_fp8": [((x, q8, s8, None), NO_SCHEMA_TEST)],
         "quantize_fp8": [((x, 2.0), None)],
         "dequantize_fp8": [((q8, torch.bfloat16), NO_SCHEMA_TEST)],
+        "gptq_block": [((w.clone(), torch.eye(64) + torch.randn(64, 64, generator=g).triu(1) * 0.01,
+                         torch.zeros(8, 2), torch.rand(8, 2, generator=g) + 0.5, 0, 32, "int4"), None),
+                       ((w.clone(), torch.eye(64), s.clone(), None, 0, 0, "int8"), None)],
+        "fake_quant_int4": [((w, torch.rand(64, generator=g) + 0.5, 32, 0.9), None), ((w, None, 24), None)],
         "pack_int4_tiled": [(tiled_in, None)],
         "pack_int8_tiled": [((q16,), None)],
         "to_hugepages": [((x,), None)],

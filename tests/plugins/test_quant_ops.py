@@ -411,3 +411,73 @@ def test_results_do_not_depend_on_the_thread_count(isa, rows, k, n):
                 assert torch.equal(run(), one[name]), f"{name} on {threads} threads differs from one thread"
     finally:
         torch.set_num_threads(before)
+
+
+def gptq_inputs(g, out, B):
+    """A block as GPTQ hands it over: weights, and the upper Cholesky factor of a damped inverse
+    Gram matrix of correlated inputs (positive diagonal, the later columns coupled)."""
+    x = torch.randn(4 * B, B, generator=g) @ (torch.randn(B, B, generator=g) / B ** 0.5 + torch.eye(B))
+    h = (x.T @ x).double() + 0.01 * torch.eye(B, dtype=torch.float64)
+    hinv = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(h)), upper=True).float()
+    return torch.randn(out, B, generator=g) * 0.05, hinv.contiguous()
+
+
+# (grid, out rows, block columns, group, the block's first column, AWQ clipping): odd row
+# counts, a block of whole groups, one whose last group is short, a block that starts at a later
+# group, with and without clipping (int4 only)
+GPTQ_CASES = [("int4", 37, 96, 32, 0, True), ("int4", 16, 80, 32, 64, False), ("int4", 5, 64, 64, 128, True),
+              ("int4", 23, 64, 64, 0, False), ("int8", 33, 50, 0, 7, False), ("fp8", 19, 41, 0, 0, False)]
+
+
+@pytest.mark.parametrize("grid,out,B,group,column,clipped", GPTQ_CASES)
+def test_gptq_block_matches_reference_bit_for_bit(isa, grid, out, B, group, column, clipped):
+    g = generator("gptq_block", grid, out, B, group, column, clipped)
+    w, hinv = gptq_inputs(g, out, B)
+    if grid == "int4":
+        groups = -(-(column + B) // group)
+        scales = torch.zeros(out, groups)
+        clip = torch.rand(out, groups, generator=g) * 0.5 + 0.5 if clipped else None
+    else:
+        w[3, 5] = 0  # a weight exactly on the grid's zero
+        scales = w.abs().amax(dim=1) / (127 if grid == "int8" else 448)
+        clip = None
+    pending, want_pending, want_scales = w.clone(), w.clone(), scales.clone()
+    q, errors = ops.gptq_block(pending, hinv, scales, clip, column, group, grid)
+    want_q, want_errors = reference.gptq_block(want_pending, hinv, want_scales, clip, column, group, grid)
+    torch.testing.assert_close(q, want_q, rtol=0, atol=0)
+    torch.testing.assert_close(errors, want_errors, rtol=0, atol=0)
+    torch.testing.assert_close(pending, want_pending, rtol=0, atol=0)
+    torch.testing.assert_close(scales, want_scales, rtol=0, atol=0)
+    assert (errors != 0).any() and not torch.equal(pending, w)  # the block did round and update
+
+
+@pytest.mark.parametrize("bad,message", [
+    (dict(grid="int3"), "grid must be int4, int8 or fp8"),
+    (dict(column=16), "starts a group"),
+    (dict(hinv=torch.eye(7)), "hinv must be contiguous float32"),
+    (dict(scales=torch.zeros(3, 2)), "int4 scales must be"),
+    (dict(column=32, scales=torch.zeros(4, 1)), "int4 scales must be"),
+    (dict(grid="int8"), "int8 scales must be"),
+])
+def test_gptq_block_rejects_bad_arguments(plugin_isas, bad, message):
+    args = dict(pending=torch.zeros(4, 8), hinv=torch.eye(8), scales=torch.zeros(4, 2), clip=None, column=0,
+                group_size=32, grid="int4")
+    args.update(bad)
+    with pytest.raises(RuntimeError, match=message):
+        ops.gptq_block(**args)
+
+
+# (rows, columns, group, column scales, clipping ratio): a short last group, odd row counts
+FAKE_QUANT_CASES = [(37, 160, 48, True, 1.0), (16, 576, 64, True, 1.0), (9, 200, 64, False, 0.85),
+                    (3, 64, 32, False, 0.5)]
+
+
+@pytest.mark.parametrize("rows,k,group,scaled,ratio", FAKE_QUANT_CASES)
+def test_fake_quant_int4_matches_reference_bit_for_bit(isa, rows, k, group, scaled, ratio):
+    g = generator("fake_quant_int4", rows, k, group, scaled, ratio)
+    w = torch.randn(rows, k, generator=g) * 0.05
+    w[2, :group] = 0  # a group of zeros: the scale's floor
+    s = torch.rand(k, generator=g) * 3 + 0.1 if scaled else None
+    got = ops.fake_quant_int4(w, s, group, ratio)
+    torch.testing.assert_close(got, reference.fake_quant_int4(w, s, group, ratio), rtol=0, atol=0)
+    assert not torch.equal(got, w)

@@ -74,7 +74,7 @@ def correlated_inputs(rows, features, generator):
 
 
 @pytest.mark.parametrize("grid", ["int4", "int8", "fp8"])
-def test_gptq_lowers_the_output_error_and_stays_on_the_grid(grid):
+def test_gptq_lowers_the_output_error_and_stays_on_the_grid(plugin_isas, grid):
     g = torch.Generator().manual_seed(2)
     w = torch.randn(96, 160, generator=g) * 0.05
     x = correlated_inputs(1024, 160, g)
@@ -99,7 +99,7 @@ def test_gptq_lowers_the_output_error_and_stays_on_the_grid(grid):
     assert error < 0.85 * (x @ (nearest - w).T).pow(2).mean()
 
 
-def test_gptq_with_uncorrelated_inputs_is_round_to_nearest():
+def test_gptq_with_uncorrelated_inputs_is_round_to_nearest(plugin_isas):  # GPTQ's column loop is a plugin op
     """With x^T x diagonal no column's error can be made up by another: GPTQ must round each
     weight to nearest, group scales included."""
     g = torch.Generator().manual_seed(3)
@@ -109,7 +109,7 @@ def test_gptq_with_uncorrelated_inputs_is_round_to_nearest():
     torch.testing.assert_close(q, fake_quant_int4(w, 32))
 
 
-def test_gptq_with_too_few_calibration_rows_still_rounds():
+def test_gptq_with_too_few_calibration_rows_still_rounds(plugin_isas):  # GPTQ's column loop is a plugin op
     """Fewer calibration rows than inputs leave x^T x singular: the damping makes it solvable and
     the result is still on the grid and no worse than rounding to nearest on those rows."""
     g = torch.Generator().manual_seed(5)
@@ -121,18 +121,14 @@ def test_gptq_with_too_few_calibration_rows_still_rounds():
     assert (x @ (q - w).T).pow(2).mean() <= (x @ (fake_quant_int4(w, 32) - w).T).pow(2).mean()
 
 
-def test_gptq_result_does_not_depend_on_the_update_block():
+def test_gptq_result_does_not_depend_on_the_update_block(plugin_isas):  # GPTQ's column loop is a plugin op
     g = torch.Generator().manual_seed(4)
     w = torch.randn(24, 100, generator=g)
     x = correlated_inputs(400, 100, g)
     s = w.abs().amax(dim=1) / 448
-
-    def round_column(column, pending):
-        return fake_quant_fp8(pending[:, 0], s)
-
-    one = gptq(w, x.T @ x, round_column, block=1)
-    torch.testing.assert_close(gptq(w, x.T @ x, round_column, block=32), one, rtol=0, atol=1e-5)
-    torch.testing.assert_close(gptq(w, x.T @ x, round_column, block=128), one, rtol=0, atol=1e-5)
+    one = gptq(w, x.T @ x, "fp8", s, block=1)
+    torch.testing.assert_close(gptq(w, x.T @ x, "fp8", s, block=32), one, rtol=0, atol=1e-5)
+    torch.testing.assert_close(gptq(w, x.T @ x, "fp8", s, block=128), one, rtol=0, atol=1e-5)
 
 
 def spec(**shape):

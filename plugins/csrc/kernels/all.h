@@ -13,4 +13,6 @@
 #include "w8a8.h"
 #include "w4a8.h"
 #include "fp8.h"
+#include "gptq.h"
+#include "fake_quant.h"
 #include "select.h"

@@ -114,3 +114,70 @@ at::Tensor quantize_fp8(const at::Tensor& x, double inv_scale) {
   return out;
 }
 
+
+// GPTQ's column loop over one block of columns (kernels/gptq.h, the build's weight rounding):
+// pending [out, B] float32 (updated in place), hinv [B, B]; grid "int4" writes each group's scale
+// into scales [out, groups] at the group's first column (clip [out, groups], optional, shrinks
+// it), "int8" and "fp8" read fixed per-row scales [out]. -> (q [out, B] on the grid, errors [out, B])
+std::tuple<at::Tensor, at::Tensor> gptq_block(at::Tensor& pending, const at::Tensor& hinv, at::Tensor& scales,
+                                              const c10::optional<at::Tensor>& clip, int64_t column,
+                                              int64_t group_size, c10::string_view grid) {
+  auto f32 = [](const at::Tensor& t) {
+    return t.scalar_type() == at::kFloat && t.is_contiguous() && t.device().is_cpu();
+  };
+  TORCH_CHECK(pending.dim() == 2 && f32(pending), "kiln::gptq_block: pending must be contiguous float32 [out, B], got ",
+              pending.scalar_type(), " ", pending.sizes());
+  const int64_t out = pending.size(0), B = pending.size(1);
+  TORCH_CHECK(f32(hinv) && hinv.dim() == 2 && hinv.size(0) == B && hinv.size(1) == B,
+              "kiln::gptq_block: hinv must be contiguous float32 [", B, ", ", B, "], got ", hinv.sizes());
+  TORCH_CHECK(f32(scales), "kiln::gptq_block: scales must be contiguous float32");
+  TORCH_CHECK(column >= 0, "kiln::gptq_block: column must be >= 0, got ", column);
+  int kind;
+  int64_t groups = 0;
+  if (grid == "int4") {
+    kind = scalar::kGptqInt4;
+    TORCH_CHECK(group_size > 0 && column % group_size == 0, "kiln::gptq_block: int4 needs group_size > 0 and a block "
+                "that starts a group (column ", column, ", group_size ", group_size, ")");
+    groups = scales.dim() == 2 ? scales.size(1) : 0;
+    TORCH_CHECK(scales.dim() == 2 && scales.size(0) == out && groups * group_size >= column + B,
+                "kiln::gptq_block: int4 scales must be [", out, ", groups] covering column ", column + B - 1,
+                ", got ", scales.sizes());
+    if (clip.has_value())
+      TORCH_CHECK(f32(*clip) && clip->sizes() == scales.sizes(), "kiln::gptq_block: clip must be contiguous float32 ",
+                  scales.sizes(), ", got ", clip->sizes());
+  } else {
+    TORCH_CHECK(grid == "int8" || grid == "fp8", "kiln::gptq_block: grid must be int4, int8 or fp8, got ", grid);
+    kind = grid == "int8" ? scalar::kGptqInt8 : scalar::kGptqFp8;
+    TORCH_CHECK(scales.dim() == 1 && scales.size(0) == out, "kiln::gptq_block: ", grid, " scales must be [", out,
+                "], got ", scales.sizes());
+    TORCH_CHECK(!clip.has_value(), "kiln::gptq_block: clip applies to int4 groups only");
+  }
+  at::Tensor q = at::empty_like(pending), errors = at::empty_like(pending);
+  active().gptq_block(pending.data_ptr<float>(), hinv.data_ptr<float>(), q.data_ptr<float>(),
+                      errors.data_ptr<float>(), scales.data_ptr<float>(),
+                      clip.has_value() ? clip->data_ptr<float>() : nullptr, out, B, column, group_size, groups, kind);
+  return {q, errors};
+}
+
+// w [n, k] float32 (times column_scales [k] where given) rounded to its int4 groups' grid and
+// back (kernels/fake_quant.h; each group's scale its absmax x ratio / 7), divided by the column
+// scales again: the AWQ searches' candidate weights in one pass
+at::Tensor fake_quant_int4(const at::Tensor& w_in, const c10::optional<at::Tensor>& column_scales, int64_t group_size,
+                           double ratio) {
+  TORCH_CHECK(w_in.dim() == 2 && w_in.scalar_type() == at::kFloat && w_in.device().is_cpu(),
+              "kiln::fake_quant_int4: w must be float32 [n, k] on the CPU, got ", w_in.scalar_type(), " ", w_in.sizes());
+  TORCH_CHECK(group_size > 0, "kiln::fake_quant_int4: group_size must be > 0, got ", group_size);
+  TORCH_CHECK(ratio > 0 && ratio <= 1, "kiln::fake_quant_int4: ratio must be in (0, 1], got ", ratio);
+  const at::Tensor w = w_in.contiguous();
+  const int64_t n = w.size(0), k = w.size(1);
+  at::Tensor s;
+  if (column_scales.has_value()) {
+    s = column_scales->contiguous();
+    TORCH_CHECK(s.dim() == 1 && s.size(0) == k && s.scalar_type() == at::kFloat,
+                "kiln::fake_quant_int4: column_scales must be float32 [", k, "], got ", s.sizes());
+  }
+  at::Tensor out = at::empty_like(w);
+  active().fake_quant_int4(w.data_ptr<float>(), s.defined() ? s.data_ptr<float>() : nullptr, out.data_ptr<float>(), n,
+                           k, group_size, static_cast<float>(ratio));
+  return out;
+}
