@@ -1,9 +1,10 @@
 """Where a one-thread decode step's time goes: torch.profiler over 20 steps at ~190 cached
 tokens (after a 128-token prefill), ops sorted by their own time. The profiler adds a few
 microseconds to every op, so small ops read high; the step time above the table has no profiler.
---python-loop profiles the model's Python layer loop instead of kiln::decode_layers.
+--python-loop profiles the model's Python layer loop instead of kiln::decode_layers (each kernel
+call its own row); --threads N runs on N threads (default 1).
 
-    PYTHONPATH=. python benchmarks/ablations/decode_profile.py out/smollm2-int8-wo/engine [--python-loop]"""
+    PYTHONPATH=. python benchmarks/ablations/decode_profile.py out/smollm2-int8-wo/engine [--python-loop] [--threads 2]"""
 import statistics
 import sys
 
@@ -13,7 +14,8 @@ from torch.profiler import profile
 from decode_steps import step_timer
 from kiln.runtime.engine import Engine
 
-torch.set_num_threads(1)
+threads = int(sys.argv[sys.argv.index("--threads") + 1]) if "--threads" in sys.argv else 1
+torch.set_num_threads(threads)
 engine = Engine(sys.argv[1])
 engine.model.fused_decode = "--python-loop" not in sys.argv
 run = step_timer(engine, 128)
