@@ -1,5 +1,6 @@
-"""GGUF files (llama, qwen2 and qwen3 architectures, as llama.cpp's convert_hf_to_gguf.py writes
-them): dequantized with the `gguf` package, tokenizer rebuilt for `tokenizers`."""
+"""GGUF files (llama, qwen2, qwen3 and phi3 architectures, as llama.cpp's convert_hf_to_gguf.py
+writes them): dequantized with the `gguf` package, tokenizer rebuilt for `tokenizers`. Phi-3's
+fused attn_qkv and ffn_up (gate and up rows) are split into the canonical tensors."""
 from __future__ import annotations
 
 import json
@@ -36,9 +37,17 @@ _LAYER_NAMES = {
     "attn_q_norm.weight": "attention.q_norm.weight",  # qwen3
     "attn_k_norm.weight": "attention.k_norm.weight",
 }
+# Phi-3's fused tensors -> the canonical tensors they hold, row blocks in this order
+_FUSED = {
+    "attn_qkv.weight": ("attention.q.weight", "attention.k.weight", "attention.v.weight"),
+    "ffn_up.weight": ("mlp.gate.weight", "mlp.up.weight"),  # phi3: gate_up_proj as it stands
+}
 # general.architecture -> whether llama.cpp permuted the q / k rows (its Llama converter interleaves
-# the rotary pairs; its Qwen converters keep Hugging Face's rotate-half order)
-ARCHITECTURES = {"llama": True, "qwen2": False, "qwen3": False}
+# the rotary pairs; its Qwen and Phi-3 converters keep Hugging Face's rotate-half order)
+ARCHITECTURES = {"llama": True, "qwen2": False, "qwen3": False, "phi3": False}
+FUSED_ARCHITECTURES = ("phi3",)
+# tensors of Phi-3's long-context RoPE scaling (LongRoPE), which kiln does not implement yet
+_LONGROPE_TENSORS = ("rope_factors_long.weight", "rope_factors_short.weight")
 
 # Pre-tokenizer splits per tokenizer.ggml.pre, as llama.cpp applies them before byte-level BPE.
 _LLAMA3_SPLIT = (
@@ -123,6 +132,20 @@ def _tokenizer_json(reader, source: Path) -> tuple[str, str]:
     return tokenizer.to_str(), json.dumps(config, indent=2)
 
 
+def _split_fused(fused: dict[tuple[int, str], torch.Tensor], spec: ModelSpec, path: Path) -> dict:
+    """Phi-3's attn_qkv (q, k, v rows) and ffn_up (gate, up rows) as the canonical tensors."""
+    out = {}
+    for (layer, gguf_name), tensor in fused.items():
+        parts = _FUSED[gguf_name]
+        sizes = [spec.q_size, spec.kv_size, spec.kv_size] if len(parts) == 3 else [spec.intermediate_size] * 2
+        if tensor.shape[0] != sum(sizes):
+            raise CheckpointError(f"{path}: GGUF tensor blk.{layer}.{gguf_name} has {tensor.shape[0]} rows; "
+                                  f"the metadata says {sum(sizes)}")
+        for name, piece in zip(parts, tensor.split(sizes)):
+            out[names.layer_tensor(layer, name)] = piece
+    return out
+
+
 def load_gguf(path: Path) -> Checkpoint:
     import gguf
 
@@ -145,21 +168,36 @@ def load_gguf(path: Path) -> Checkpoint:
     if scaling not in (None, "none"):
         raise CheckpointError(f"{path}: GGUF rope scaling {scaling!r} is not supported yet (none is)")
     heads, kv_heads, hidden = meta("attention.head_count"), meta("attention.head_count_kv"), meta("embedding_length")
+    head_dim = int(meta("attention.key_length", hidden // heads))
+    rotary = _field(reader, f"{arch}.rope.dimension_count")
+    if rotary is not None and int(rotary) != head_dim:
+        raise CheckpointError(f"{path}: GGUF {arch}.rope.dimension_count {rotary} is less than the head size "
+                              f"{head_dim} (rotary embedding on part of each head: partial rotary is not supported yet)")
     tensors: dict[str, torch.Tensor] = {}
+    fused: dict[tuple[int, str], torch.Tensor] = {}
     freq_factors = None
     for t in reader.tensors:
         if t.name == "rope_freqs.weight":  # Llama 3 scaling, as llama.cpp's converter stores it
             freq_factors = tuple(float(f) for f in np.asarray(gguf.quants.dequantize(t.data, t.tensor_type)).reshape(-1))
             continue
+        if t.name in _LONGROPE_TENSORS:
+            raise CheckpointError(f"{path}: GGUF tensor {t.name}: Phi-3's long-context RoPE scaling (longrope) is not "
+                                  "supported yet")
         name = _TOP_NAMES.get(t.name)
         match = _LAYER.match(t.name)
-        if match and match.group(2) in _LAYER_NAMES:
+        fused_key = None
+        if match and arch in FUSED_ARCHITECTURES and match.group(2) in _FUSED:
+            fused_key = (int(match.group(1)), match.group(2))
+        elif match and match.group(2) in _LAYER_NAMES:
             name = names.layer_tensor(int(match.group(1)), _LAYER_NAMES[match.group(2)])
-        if name is None:
+        if name is None and fused_key is None:
             continue
         shape = tuple(int(d) for d in reversed(t.shape))
         values = gguf.quants.dequantize(t.data, t.tensor_type)
         weight = torch.from_numpy(np.array(values, dtype=np.float32)).reshape(shape)
+        if fused_key is not None:
+            fused[fused_key] = weight
+            continue
         if ARCHITECTURES[arch] and name.endswith("attention.q.weight"):
             weight = _unpermute(weight, heads)
         elif ARCHITECTURES[arch] and name.endswith("attention.k.weight"):
@@ -174,11 +212,12 @@ def load_gguf(path: Path) -> Checkpoint:
         num_layers=int(meta("block_count")),
         num_heads=int(heads),
         num_kv_heads=int(kv_heads),
-        head_dim=int(meta("attention.key_length", hidden // heads)),
+        head_dim=head_dim,
         intermediate_size=int(meta("feed_forward_length")),
         max_position_embeddings=int(meta("context_length")),
         rope_theta=float(meta("rope.freq_base", 10000.0)),
         norm_eps=float(meta("attention.layer_norm_rms_epsilon")),
+        sliding_window=int(_field(reader, f"{arch}.attention.sliding_window", 0)) or None,  # 0: none (Phi-4)
         tie_embeddings=names.CKPT_LM_HEAD not in tensors,
         rope_freq_factors=freq_factors,
         qkv_bias=arch == "qwen2",
@@ -187,6 +226,7 @@ def load_gguf(path: Path) -> Checkpoint:
         eos_ids=(int(eos),) if eos is not None else (),
         pad_id=_field(reader, "tokenizer.ggml.padding_token_id"),
     )
+    tensors.update(_split_fused(fused, spec, path))
     tokenizer_json, tokenizer_config = _tokenizer_json(reader, path)
     return Checkpoint(
         spec,

@@ -1,6 +1,9 @@
 """GGUF files of each family as llama.cpp writes them: tiny random Hugging Face models converted by
-llama.cpp's own convert_hf_to_gguf.py (which permutes Llama's q / k rows and keeps Qwen's),
-built by kiln, against transformers on the original folder."""
+llama.cpp's own convert_hf_to_gguf.py (which permutes Llama's q / k rows, keeps Qwen's and
+Phi-3's, and keeps Phi-3's fused qkv and gate / up tensors), built by kiln, against transformers
+on the original folder."""
+import json
+
 import pytest
 import torch
 
@@ -17,10 +20,16 @@ def gguf_models(tmp_path_factory):
     """architecture -> a tiny random model with room in its vocabulary for the special tokens
     transformers' Qwen tokenizer classes add (the converter asks for them)."""
     root = tmp_path_factory.mktemp("gguf_models")
-    return {arch: make_tiny_model(root / arch, arch, vocab_size=400) for arch in ("llama", "qwen2", "qwen3")}
+    models = {arch: make_tiny_model(root / arch, arch, vocab_size=400) for arch in ("llama", "qwen2", "qwen3", "phi3")}
+    # the converter reads a Phi-3 vocabulary from tokenizer.model (SentencePiece) unless the
+    # tokenizer is GPT-2's byte-level BPE, as Phi-4 ships it
+    config = json.loads((models["phi3"] / "tokenizer_config.json").read_text())
+    config["tokenizer_class"] = "GPT2Tokenizer"
+    (models["phi3"] / "tokenizer_config.json").write_text(json.dumps(config))
+    return models
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "phi3"])
 def test_a_gguf_from_llama_cpps_converter_matches_transformers(arch, gguf_models, tmp_path, llm_for):
     """(The tiny Llama has Llama 3 rope scaling, which the converter stores as rope_freqs.weight.)"""
     from transformers import AutoModelForCausalLM
@@ -44,26 +53,42 @@ def test_a_gguf_from_llama_cpps_converter_matches_transformers(arch, gguf_models
     assert llm.generate(PROMPT, max_tokens=16, ignore_eos=True).token_ids == greedy
 
 
-def test_gguf_architectures_and_rope_scaling_kiln_cannot_read_are_refused(gguf_models, tmp_path):
+# (what to change in the Llama GGUF, the error it must give): a metadata key set to a value, or an
+# extra tensor by name
+REFUSED = [
+    (("general.architecture", "gemma3"), "GGUF architecture 'gemma3' is not supported"),
+    (("llama.rope.scaling.type", "yarn"), "rope scaling 'yarn' is not supported"),
+    (("llama.rope.dimension_count", 8), "partial rotary is not supported yet"),
+    (("tensor", "rope_factors_long.weight"), r"rope_factors_long.weight: Phi-3's long-context RoPE scaling"),
+]
+
+
+@pytest.mark.parametrize("change,message", REFUSED)
+def test_gguf_files_kiln_cannot_read_are_refused_with_what_they_hold(gguf_models, tmp_path, change, message):
     import gguf
+    import numpy as np
 
     gguf_file = llama_cpp_gguf(gguf_models["llama"], tmp_path / "llama.gguf")
     reader = gguf.GGUFReader(gguf_file)
-    for key, value, message in (("general.architecture", "gemma3", "GGUF architecture 'gemma3' is not supported"),
-                                ("llama.rope.scaling.type", "yarn", "rope scaling 'yarn' is not supported")):
-        writer = gguf.GGUFWriter(tmp_path / f"{value}.gguf", arch=value if key == "general.architecture" else "llama")
-        for field in reader.fields.values():
-            if field.name in ("general.architecture", "GGUF.version", "GGUF.tensor_count", "GGUF.kv_count"):
-                continue
-            writer.add_key_value(field.name, field.contents(), field.types[0],
-                                 field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None)
-        if key != "general.architecture":
-            writer.add_string(key, value)
-        for tensor in reader.tensors:
-            writer.add_tensor(tensor.name, tensor.data, raw_dtype=tensor.tensor_type)
-        writer.write_header_to_file()
-        writer.write_kv_data_to_file()
-        writer.write_tensors_to_file()
-        writer.close()
-        with pytest.raises(CheckpointError, match=message):
-            load_checkpoint(tmp_path / f"{value}.gguf")
+    key, value = change
+    changed = tmp_path / "changed.gguf"
+    writer = gguf.GGUFWriter(changed, arch=value if key == "general.architecture" else "llama")
+    for field in reader.fields.values():
+        if field.name in ("general.architecture", "GGUF.version", "GGUF.tensor_count", "GGUF.kv_count", key):
+            continue
+        writer.add_key_value(field.name, field.contents(), field.types[0],
+                             field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None)
+    if key == "llama.rope.dimension_count":
+        writer.add_uint32(key, value)
+    elif key not in ("general.architecture", "tensor"):
+        writer.add_string(key, value)
+    for tensor in reader.tensors:
+        writer.add_tensor(tensor.name, tensor.data, raw_dtype=tensor.tensor_type)
+    if key == "tensor":
+        writer.add_tensor(value, np.ones(8, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(CheckpointError, match=message):
+        load_checkpoint(changed)
