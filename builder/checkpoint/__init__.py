@@ -3,6 +3,7 @@
 Only safetensors, GGUF and JSON are read; nothing is unpickled."""
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -70,6 +71,32 @@ def one_for_fused(tensors: list[torch.Tensor], what: str, where: str) -> torch.T
             raise CheckpointError(f"{where}: kiln fuses these linears into one, which needs one {what} for all "
                                   f"of them; this checkpoint has different ones")
     return tensors[0]
+
+
+def unused_tensors(keys, spec: ModelSpec, describe: Callable[[str], str | None],
+                   ignored: tuple[str, ...] = ()) -> list[str]:
+    """A checkpoint's tensors the model would not use: names the reader does not know
+    (describe(key) -> the canonical name, or None) other than the `ignored` suffixes, and q / k / v
+    biases or head norms of an architecture without them. Dropping them silently would build a
+    model that is not the checkpoint's."""
+    unused = []
+    for key in keys:
+        canonical = describe(key)
+        if canonical is None:
+            if not key.endswith(ignored):
+                unused.append(key)
+        elif (canonical.endswith(names.CKPT_QKV_BIASES) and not spec.qkv_bias) or (
+                canonical.endswith(names.CKPT_HEAD_NORMS) and not spec.head_norms):
+            unused.append(key)
+    return unused
+
+
+def refuse_unused(unused: list[str], source: Path, arch: str) -> None:
+    """A clear error naming the tensors unused_tensors found (the first few), if any."""
+    if unused:
+        shown = ", ".join(unused[:4]) + (f", ... ({len(unused)} in all)" if len(unused) > 4 else "")
+        raise CheckpointError(f"{source}: tensors kiln's {arch} model has no place for: {shown} (a variant of the "
+                              "architecture kiln does not implement)")
 
 
 def detect_format(path: Path) -> str:

@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from kiln import constants as names
-from kiln.builder.checkpoint import Checkpoint
+from kiln.builder.checkpoint import Checkpoint, refuse_unused, unused_tensors
 from kiln.errors import CheckpointError
 from kiln.runtime.spec import ModelSpec
 
@@ -176,6 +176,7 @@ def load_gguf(path: Path) -> Checkpoint:
     tensors: dict[str, torch.Tensor] = {}
     fused: dict[tuple[int, str], torch.Tensor] = {}
     freq_factors = None
+    unknown = []
     for t in reader.tensors:
         if t.name == "rope_freqs.weight":  # Llama 3 scaling, as llama.cpp's converter stores it
             freq_factors = tuple(float(f) for f in np.asarray(gguf.quants.dequantize(t.data, t.tensor_type)).reshape(-1))
@@ -191,6 +192,7 @@ def load_gguf(path: Path) -> Checkpoint:
         elif match and match.group(2) in _LAYER_NAMES:
             name = names.layer_tensor(int(match.group(1)), _LAYER_NAMES[match.group(2)])
         if name is None and fused_key is None:
+            unknown.append(t.name)
             continue
         shape = tuple(int(d) for d in reversed(t.shape))
         values = gguf.quants.dequantize(t.data, t.tensor_type)
@@ -226,6 +228,7 @@ def load_gguf(path: Path) -> Checkpoint:
         eos_ids=(int(eos),) if eos is not None else (),
         pad_id=_field(reader, "tokenizer.ggml.padding_token_id"),
     )
+    refuse_unused(unknown + unused_tensors(tensors, spec, lambda key: key), path, arch)
     tensors.update(_split_fused(fused, spec, path))
     tokenizer_json, tokenizer_config = _tokenizer_json(reader, path)
     return Checkpoint(

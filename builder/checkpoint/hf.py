@@ -8,7 +8,7 @@ from pathlib import Path
 from safetensors import SafetensorError, safe_open
 
 from kiln import constants as names
-from kiln.builder.checkpoint import Checkpoint
+from kiln.builder.checkpoint import Checkpoint, refuse_unused, unused_tensors
 from kiln.errors import CheckpointError
 from kiln.runtime.spec import ModelSpec, RopeScaling
 
@@ -47,6 +47,9 @@ _FUSED = {
     "self_attn.qkv_proj.weight": ("attention.q.weight", "attention.k.weight", "attention.v.weight"),
     "mlp.gate_up_proj.weight": ("mlp.gate.weight", "mlp.up.weight"),
 }
+# tensors some checkpoints carry that hold nothing kiln needs (older exports saved RoPE's inverse
+# frequencies, which kiln computes from the config)
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 TOKENIZER_FILES = (names.TOKENIZER_JSON, names.TOKENIZER_CONFIG_JSON, names.SPECIAL_TOKENS_MAP_JSON,
                    names.CHAT_TEMPLATE_FILE)  # the chat template: transformers 4.43+ saves it on its own
 
@@ -182,15 +185,19 @@ def load_hf(folder: Path) -> Checkpoint:
     from kiln.builder.checkpoint.modelopt import read_quant_config, take_quantized
 
     quant = read_quant_config(folder)  # a Model Optimizer export, or None
-    raw = {}
+    raw, keys = {}, []
     for file in _safetensors_files(folder):
         try:
             with safe_open(file, framework="pt") as f:
                 for key in f.keys():
+                    keys.append(key)
                     if quant is not None or canonical_name(key) is not None or _fused_parts(key):
                         raw[key] = f.get_tensor(key)
         except (SafetensorError, OSError) as exc:
             raise CheckpointError(f"cannot read {file}: {exc} (is it truncated or corrupt?)") from None
+    if quant is None:  # (a Model Optimizer export's extra tensors are take_quantized's to read)
+        refuse_unused(unused_tensors(keys, spec, lambda key: canonical_name(key) or (key if _fused_parts(key) else None),
+                                     _IGNORED_SUFFIXES), folder, spec.architecture)
     prequantized, quantization = take_quantized(raw, spec, quant, folder) if quant is not None else ({}, None)
     tensors = {canonical_name(key): t.float() for key, t in raw.items() if canonical_name(key) is not None}
     tensors.update(_split_fused(raw, spec))

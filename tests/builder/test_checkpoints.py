@@ -32,6 +32,26 @@ def test_missing_tensor(llama_copy):
         load_checkpoint(llama_copy)
 
 
+@pytest.mark.parametrize("extra,refused", [
+    ("model.layers.0.self_attn.o_proj.bias", True),  # an output-projection bias kiln's Llama has no place for
+    ("model.layers.1.self_attn.q_proj.bias", True),  # a q bias on an architecture without them (Qwen2 has them)
+    ("model.layers.0.self_attn.q_norm.weight", True),  # a head norm on an architecture without them (Qwen3 has them)
+    ("model.layers.0.self_attn.rotary_emb.inv_freq", False),  # older exports' RoPE buffer: computed from the config
+])
+def test_tensors_the_model_would_drop_are_refused_by_name(llama_copy, extra, refused):
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(llama_copy / "model.safetensors")
+    tensors[extra] = torch.ones(8)
+    save_file(tensors, llama_copy / "model.safetensors")
+    if refused:
+        with pytest.raises(CheckpointError, match=f"has no place for: {extra}"):
+            load_checkpoint(llama_copy)
+    else:
+        assert extra not in load_checkpoint(llama_copy).tensors
+
+
 def test_unsupported_architecture(llama_copy):
     config = json.loads((llama_copy / "config.json").read_text())
     config["architectures"] = ["GPT2LMHeadModel"]

@@ -60,6 +60,8 @@ REFUSED = [
     (("llama.rope.scaling.type", "yarn"), "rope scaling 'yarn' is not supported"),
     (("llama.rope.dimension_count", 8), "partial rotary is not supported yet"),
     (("tensor", "rope_factors_long.weight"), r"rope_factors_long.weight: Phi-3's long-context RoPE scaling"),
+    (("tensor", "blk.0.attn_output.bias"), r"has no place for: blk.0.attn_output.bias"),
+    (("tensor", "blk.1.attn_q.bias"), r"has no place for: layers.1.attention.q.bias"),  # (Qwen2 has them)
 ]
 
 
