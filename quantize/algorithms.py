@@ -216,9 +216,8 @@ def awq_clip(w: torch.Tensor, x: torch.Tensor, group: int) -> torch.Tensor:
     xg, _ = group_view(x[:CLIP_ROWS], group)  # [rows, groups, g]
     xt = xg.permute(1, 0, 2)  # [groups, rows, g]
     reference = torch.bmm(xt, wg.permute(1, 2, 0))  # [groups, rows, out]
-    amax = wg.abs().amax(dim=2)  # [out, groups]
-    best_error = torch.full_like(amax, float("inf"))
-    best = torch.ones_like(amax)
+    best_error = torch.full(wg.shape[:2], float("inf"))  # [out, groups]
+    best = torch.ones(wg.shape[:2])
     for i in range(CLIP_GRID):
         ratio = 1 - i * CLIP_MAX_SHRINK / CLIP_GRID
         q, _ = group_view(ops.fake_quant_int4(w, None, group, ratio), group)  # scales amax * ratio / 7
@@ -277,7 +276,7 @@ def gptq_int4(w: torch.Tensor, gram: torch.Tensor, group: int,
 def gptq_int8(w: torch.Tensor, gram: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """GPTQ on the int8 grid with the per-row scales absmax / 127. -> (w on its grid, scales)."""
     scales = int8_scales(w)
-    return gptq(w, gram, "int8", scales.float().contiguous()), scales
+    return gptq(w, gram, "int8", scales), scales
 
 
 def gptq_fp8(w: torch.Tensor, gram: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:

@@ -3,7 +3,6 @@
 Only safetensors, GGUF and JSON are read; nothing is unpickled."""
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -73,30 +72,18 @@ def one_for_fused(tensors: list[torch.Tensor], what: str, where: str) -> torch.T
     return tensors[0]
 
 
-def unused_tensors(keys, spec: ModelSpec, describe: Callable[[str], str | None],
-                   ignored: tuple[str, ...] = ()) -> list[str]:
-    """A checkpoint's tensors the model would not use: names the reader does not know
-    (describe(key) -> the canonical name, or None) other than the `ignored` suffixes, and q / k / v
-    biases or head norms of an architecture without them. Dropping them silently would build a
-    model that is not the checkpoint's."""
-    unused = []
-    for key in keys:
-        canonical = describe(key)
-        if canonical is None:
-            if not key.endswith(ignored):
-                unused.append(key)
-        elif (canonical.endswith(names.CKPT_QKV_BIASES) and not spec.qkv_bias) or (
-                canonical.endswith(names.CKPT_HEAD_NORMS) and not spec.head_norms):
-            unused.append(key)
-    return unused
-
-
-def refuse_unused(unused: list[str], source: Path, arch: str) -> None:
-    """A clear error naming the tensors unused_tensors found (the first few), if any."""
+def refuse_unused(source: Path, spec: ModelSpec, unknown: list[str], canonical: dict[str, str]) -> None:
+    """A clear error naming the checkpoint's tensors the model would not use (the first few):
+    `unknown`, the names the reader has no mapping for, and of `canonical` (name in the file ->
+    canonical name) the q / k / v biases or head norms of an architecture without them. Dropping
+    them silently would build a model that is not the checkpoint's."""
+    unused = unknown + [name for name, c in canonical.items()
+                        if (c.endswith(names.CKPT_QKV_BIASES) and not spec.qkv_bias)
+                        or (c.endswith(names.CKPT_HEAD_NORMS) and not spec.head_norms)]
     if unused:
         shown = ", ".join(unused[:4]) + (f", ... ({len(unused)} in all)" if len(unused) > 4 else "")
-        raise CheckpointError(f"{source}: tensors kiln's {arch} model has no place for: {shown} (a variant of the "
-                              "architecture kiln does not implement)")
+        raise CheckpointError(f"{source}: tensors kiln's {spec.architecture} model has no place for: {shown} (a "
+                              "variant of the architecture kiln does not implement)")
 
 
 def detect_format(path: Path) -> str:

@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from kiln import constants as names
-from kiln.builder.checkpoint import Checkpoint, refuse_unused, unused_tensors
+from kiln.builder.checkpoint import Checkpoint, refuse_unused
 from kiln.errors import CheckpointError
 from kiln.runtime.spec import ModelSpec
 
@@ -171,7 +171,7 @@ def load_gguf(path: Path) -> Checkpoint:
     head_dim = int(meta("attention.key_length", hidden // heads))
     rotary = _field(reader, f"{arch}.rope.dimension_count")
     if rotary is not None and int(rotary) != head_dim:
-        raise CheckpointError(f"{path}: GGUF {arch}.rope.dimension_count {rotary} is less than the head size "
+        raise CheckpointError(f"{path}: GGUF {arch}.rope.dimension_count {rotary} differs from the head size "
                               f"{head_dim} (rotary embedding on part of each head: partial rotary is not supported yet)")
     tensors: dict[str, torch.Tensor] = {}
     fused: dict[tuple[int, str], torch.Tensor] = {}
@@ -228,7 +228,7 @@ def load_gguf(path: Path) -> Checkpoint:
         eos_ids=(int(eos),) if eos is not None else (),
         pad_id=_field(reader, "tokenizer.ggml.padding_token_id"),
     )
-    refuse_unused(unknown + unused_tensors(tensors, spec, lambda key: key), path, arch)
+    refuse_unused(path, spec, unknown, {name: name for name in tensors})
     tensors.update(_split_fused(fused, spec, path))
     tokenizer_json, tokenizer_config = _tokenizer_json(reader, path)
     return Checkpoint(

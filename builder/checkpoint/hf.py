@@ -8,7 +8,7 @@ from pathlib import Path
 from safetensors import SafetensorError, safe_open
 
 from kiln import constants as names
-from kiln.builder.checkpoint import Checkpoint, refuse_unused, unused_tensors
+from kiln.builder.checkpoint import Checkpoint, refuse_unused
 from kiln.errors import CheckpointError
 from kiln.runtime.spec import ModelSpec, RopeScaling
 
@@ -185,21 +185,22 @@ def load_hf(folder: Path) -> Checkpoint:
     from kiln.builder.checkpoint.modelopt import read_quant_config, take_quantized
 
     quant = read_quant_config(folder)  # a Model Optimizer export, or None
-    raw, keys = {}, []
+    raw, unknown = {}, []  # (a Model Optimizer export's every tensor is take_quantized's to read)
     for file in _safetensors_files(folder):
         try:
             with safe_open(file, framework="pt") as f:
                 for key in f.keys():
-                    keys.append(key)
                     if quant is not None or canonical_name(key) is not None or _fused_parts(key):
                         raw[key] = f.get_tensor(key)
+                    elif not key.endswith(_IGNORED_SUFFIXES):
+                        unknown.append(key)
         except (SafetensorError, OSError) as exc:
             raise CheckpointError(f"cannot read {file}: {exc} (is it truncated or corrupt?)") from None
-    if quant is None:  # (a Model Optimizer export's extra tensors are take_quantized's to read)
-        refuse_unused(unused_tensors(keys, spec, lambda key: canonical_name(key) or (key if _fused_parts(key) else None),
-                                     _IGNORED_SUFFIXES), folder, spec.architecture)
+    canonical = {key: canonical_name(key) for key in raw if canonical_name(key) is not None}
+    if quant is None:
+        refuse_unused(folder, spec, unknown, canonical)
     prequantized, quantization = take_quantized(raw, spec, quant, folder) if quant is not None else ({}, None)
-    tensors = {canonical_name(key): t.float() for key, t in raw.items() if canonical_name(key) is not None}
+    tensors = {canonical[key]: t.float() for key, t in raw.items() if key in canonical}
     tensors.update(_split_fused(raw, spec))
     tokenizer_files = {}
     for name in TOKENIZER_FILES:
