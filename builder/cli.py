@@ -22,11 +22,6 @@ def check_model_limits(config, spec) -> None:
             f"build.max_seq_len: {build.max_seq_len} exceeds the model's max_position_embeddings "
             f"{spec.max_position_embeddings}; allowed: <= {spec.max_position_embeddings}"
         )
-    if spec.sliding_window and build.max_seq_len > spec.sliding_window:
-        raise ConfigError(
-            f"build.max_seq_len: {build.max_seq_len} exceeds the model's sliding_window "
-            f"{spec.sliding_window}, which kiln does not implement; allowed: <= {spec.sliding_window}"
-        )
 
 
 def _replace(staged: Path, final: Path) -> None:

@@ -45,6 +45,9 @@ def pack_weights(
         if spec.head_norms:
             for packed_name, canonical in zip(names.HEAD_NORMS, names.CKPT_HEAD_NORMS):
                 out[packed_name] = layer(canonical)
+        if spec.output_norms:
+            for packed_name, canonical in zip(names.OUTPUT_NORMS, names.CKPT_OUTPUT_NORMS):
+                out[packed_name] = layer(canonical)
         for name, tensor in out.items():
             packed[names.layer_tensor(i, name)] = cast(tensor)
         progress()

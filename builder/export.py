@@ -130,6 +130,12 @@ def export_checkpoint(engine_dir: Path, output: Path) -> Path:
     if spec.rope_freq_factors is not None:
         raise ExportError("this engine's rope frequencies come from a GGUF's rope_freqs.weight, which TensorRT-LLM's "
                           "checkpoint cannot state; build the engine from the Hugging Face folder to export it")
+    max_seq_len = int(meta.get("limits", {}).get("max_seq_len", 0))
+    if spec.sliding_window is not None and max_seq_len > spec.sliding_window:
+        raise ExportError(f"this engine attends within a sliding window of {spec.sliding_window} positions up to "
+                          f"max_seq_len {max_seq_len}; TensorRT-LLM takes the window at run time "
+                          "(max_attention_window_size), not from its checkpoint, so the export would lose it; "
+                          f"build with max_seq_len <= {spec.sliding_window} to export")
     dtype_name = meta["dtype"]
     dtype = {v: k for k, v in DTYPE_NAMES.items()}[dtype_name]
     quant = meta.get("quantization") or {}

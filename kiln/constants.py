@@ -4,10 +4,12 @@ Engine directory files, engine tensor names, Triton model and tensor names. Chan
 these changes a format: bump ENGINE_FORMAT_VERSION for engine names."""
 
 # --- engine directory -------------------------------------------------------------------
-ENGINE_FORMAT_VERSION = 8  # 2: paged attention; 3: fused rope/norm/SwiGLU; 4: GEMV; 5: AVX512-BF16 kernels;
+ENGINE_FORMAT_VERSION = 9  # 2: paged attention; 3: fused rope/norm/SwiGLU; 4: GEMV; 5: AVX512-BF16 kernels;
 # 6: quantized linears (int8 / int4 weights, W8A8); 7: FP8 linears, input_scale, int8 / FP8 KV cache;
-# 8: the KV cache's key rotation (quantization.key_rotation). (Qwen3's head norms are new tensors
-# and a new spec field that older engines simply lack: no new version.)
+# 8: the KV cache's key rotation (quantization.key_rotation); 9: sliding-window attention (engines
+# may hold a window shorter than max_seq_len) and Gemma 3's options (spec fields, output norms).
+# (Qwen3's head norms were new tensors and a new spec field that older engines simply lack: no new
+# version.)
 ENGINE_JSON = "engine.json"
 WEIGHTS_FILE = "weights.safetensors"
 MANIFEST_FILE = "MANIFEST.json"
@@ -31,6 +33,9 @@ ATTN_QKV_BIAS = "attention.qkv.bias"  # Qwen2 only
 ATTN_Q_NORM = "attention.q_norm.weight"  # Qwen3: an RMSNorm over each query head, before RoPE
 ATTN_K_NORM = "attention.k_norm.weight"  # ... and over each key head
 HEAD_NORMS = (ATTN_Q_NORM, ATTN_K_NORM)
+ATTN_OUT_NORM = "attention.out_norm.weight"  # Gemma: an RMSNorm of the attention's output before the residual add
+MLP_OUT_NORM = "mlp.out_norm.weight"  # ... and of the MLP's
+OUTPUT_NORMS = (ATTN_OUT_NORM, MLP_OUT_NORM)
 ATTN_OUT = "attention.out.weight"
 MLP_GATE_UP = "mlp.gate_up.weight"  # rows: gate, then up
 MLP_DOWN = "mlp.down.weight"
@@ -211,7 +216,8 @@ CKPT_LAYER_TENSORS = (
     "mlp.down.weight",
 )
 CKPT_QKV_BIASES = ("attention.q.bias", "attention.k.bias", "attention.v.bias")
-CKPT_HEAD_NORMS = ("attention.q_norm.weight", "attention.k_norm.weight")  # Qwen3
+CKPT_HEAD_NORMS = ("attention.q_norm.weight", "attention.k_norm.weight")  # Qwen3, Gemma 3
+CKPT_OUTPUT_NORMS = ("attention.out_norm.weight", "mlp.out_norm.weight")  # Gemma 3 (spec.output_norms)
 
 # engine model custom metrics (Triton metrics endpoint, Prometheus text format)
 METRIC_KV_BLOCKS = "kiln_kv_cache_blocks"

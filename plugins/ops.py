@@ -142,6 +142,12 @@ def silu_mul(gate_up):
 
 
 @op
+def gelu_tanh_mul(gate_up):
+    """gelu(gate, approximate="tanh") * up over the fused [.., 2n] gate/up projection (GeGLU)."""
+    return gate_up.new_empty((*gate_up.shape[:-1], gate_up.shape[-1] // 2))
+
+
+@op
 def linear(x, weight, bias=None):
     """x @ weight.T (+ bias) for a few rows (decode steps): streams each weight row once."""
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
@@ -150,13 +156,14 @@ def linear(x, weight, bias=None):
 # --- attention ----------------------------------------------------------------------------
 @op
 def paged_attention(qkv, k_pool, v_pool, block_tables, query_start, context_lens, cos, sin, heads, scale,
-                    kv_scales=None, key_hadamard=0):
+                    kv_scales=None, key_hadamard=0, window=0):
     """Rotary embedding, the KV write into the pool, and causal GQA attention over each
     sequence's blocks, from the fused QKV projection; [tokens, heads * head_dim]
     (csrc/kernels/attention.h has the layout). An int8 or float8_e4m3fn pool stores
     k / kv_scales[0] and v / kv_scales[1] (per channel, [2, kv_heads * head_dim]). key_hadamard:
     0, or the block size of the Walsh-Hadamard transform applied to q and k after rotary
-    embedding (formats.hadamard_transform): the pool then holds transformed keys."""
+    embedding (formats.hadamard_transform): the pool then holds transformed keys. window: 0, or
+    a sliding window W: a token at position p attends to positions (p - W, p] only."""
     return qkv.new_empty((qkv.shape[0], heads * k_pool.shape[3]))
 
 
@@ -312,16 +319,19 @@ def int8_tiles_fit(out_features: int, in_features: int) -> bool:
 # --- the decode plan -----------------------------------------------------------------------
 def decode_plan(layers: list[dict]) -> tuple[list, list[int], list[float]]:
     """decode_layers' (tensors, ints, floats) from one record per layer, by name: each layer maps
-    every name of the library's layer_linears to its linear's record and every name of
-    layer_tensors to a tensor (or None); a linear's record maps `kind` (a name of linear_kinds)
-    and any of linear_tensors / linear_ints / linear_floats to its values (absent: None / 0).
-    The positions come from the library (csrc/ops/decode_plan.h), so they cannot drift apart."""
+    every name of the library's layer_linears to its linear's record, any name of layer_tensors
+    to a tensor (absent: None), `window` to its sliding window (absent: 0, none) and
+    `activation` to a name of the library's activations (absent: silu); a linear's record maps
+    `kind` (a name of linear_kinds) and any of linear_tensors / linear_ints / linear_floats to
+    its values (absent: None / 0). The positions come from the library
+    (csrc/ops/decode_plan.h), so they cannot drift apart."""
     layout = library_info()["decode_plan"]
     kinds = {name: code for code, name in enumerate(layout["linear_kinds"])}
+    activations = {name: code for code, name in enumerate(layout["activations"])}
     fields = {*layout["linear_tensors"], *layout["linear_ints"], *layout["linear_floats"]}
     tensors, ints, floats = [], [], []
     for index, layer in enumerate(layers):
-        unknown = set(layer) - {*layout["layer_linears"], *layout["layer_tensors"]}
+        unknown = set(layer) - {*layout["layer_linears"], *layout["layer_tensors"], *layout["layer_ints"]}
         if unknown:
             raise KeyError(f"decode plan layer {index}: unknown entries {sorted(unknown)}")
         for name in layout["layer_linears"]:
@@ -336,4 +346,10 @@ def decode_plan(layers: list[dict]) -> tuple[list, list[int], list[float]]:
                      for field in layout["linear_ints"]]
             floats += [float(record.get(field, 0.0)) for field in layout["linear_floats"]]
         tensors += [layer.get(name) for name in layout["layer_tensors"]]
+        activation = layer.get("activation", layout["activations"][0])
+        if activation not in activations:
+            raise KeyError(f"decode plan layer {index}: unknown activation {activation!r}; the library has "
+                           f"{sorted(activations)}")
+        ints += [activations[activation] if name == "activation" else int(layer.get(name, 0))
+                 for name in layout["layer_ints"]]
     return tensors, ints, floats

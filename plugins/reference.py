@@ -27,6 +27,11 @@ def silu_mul(gate_up):
     return torch.nn.functional.silu(gate) * up
 
 
+def gelu_tanh_mul(gate_up):
+    gate, up = gate_up.chunk(2, dim=-1)
+    return torch.nn.functional.gelu(gate, approximate="tanh") * up
+
+
 def rope(x, cos, sin):
     """x: [tokens, heads, dim]; cos/sin: [tokens, dim] (rotate-half, as Hugging Face's Llama)."""
     half = x.shape[-1] // 2
@@ -46,7 +51,7 @@ def store_kv(values, pool_dtype, scales):
 
 
 def paged_attention(qkv, k_pool, v_pool, block_tables, query_start, context_lens, cos, sin, heads, scale,
-                    kv_scales=None, key_hadamard=0):
+                    kv_scales=None, key_hadamard=0, window=0):
     """Reference for kiln::paged_attention: split the fused projection, apply rotary embedding
     (then, with key_hadamard, multiply q and k by the dense block-Hadamard matrix), write the new
     k/v into the pool (quantized per channel for an int8 / fp8 pool), gather each sequence's
@@ -79,7 +84,10 @@ def paged_attention(qkv, k_pool, v_pool, block_tables, query_start, context_lens
         keys = keys.repeat_interleave(heads // kv_heads, 1)
         values = values.repeat_interleave(heads // kv_heads, 1)
         scores = torch.einsum("thd,shd->hts", qs.float(), keys) * scale
-        scores = scores.masked_fill(context[None, None, :] > positions[None, :, None], float("-inf"))
+        hidden = context[None, :] > positions[:, None]  # [new token, context position]: causal
+        if window:  # and a sliding window: only the last `window` positions, the token's own included
+            hidden |= context[None, :] <= positions[:, None] - window
+        scores = scores.masked_fill(hidden[None], float("-inf"))
         out[first:last] = torch.einsum("hts,shd->thd", scores.softmax(-1), values).to(qkv.dtype)
     return out.reshape(tokens, heads * head_dim)
 

@@ -334,7 +334,8 @@ def quantize_weights(weights: dict[str, torch.Tensor], spec: ModelSpec, options:
         return out
     algo, kind, group_size = options.algo, options.kind, options.group_size
     for name, tensor in weights.items():
-        if not name.startswith("layers.") or name.endswith((names.ATTN_QKV_BIAS, *names.HEAD_NORMS)):
+        if not name.startswith("layers.") or name.endswith((names.ATTN_QKV_BIAS, *names.HEAD_NORMS,
+                                                            *names.OUTPUT_NORMS)):
             out[name] = tensor.to(dtype).contiguous()
     if options.lm_head in ("int8", "int4"):
         head = weights[names.EMBED if spec.tie_embeddings else names.LM_HEAD]

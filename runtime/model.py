@@ -1,8 +1,12 @@
-"""kiln's Llama-family model: one definition for calibration, tests and serving.
+"""kiln's decoder model: one definition for calibration, tests and serving.
 
-Linear layers are runtime.linear objects (dense, or quantized with kiln's kernels); RMSNorm
-and attention (with its KV-cache write) are the plugin ops. Weights arrive already packed by
-the builder (QKV fused, gate/up fused)."""
+The Llama family, and the differences of the other families as declared options of the same
+model (ModelSpec): Qwen3's head norms; Gemma 3's output norms, GeGLU, scaled embeddings, query
+scale and interleaved sliding-window / global layers with their own RoPE bases. Linear layers
+are runtime.linear objects (dense, or quantized with kiln's kernels); RMSNorm, the gated
+activations and attention (with its KV-cache write) are the plugin ops. Weights arrive already
+packed by the builder (QKV fused, gate/up fused; Gemma's (1 + w) norms stored as their
+multipliers)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -32,6 +36,10 @@ class Layer:
     kv_scales: torch.Tensor | None = None  # [2, kv_size] for an int8 / FP8 KV cache
     q_norm: torch.Tensor | None = None  # [head_dim]: Qwen3's RMSNorm over each query head
     k_norm: torch.Tensor | None = None  # ... and over each key head
+    attn_out_norm: torch.Tensor | None = None  # Gemma: RMSNorm of the attention's output before the residual add
+    mlp_out_norm: torch.Tensor | None = None  # ... and of the MLP's
+    window: int = 0  # sliding window (0: none)
+    local_rope: bool = False  # rotary tables of its own (Gemma 3's sliding-window layers)
 
 
 @dataclass
@@ -100,7 +108,13 @@ class LlamaModel:
             self.lm_head = DenseLinear(self.embed if spec.tie_embeddings else weights[names.LM_HEAD])
         self.layers = [self._layer(weights, i, quant) for i in range(spec.num_layers)]
         self.cos, self.sin = cos_sin_tables(spec, max_positions, self.dtype)
-        self.scale = spec.head_dim**-0.5
+        self.local_cos, self.local_sin = (cos_sin_tables(spec, max_positions, self.dtype, local=True)
+                                          if spec.local_rope_theta is not None else (self.cos, self.sin))
+        self.scale = spec.scale
+        self.activation = ops.gelu_tanh_mul if spec.activation == "gelu_tanh" else ops.silu_mul
+        # Gemma: embeddings times sqrt(hidden), the factor rounded to the model dtype as HF rounds it
+        self.embed_scale = (torch.tensor(spec.embed_scale, dtype=torch.float32).to(self.dtype)
+                            if spec.embed_scale is not None else None)
         self.fused_decode = True  # steps of a few rows run every layer in one plugin call (decode_layers)
         self._plan = None  # built on first use, from the layers as they are then
 
@@ -112,9 +126,13 @@ class LlamaModel:
         record = {**{name: getattr(layer, name).plan() for name in LINEARS},
                   "post_attention_norm": layer.post_attention_norm, "next_norm": self.next_norm(index),
                   "kv_scales": layer.kv_scales}
-        if layer.q_norm is not None:  # named only where used: an engine's older library lacks the names
+        if layer.q_norm is not None:
             record.update(q_norm=layer.q_norm, k_norm=layer.k_norm)
-        return record
+        if layer.attn_out_norm is not None:
+            record.update(attn_out_norm=layer.attn_out_norm, mlp_out_norm=layer.mlp_out_norm)
+        if layer.local_rope:
+            record.update(cos=self.local_cos, sin=self.local_sin)
+        return record | {"window": layer.window, "activation": self.spec.activation}
 
     def next_norm(self, index: int) -> torch.Tensor:
         """The norm after layer `index`: the next layer's input norm, or the final norm."""
@@ -142,8 +160,12 @@ class LlamaModel:
             gate_up=linear(names.MLP_GATE_UP),
             down=linear(names.MLP_DOWN),
             kv_scales=kv_scales,
-            q_norm=weights.get(names.layer_tensor(i, names.ATTN_Q_NORM)),
-            k_norm=weights.get(names.layer_tensor(i, names.ATTN_K_NORM)),
+            q_norm=get(names.ATTN_Q_NORM) if self.spec.head_norms else None,
+            k_norm=get(names.ATTN_K_NORM) if self.spec.head_norms else None,
+            attn_out_norm=get(names.ATTN_OUT_NORM) if self.spec.output_norms else None,
+            mlp_out_norm=get(names.MLP_OUT_NORM) if self.spec.output_norms else None,
+            window=self.spec.window(i),
+            local_rope=self.spec.local_rope_theta is not None and self.spec.window(i) > 0,
         )
 
     def norm_heads(self, qkv: torch.Tensor, layer: Layer) -> torch.Tensor:
@@ -159,12 +181,15 @@ class LlamaModel:
         """Run a packed batch of tokens (1-D); float32 logits [len(ctx.logits_rows), vocab].
 
         Per layer: 4 GEMMs and 3 plugin ops: the residual add fused into RMSNorm,
-        rotary embedding + KV write + attention in one, SwiGLU in one. Steps of up to
+        rotary embedding + KV write + attention in one, SwiGLU (or GeGLU) in one; Gemma's output
+        norms add two. Steps of up to
         SKINNY_ROWS tokens (decode) run the same loop inside the plugin library (decode_layers),
         bit for bit the same numbers without the interpreter between the ~240 kernel calls."""
         spec = self.spec
         eps = spec.norm_eps
         h = F.embedding(tokens, self.embed)
+        if self.embed_scale is not None:
+            h = h * self.embed_scale
         x = ops.rms_norm(h, self.layers[0].input_norm, eps)
         if self.fused_decode and tokens.shape[0] <= SKINNY_ROWS:  # the same kernels, without Python between
             if self._plan is None:
@@ -177,11 +202,17 @@ class LlamaModel:
             qkv = layer.qkv(x)
             if layer.q_norm is not None:
                 qkv = self.norm_heads(qkv, layer)
+            cos, sin = (self.local_cos, self.local_sin) if layer.local_rope else (self.cos, self.sin)
             attn = ops.paged_attention(qkv, pool.keys[index], pool.values[index], ctx.block_tables,
-                                       ctx.query_start, ctx.context_lens, self.cos, self.sin,
-                                       spec.num_heads, self.scale, layer.kv_scales, self.key_hadamard)
-            x = ops.add_rms_norm(h, layer.out(attn), layer.post_attention_norm, eps)
-            down = layer.down(ops.silu_mul(layer.gate_up(x)))
+                                       ctx.query_start, ctx.context_lens, cos, sin, spec.num_heads, self.scale,
+                                       layer.kv_scales, self.key_hadamard, layer.window)
+            attn = layer.out(attn)
+            if layer.attn_out_norm is not None:
+                attn = ops.rms_norm(attn, layer.attn_out_norm, eps)
+            x = ops.add_rms_norm(h, attn, layer.post_attention_norm, eps)
+            down = layer.down(self.activation(layer.gate_up(x)))
+            if layer.mlp_out_norm is not None:
+                down = ops.rms_norm(down, layer.mlp_out_norm, eps)
             x = ops.add_rms_norm(h, down, self.next_norm(index), eps)
         # x is the final norm of every row; logits only for the rows that sample
         return self.lm_head(x[ctx.logits_rows]).float()

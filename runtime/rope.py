@@ -8,11 +8,16 @@ import torch
 from kiln.runtime.spec import ModelSpec
 
 
-def inverse_frequencies(spec: ModelSpec) -> torch.Tensor:
+def inverse_frequencies(spec: ModelSpec, local: bool = False) -> torch.Tensor:
+    """local: the sliding-window layers' frequencies (spec.local_rope_theta, unscaled, as Gemma 3
+    has them); else every other layer's."""
     dim = spec.head_dim
-    inv_freq = 1.0 / (
-        spec.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).to(torch.float) / dim)
-    )
+    theta = spec.local_rope_theta if local else spec.rope_theta
+    inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64).to(torch.float) / dim))
+    if local:
+        return inv_freq
+    if spec.rope_linear_factor is not None:  # transformers' "linear" rope type
+        inv_freq = inv_freq / spec.rope_linear_factor
     if spec.rope_freq_factors is not None:  # as llama.cpp applies a GGUF's rope_freqs.weight
         return inv_freq / torch.tensor(spec.rope_freq_factors, dtype=torch.float)
     scaling = spec.rope_scaling
@@ -31,9 +36,10 @@ def inverse_frequencies(spec: ModelSpec) -> torch.Tensor:
     return torch.where(is_medium, smoothed, scaled)
 
 
-def cos_sin_tables(spec: ModelSpec, max_positions: int, dtype: torch.dtype):
-    """[max_positions, head_dim] cos and sin, rounded to the model dtype as HF does."""
-    inv_freq = inverse_frequencies(spec)
+def cos_sin_tables(spec: ModelSpec, max_positions: int, dtype: torch.dtype, local: bool = False):
+    """[max_positions, head_dim] cos and sin, rounded to the model dtype as HF does (local: of the
+    sliding-window layers, inverse_frequencies)."""
+    inv_freq = inverse_frequencies(spec, local)
     freqs = torch.outer(torch.arange(max_positions, dtype=torch.float), inv_freq)
     emb = torch.cat((freqs, freqs), dim=-1)
     return emb.cos().to(dtype), emb.sin().to(dtype)

@@ -1,10 +1,12 @@
-"""ModelSpec: the architecture constants of a Llama-family model, as stored in engine.json."""
+"""ModelSpec: the architecture constants of a model of kiln's one decoder definition (the Llama
+family and the options that make Qwen3, Phi-3 and Gemma 3 of it), as stored in engine.json."""
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
 
-ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "phi3")
+ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma3")
+ACTIVATIONS = ("silu", "gelu_tanh")  # the MLP's gated activation: SwiGLU, or GeGLU with tanh-GELU (Gemma)
 
 
 @dataclass(frozen=True)
@@ -33,14 +35,23 @@ class ModelSpec:
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
     qkv_bias: bool = False
-    head_norms: bool = False  # Qwen3: RMSNorm over each query and key head before RoPE
+    head_norms: bool = False  # Qwen3, Gemma 3: RMSNorm over each query and key head before RoPE
     bos_id: int | None = None
     eos_ids: tuple[int, ...] = field(default_factory=tuple)
     pad_id: int | None = None
-    sliding_window: int | None = None  # Mistral; the build rejects max_seq_len beyond it
+    # a token attends to its last `sliding_window` positions only (Mistral, Phi-3, Gemma 3's local
+    # layers), on every layer but full_attention_layers
+    sliding_window: int | None = None
+    full_attention_layers: tuple[int, ...] = ()
     # llama.cpp's per-pair rope frequency divisors (a GGUF's rope_freqs.weight: how its converter
     # stores Llama 3 scaling), instead of rope_scaling
     rope_freq_factors: tuple[float, ...] | None = None
+    rope_linear_factor: float | None = None  # "linear" rope scaling: positions / factor (not on local layers)
+    local_rope_theta: float | None = None  # Gemma 3: the sliding-window layers' own RoPE base
+    embed_scale: float | None = None  # Gemma: embeddings times sqrt(hidden), rounded to the model dtype
+    query_scale: float | None = None  # attention scores' scale (Gemma 3: query_pre_attn_scalar^-0.5); else head_dim^-0.5
+    output_norms: bool = False  # Gemma: RMSNorms of the attention's and the MLP's outputs before each residual add
+    activation: str = "silu"  # one of ACTIVATIONS
 
     def __post_init__(self):
         if self.architecture not in ARCHITECTURES:
@@ -49,6 +60,24 @@ class ModelSpec:
             raise ValueError(
                 f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}"
             )
+        if self.activation not in ACTIVATIONS:
+            raise ValueError(f"activation {self.activation!r} is not one of {ACTIVATIONS}")
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise ValueError(f"sliding_window {self.sliding_window} must be at least 1 (or None)")
+        bad = [i for i in self.full_attention_layers if not 0 <= i < self.num_layers]
+        if bad:
+            raise ValueError(f"full_attention_layers {bad} are not layers of a {self.num_layers}-layer model")
+
+    def window(self, layer: int) -> int:
+        """The sliding window of `layer` (0: it attends to every earlier position)."""
+        if self.sliding_window is None or layer in self.full_attention_layers:
+            return 0
+        return self.sliding_window
+
+    @property
+    def scale(self) -> float:
+        """The attention scores' scale."""
+        return self.query_scale if self.query_scale is not None else self.head_dim**-0.5
 
     @property
     def q_size(self) -> int:
@@ -61,6 +90,7 @@ class ModelSpec:
     def to_json(self) -> dict:
         data = dataclasses.asdict(self)
         data["eos_ids"] = list(self.eos_ids)
+        data["full_attention_layers"] = list(self.full_attention_layers)
         if self.rope_freq_factors is not None:
             data["rope_freq_factors"] = list(self.rope_freq_factors)
         return data
@@ -71,6 +101,7 @@ class ModelSpec:
         if data.get("rope_scaling"):
             data["rope_scaling"] = RopeScaling(**data["rope_scaling"])
         data["eos_ids"] = tuple(data.get("eos_ids", ()))
+        data["full_attention_layers"] = tuple(data.get("full_attention_layers", ()))
         if data.get("rope_freq_factors") is not None:
             data["rope_freq_factors"] = tuple(data["rope_freq_factors"])
         return cls(**data)

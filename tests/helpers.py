@@ -51,8 +51,24 @@ def make_tokenizer(folder: Path, vocab_size: int) -> None:
     fast.save_pretrained(folder)
 
 
+def make_sentencepiece(path: Path, vocab_size: int, space_prefix: bool = True) -> Path:
+    """A SentencePiece BPE model (Llama 2's kind: byte fallback, digits split, a dummy space prefix;
+    Gemma's without the prefix) trained on Python's own docs; characters rarer than the coverage
+    fall back to byte pieces."""
+    import sentencepiece as spm
+    from pydoc_data.topics import topics
+
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(list(topics.values())[:200]), model_prefix=str(path.with_suffix("")),
+        vocab_size=vocab_size, model_type="bpe", byte_fallback=True, split_digits=True, character_coverage=0.99,
+        normalization_rule_name="identity", remove_extra_whitespaces=False, add_dummy_prefix=space_prefix,
+        unk_id=0, bos_id=1, eos_id=2, pad_id=-1, minloglevel=2, num_threads=1)
+    return path.with_suffix(".model")
+
+
 def make_tiny_model(folder: Path, architecture: str, seed: int = 0, **overrides) -> Path:
-    """A tiny random Llama / Mistral / Qwen2 / Qwen3 / Phi-3 saved as a Hugging Face folder (safetensors)."""
+    """A tiny random Llama / Mistral / Qwen2 / Qwen3 / Phi-3 / Gemma 3 saved as a Hugging Face folder
+    (safetensors)."""
     import torch
     import transformers
 
@@ -66,7 +82,8 @@ def make_tiny_model(folder: Path, architecture: str, seed: int = 0, **overrides)
         model = transformers.LlamaForCausalLM(config)
     elif architecture == "mistral":
         shapes.setdefault("num_key_value_heads", 1)
-        config = transformers.MistralConfig(sliding_window=None, **shapes)
+        shapes.setdefault("sliding_window", None)
+        config = transformers.MistralConfig(**shapes)
         model = transformers.MistralForCausalLM(config)
     elif architecture == "qwen2":
         shapes.setdefault("num_key_value_heads", 4)
@@ -84,12 +101,35 @@ def make_tiny_model(folder: Path, architecture: str, seed: int = 0, **overrides)
         shapes.setdefault("num_key_value_heads", 2)
         config = transformers.Qwen3Config(head_dim=32, tie_word_embeddings=False, **shapes)
         model = transformers.Qwen3ForCausalLM(config)
+    elif architecture == "gemma3":
+        # Gemma 3's options at a tiny size: a sliding-window layer (window 6, shorter than the tests'
+        # prompts) before a global one, each with its RoPE base, linear scaling on the global one
+        shapes.setdefault("num_key_value_heads", 2)
+        shapes.setdefault("sliding_window", 6)
+        shapes.setdefault("layer_types", ["sliding_attention", "full_attention"])
+        shapes.setdefault("rope_parameters", {
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+            "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1_000_000.0}})
+        shapes.setdefault("query_pre_attn_scalar", 24)  # not head_dim: the scale is its own option
+        config = transformers.Gemma3TextConfig(head_dim=32, pad_token_id=0, **shapes)
+        model = transformers.Gemma3ForCausalLM(config)
+    elif architecture == "gemma3-multimodal":  # Gemma 3 4B and up: a language model beside a vision tower
+        shapes.setdefault("num_key_value_heads", 2)
+        text = dict(shapes, head_dim=32, query_pre_attn_scalar=24, pad_token_id=0, sliding_window=6,
+                    layer_types=["sliding_attention", "full_attention"])
+        vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                      image_size=28, patch_size=14)
+        config = transformers.Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4,
+                                           image_token_index=shapes["vocab_size"] - 1)
+        model = transformers.Gemma3ForConditionalGeneration(config)
     else:
         raise ValueError(architecture)
     with torch.no_grad():  # default init is tiny; wider weights make logits differ more
         for name, p in model.named_parameters():
             if p.dim() == 2:
                 p.normal_(0, 0.08)
+            elif architecture.startswith("gemma3") and "norm" in name:  # zeros by default (Gemma: 1 + w)
+                p.normal_(0.0, 0.3)
             elif "q_norm" in name or "k_norm" in name:  # ones by default: make the head norms matter
                 p.normal_(1.0, 0.3)
     model.save_pretrained(folder)

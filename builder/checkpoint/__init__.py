@@ -29,7 +29,8 @@ class Checkpoint:
         if not spec.tie_embeddings:
             expected.append(names.CKPT_LM_HEAD)
         per_layer = (names.CKPT_LAYER_TENSORS + (names.CKPT_QKV_BIASES if spec.qkv_bias else ())
-                     + (names.CKPT_HEAD_NORMS if spec.head_norms else ()))
+                     + (names.CKPT_HEAD_NORMS if spec.head_norms else ())
+                     + (names.CKPT_OUTPUT_NORMS if spec.output_norms else ()))
         for i in range(spec.num_layers):
             expected += [names.layer_tensor(i, n) for n in per_layer
                          if names.layer_tensor(i, n) not in self.prequantized_parts()]
@@ -75,11 +76,12 @@ def one_for_fused(tensors: list[torch.Tensor], what: str, where: str) -> torch.T
 def refuse_unused(source: Path, spec: ModelSpec, unknown: list[str], canonical: dict[str, str]) -> None:
     """A clear error naming the checkpoint's tensors the model would not use (the first few):
     `unknown`, the names the reader has no mapping for, and of `canonical` (name in the file ->
-    canonical name) the q / k / v biases or head norms of an architecture without them. Dropping
-    them silently would build a model that is not the checkpoint's."""
+    canonical name) the q / k / v biases, head norms or output norms of an architecture without
+    them. Dropping them silently would build a model that is not the checkpoint's."""
     unused = unknown + [name for name, c in canonical.items()
                         if (c.endswith(names.CKPT_QKV_BIASES) and not spec.qkv_bias)
-                        or (c.endswith(names.CKPT_HEAD_NORMS) and not spec.head_norms)]
+                        or (c.endswith(names.CKPT_HEAD_NORMS) and not spec.head_norms)
+                        or (c.endswith(names.CKPT_OUTPUT_NORMS) and not spec.output_norms)]
     if unused:
         shown = ", ".join(unused[:4]) + (f", ... ({len(unused)} in all)" if len(unused) > 4 else "")
         raise CheckpointError(f"{source}: tensors kiln's {spec.architecture} model has no place for: {shown} (a "

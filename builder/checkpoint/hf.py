@@ -18,7 +18,20 @@ ARCHITECTURES = {
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
     "Phi3ForCausalLM": "phi3",
+    "Gemma3ForCausalLM": "gemma3",  # Gemma 3's text models (model_type gemma3_text: the 1B, or a text-only export)
+    "Gemma3ForConditionalGeneration": "gemma3",  # 4B and up: the language model of the multimodal checkpoint
 }
+# transformers' Gemma3TextConfig defaults: configs on the Hub leave out what equals them
+GEMMA3_DEFAULTS = {
+    "vocab_size": 262_208, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26,
+    "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256, "max_position_embeddings": 131_072,
+    "rms_norm_eps": 1e-6, "query_pre_attn_scalar": 256, "sliding_window": 4096, "bos_token_id": 2,
+    "eos_token_id": 1, "pad_token_id": 0, "tie_word_embeddings": True,
+}
+# a multimodal Gemma 3 checkpoint's language model -> the text model's names; its vision tower and
+# projector are not part of a text engine
+_LANGUAGE_MODEL_PREFIXES = ("language_model.model.", "model.language_model.")
+_VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 _LAYER_NAMES = {
@@ -37,6 +50,13 @@ _LAYER_NAMES = {
     "mlp.up_proj.weight": "mlp.up.weight",
     "mlp.down_proj.weight": "mlp.down.weight",
 }
+# Gemma: the norm after attention is an output norm; the MLP's input norm is pre_feedforward's
+_GEMMA_LAYER_NAMES = {
+    **_LAYER_NAMES,
+    "post_attention_layernorm.weight": "attention.out_norm.weight",
+    "pre_feedforward_layernorm.weight": "post_attention_norm.weight",
+    "post_feedforward_layernorm.weight": "mlp.out_norm.weight",
+}
 _TOP_NAMES = {
     "model.embed_tokens.weight": names.CKPT_EMBED,
     "model.norm.weight": names.CKPT_FINAL_NORM,
@@ -54,13 +74,25 @@ TOKENIZER_FILES = (names.TOKENIZER_JSON, names.TOKENIZER_CONFIG_JSON, names.SPEC
                    names.CHAT_TEMPLATE_FILE)  # the chat template: transformers 4.43+ saves it on its own
 
 
-def canonical_name(hf_name: str) -> str | None:
+def canonical_name(hf_name: str, architecture: str) -> str | None:
+    for prefix in _LANGUAGE_MODEL_PREFIXES if architecture == "gemma3" else ():
+        if hf_name.startswith(prefix):
+            hf_name = "model." + hf_name.removeprefix(prefix)
     if hf_name in _TOP_NAMES:
         return _TOP_NAMES[hf_name]
+    layer_names = _GEMMA_LAYER_NAMES if architecture == "gemma3" else _LAYER_NAMES
     match = _LAYER.match(hf_name)
-    if match and match.group(2) in _LAYER_NAMES:
-        return names.layer_tensor(int(match.group(1)), _LAYER_NAMES[match.group(2)])
+    if match and match.group(2) in layer_names:
+        return names.layer_tensor(int(match.group(1)), layer_names[match.group(2)])
     return None
+
+
+def _gemma_norms(tensors: dict) -> None:
+    """Gemma's RMSNorms multiply by (1 + w): store the multipliers (1 + w in float32, as
+    transformers computes them), so kiln's norms and its scale folding apply unchanged."""
+    for name in tensors:
+        if name.endswith("norm.weight"):
+            tensors[name] = 1.0 + tensors[name].float()
 
 
 def _fused_parts(hf_name: str) -> tuple[int, tuple[str, ...]] | None:
@@ -117,6 +149,50 @@ def _rope(config: dict, source: Path) -> tuple[float, RopeScaling | None]:
     raise CheckpointError(f"{source}: rope scaling type {kind!r} is not supported (default, llama3)")
 
 
+def _gemma3_options(config: dict, source: Path) -> dict:
+    """ModelSpec fields of a Gemma 3 text config (transformers' Gemma3TextConfig, as saved by
+    transformers 4.50+ or 5.x); what kiln does not implement is refused by name."""
+    for key in ("final_logit_softcapping", "attn_logit_softcapping"):
+        if config.get(key) is not None:  # Gemma 2 style tanh soft-capping
+            raise CheckpointError(f"{source}: {key} {config[key]} (soft-capped logits) is not supported")
+    if config.get("use_bidirectional_attention"):
+        raise CheckpointError(f"{source}: use_bidirectional_attention (an encoder variant) is not supported")
+    activation = config.get("hidden_activation") or config.get("hidden_act") or "gelu_pytorch_tanh"
+    if activation not in ("gelu_pytorch_tanh", "gelu_tanh"):
+        raise CheckpointError(f"{source}: hidden_activation {activation!r} is not supported (gelu_pytorch_tanh)")
+    layers = int(config["num_hidden_layers"])
+    types = config.get("layer_types") or [
+        "sliding_attention" if (i + 1) % int(config.get("sliding_window_pattern", 6)) else "full_attention"
+        for i in range(layers)]
+    unknown = sorted(set(types) - {"sliding_attention", "full_attention"})
+    if unknown or len(types) != layers:
+        raise CheckpointError(f"{source}: layer_types must name each of the {layers} layers sliding_attention or "
+                              f"full_attention; got {len(types)} entries{', with ' + str(unknown) if unknown else ''}")
+    rope = config.get("rope_parameters") or {}
+    full = dict(rope.get("full_attention") or config.get("rope_scaling") or {})
+    local = dict(rope.get("sliding_attention") or {})
+    full.setdefault("rope_theta", config.get("rope_theta", 1_000_000.0))
+    local.setdefault("rope_theta", config.get("rope_local_base_freq", 10_000.0))
+    linear = None
+    for kind, params in (("full_attention", full), ("sliding_attention", local)):
+        rope_type = params.get("rope_type", params.get("type", "default"))
+        if rope_type == "linear" and kind == "full_attention":
+            linear = float(params["factor"])
+        elif rope_type not in (None, "default"):
+            raise CheckpointError(f"{source}: rope type {rope_type!r} on the {kind} layers is not supported "
+                                  "(default, or linear on the full_attention layers)")
+    window = config.get("sliding_window")
+    return dict(
+        head_norms=True, output_norms=True, activation="gelu_tanh",
+        embed_scale=float(config["hidden_size"]) ** 0.5,
+        query_scale=float(config.get("query_pre_attn_scalar", 256)) ** -0.5,
+        rope_theta=float(full["rope_theta"]), local_rope_theta=float(local["rope_theta"]), rope_linear_factor=linear,
+        sliding_window=int(window) if window else None,
+        full_attention_layers=tuple(i for i, t in enumerate(types) if t == "full_attention"),
+        tie_embeddings=bool(config.get("tie_word_embeddings", True)),
+    )
+
+
 def spec_from_config(config: dict, generation: dict, source: Path) -> ModelSpec:
     archs = config.get("architectures") or []
     arch = next((ARCHITECTURES[a] for a in archs if a in ARCHITECTURES), None)
@@ -124,7 +200,13 @@ def spec_from_config(config: dict, generation: dict, source: Path) -> ModelSpec:
         raise CheckpointError(
             f"{source}: architectures {archs} not supported; kiln reads {sorted(ARCHITECTURES)}"
         )
-    if config.get("mlp_bias") or (arch in ("llama", "qwen3") and config.get("attention_bias")):
+    if "Gemma3ForConditionalGeneration" in archs:  # the language model's config, as transformers nests it
+        top = {key: config[key] for key in ("tie_word_embeddings", "bos_token_id", "eos_token_id", "pad_token_id")
+               if config.get(key) is not None}  # (the Hub's 4B-27B configs state eos [1, 106] at the top)
+        config = {**{k: v for k, v in (config.get("text_config") or {}).items() if v is not None}, **top}
+    if arch == "gemma3":
+        config = {**GEMMA3_DEFAULTS, **config}
+    if config.get("mlp_bias") or (arch in ("llama", "qwen3", "gemma3") and config.get("attention_bias")):
         raise CheckpointError(f"{source}: attention_bias / mlp_bias Llama variants are not supported")
     rope = config.get("rope_parameters") or {}
     partial = rope.get("partial_rotary_factor", config.get("partial_rotary_factor")) or 1.0
@@ -133,9 +215,15 @@ def spec_from_config(config: dict, generation: dict, source: Path) -> ModelSpec:
                               "not supported yet")
     heads = int(config["num_attention_heads"])
     hidden = int(config["hidden_size"])
-    theta, scaling = _rope(config, source)
     eos = _ids(generation.get("eos_token_id")) or _ids(config.get("eos_token_id"))
-    sliding = config.get("sliding_window") if config.get("use_sliding_window", arch in ("mistral", "phi3")) else None
+    if arch == "gemma3":
+        options = _gemma3_options(config, source)
+    else:
+        theta, scaling = _rope(config, source)
+        sliding = config.get("sliding_window") if config.get("use_sliding_window", arch in ("mistral", "phi3")) else None
+        options = dict(rope_theta=theta, rope_scaling=scaling, qkv_bias=arch == "qwen2", head_norms=arch == "qwen3",
+                       sliding_window=int(sliding) if sliding else None,
+                       tie_embeddings=bool(config.get("tie_word_embeddings", False)))
     return ModelSpec(
         architecture=arch,
         vocab_size=int(config["vocab_size"]),
@@ -146,16 +234,11 @@ def spec_from_config(config: dict, generation: dict, source: Path) -> ModelSpec:
         head_dim=int(config.get("head_dim") or hidden // heads),
         intermediate_size=int(config["intermediate_size"]),
         max_position_embeddings=int(config.get("max_position_embeddings", 2048)),
-        rope_theta=theta,
-        rope_scaling=scaling,
         norm_eps=float(config.get("rms_norm_eps", 1e-6)),
-        tie_embeddings=bool(config.get("tie_word_embeddings", False)),
-        qkv_bias=arch == "qwen2",
-        head_norms=arch == "qwen3",
         bos_id=config.get("bos_token_id"),
         eos_ids=eos,
         pad_id=config.get("pad_token_id"),
-        sliding_window=int(sliding) if sliding else None,
+        **options,
     )
 
 
@@ -190,18 +273,22 @@ def load_hf(folder: Path) -> Checkpoint:
         try:
             with safe_open(file, framework="pt") as f:
                 for key in f.keys():
-                    if quant is not None or canonical_name(key) is not None or _fused_parts(key):
+                    if quant is not None or canonical_name(key, spec.architecture) is not None or _fused_parts(key):
                         raw[key] = f.get_tensor(key)
-                    elif not key.endswith(_IGNORED_SUFFIXES):
+                    elif not key.endswith(_IGNORED_SUFFIXES) and not (
+                            spec.architecture == "gemma3" and key.startswith(_VISION_PREFIXES)):
                         unknown.append(key)
         except (SafetensorError, OSError) as exc:
             raise CheckpointError(f"cannot read {file}: {exc} (is it truncated or corrupt?)") from None
-    canonical = {key: canonical_name(key) for key in raw if canonical_name(key) is not None}
+    canonical = {key: canonical_name(key, spec.architecture) for key in raw
+                 if canonical_name(key, spec.architecture) is not None}
     if quant is None:
         refuse_unused(folder, spec, unknown, canonical)
     prequantized, quantization = take_quantized(raw, spec, quant, folder) if quant is not None else ({}, None)
     tensors = {canonical[key]: t.float() for key, t in raw.items() if key in canonical}
     tensors.update(_split_fused(raw, spec))
+    if spec.architecture == "gemma3":
+        _gemma_norms(tensors)
     tokenizer_files = {}
     for name in TOKENIZER_FILES:
         if (folder / name).is_file():

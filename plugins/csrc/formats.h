@@ -10,6 +10,7 @@ struct fp8e4m3 {  // FP8 E4M3 bits (1 sign, 4 exponent bits biased by 7, 3 manti
 struct PagedShape {
   int64_t tokens, seqs, heads, kv_heads, head_dim, block_size, max_blocks;
   int64_t key_hadamard = 0;  // 0, or the block size of the Walsh-Hadamard transform of q and k after RoPE
+  int64_t window = 0;        // 0, or a sliding window: a token at position p attends to (p - window, p]
 };
 
 // --- int4, rows (as the engine stores them) ---------------------------------------------------

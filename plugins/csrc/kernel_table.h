@@ -12,6 +12,8 @@
   K(ns, add_rms_norm_bf16, add_rms_norm<bf16>)                         \
   K(ns, silu_mul_f32, silu_mul<float>)                                 \
   K(ns, silu_mul_bf16, silu_mul<bf16>)                                 \
+  K(ns, gelu_tanh_mul_f32, gelu_tanh_mul<float>)                       \
+  K(ns, gelu_tanh_mul_bf16, gelu_tanh_mul<bf16>)                       \
   K(ns, linear_f32, linear<float>)                                     \
   K(ns, linear_bf16, linear<bf16>)                                     \
   K(ns, paged_attention_f32, paged_attention<float, float>)            \

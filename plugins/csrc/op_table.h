@@ -7,11 +7,12 @@
   OP(rms_norm, "(Tensor x, Tensor weight, float eps) -> Tensor")                                                \
   OP(add_rms_norm, "(Tensor(a!) residual, Tensor x, Tensor weight, float eps) -> Tensor")                       \
   OP(silu_mul, "(Tensor gate_up) -> Tensor")                                                                    \
+  OP(gelu_tanh_mul, "(Tensor gate_up) -> Tensor")                                                               \
   OP(linear, "(Tensor x, Tensor weight, Tensor? bias=None) -> Tensor")                                          \
   OP(paged_attention,                                                                                           \
      "(Tensor qkv, Tensor(a!) k_pool, Tensor(b!) v_pool, Tensor block_tables, Tensor query_start, "             \
      "Tensor context_lens, Tensor cos, Tensor sin, int heads, float scale, Tensor? kv_scales=None, "            \
-     "int key_hadamard=0) -> Tensor")                                                                           \
+     "int key_hadamard=0, int window=0) -> Tensor")                                                             \
   OP(decode_layers,                                                                                             \
      "(Tensor(a!) h, Tensor x, Tensor?[] tensors, int[] ints, float[] floats, Tensor(b!) kv, "                  \
      "Tensor block_tables, Tensor query_start, Tensor context_lens, Tensor cos, Tensor sin, int heads, "        \

@@ -3,6 +3,7 @@ import json
 import shutil
 
 import pytest
+import torch
 
 from kiln.builder.checkpoint import load_checkpoint
 from kiln.builder.cli import main
@@ -36,6 +37,7 @@ def test_missing_tensor(llama_copy):
     ("model.layers.0.self_attn.o_proj.bias", True),  # an output-projection bias kiln's Llama has no place for
     ("model.layers.1.self_attn.q_proj.bias", True),  # a q bias on an architecture without them (Qwen2 has them)
     ("model.layers.0.self_attn.q_norm.weight", True),  # a head norm on an architecture without them (Qwen3 has them)
+    ("model.layers.1.post_feedforward_layernorm.weight", True),  # Gemma's MLP output norm, on a Llama
     ("model.layers.0.self_attn.rotary_emb.inv_freq", False),  # older exports' RoPE buffer: computed from the config
 ])
 def test_tensors_the_model_would_drop_are_refused_by_name(llama_copy, tiny_models, extra, refused):
@@ -73,6 +75,84 @@ def test_phi_variants_kiln_cannot_run_yet_are_refused(change, message, tiny_mode
     (folder / "config.json").write_text(json.dumps(config))
     with pytest.raises(CheckpointError, match=message):
         load_checkpoint(folder)
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"final_logit_softcapping": 30.0}, "final_logit_softcapping 30.0"),
+    ({"attn_logit_softcapping": 50.0}, "attn_logit_softcapping 50.0"),
+    ({"use_bidirectional_attention": True}, "use_bidirectional_attention"),
+    ({"hidden_activation": "gelu"}, "hidden_activation 'gelu'"),
+    ({"layer_types": ["sliding_attention", "chunked_attention"]}, r"\['chunked_attention'\]"),
+    ({"layer_types": ["sliding_attention"]}, "each of the 2 layers"),
+    ({"rope_parameters": {"full_attention": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e6},
+                          "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}},
+     "rope type 'yarn' on the full_attention layers"),
+    ({"rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 1e6},
+                          "sliding_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}}},
+     "rope type 'linear' on the sliding_attention layers"),
+])
+def test_gemma3_variants_kiln_cannot_run_are_refused(change, message, tiny_models, tmp_path):
+    folder = shutil.copytree(tiny_models["gemma3"], tmp_path / "gemma3")
+    config = {**json.loads((folder / "config.json").read_text()), **change}
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match=message):
+        load_checkpoint(folder)
+
+
+def test_gemma3_configs_of_older_transformers_read_alike(tiny_models, tmp_path):
+    """Gemma 3 configs on the Hub (transformers 4.5x) state RoPE as rope_theta, rope_local_base_freq
+    and rope_scaling, and the layer pattern as sliding_window_pattern: the same spec as the
+    rope_parameters / layer_types form transformers 5 saves."""
+    folder = shutil.copytree(tiny_models["gemma3"], tmp_path / "gemma3")
+    config = json.loads((folder / "config.json").read_text())
+    new = load_checkpoint(folder).spec
+    for key in ("rope_parameters", "layer_types"):
+        config.pop(key)
+    config.update(rope_theta=1_000_000.0, rope_local_base_freq=10_000.0, sliding_window_pattern=2,
+                  rope_scaling={"rope_type": "linear", "factor": 8.0})
+    (folder / "config.json").write_text(json.dumps(config))
+    old = load_checkpoint(folder).spec
+    assert old == new
+    assert (new.full_attention_layers, new.local_rope_theta, new.rope_linear_factor) == ((1,), 10_000.0, 8.0)
+
+
+def test_a_hub_gemma3_4b_config_reads_with_transformers_defaults():
+    """google/gemma-3-4b-it's config.json (transformers 4.50) states only what differs from
+    Gemma3TextConfig's defaults, nested under text_config: the rest comes from the defaults."""
+    from pathlib import Path
+
+    from kiln.builder.checkpoint.hf import spec_from_config
+
+    config = {"architectures": ["Gemma3ForConditionalGeneration"], "eos_token_id": [1, 106], "model_type": "gemma3",
+              "image_token_index": 262144, "mm_tokens_per_image": 256,
+              "text_config": {"hidden_size": 2560, "intermediate_size": 10240, "model_type": "gemma3_text",
+                              "num_hidden_layers": 34, "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
+                              "sliding_window": 1024},
+              "vision_config": {"model_type": "siglip_vision_model", "hidden_size": 1152}}
+    spec = spec_from_config(config, {}, Path("gemma-3-4b-it"))
+    assert (spec.num_layers, spec.hidden_size, spec.num_heads, spec.num_kv_heads, spec.head_dim) == (34, 2560, 8, 4, 256)
+    assert (spec.vocab_size, spec.eos_ids, spec.tie_embeddings, spec.sliding_window) == (262_208, (1, 106), True, 1024)
+    assert spec.full_attention_layers == (5, 11, 17, 23, 29)
+    assert (spec.rope_theta, spec.local_rope_theta, spec.rope_linear_factor) == (1_000_000.0, 10_000.0, 8.0)
+    assert spec.query_scale == 256**-0.5 and spec.embed_scale == 2560**0.5 and spec.norm_eps == 1e-6
+
+
+def test_gemma_norms_are_stored_as_their_multipliers(tiny_models):
+    """Gemma's RMSNorm multiplies by (1 + w): the canonical norm weights are 1 + w, every one of
+    them (input, both output norms, the MLP's input norm, the head norms and the final norm)."""
+    from safetensors.torch import load_file
+
+    raw = load_file(tiny_models["gemma3"] / "model.safetensors")
+    tensors = load_checkpoint(tiny_models["gemma3"]).tensors
+    pairs = {"model.norm.weight": "final_norm.weight",
+             "model.layers.1.input_layernorm.weight": "layers.1.input_norm.weight",
+             "model.layers.1.post_attention_layernorm.weight": "layers.1.attention.out_norm.weight",
+             "model.layers.1.pre_feedforward_layernorm.weight": "layers.1.post_attention_norm.weight",
+             "model.layers.1.post_feedforward_layernorm.weight": "layers.1.mlp.out_norm.weight",
+             "model.layers.1.self_attn.k_norm.weight": "layers.1.attention.k_norm.weight"}
+    for hf, canonical in pairs.items():
+        assert raw[hf].abs().max() > 0.1  # random, not the zeros Gemma starts from
+        assert torch.equal(tensors[canonical], 1.0 + raw[hf].float()), hf
 
 
 def test_a_fused_projection_of_the_wrong_size_is_refused(tiny_models, tmp_path):

@@ -90,10 +90,22 @@ def test_formats_without_a_faithful_export_are_refused(quantization, message, ti
         export_checkpoint(engine_dir, tmp_path / "trtllm")
 
 
-def test_an_architecture_the_export_does_not_cover_is_refused(tiny_engines, tmp_path):
-    with pytest.raises(ExportError, match="does not write qwen3 models yet"):
-        export_checkpoint(tiny_engines("qwen3"), tmp_path / "trtllm")
+@pytest.mark.parametrize("arch", ["qwen3", "gemma3"])
+def test_an_architecture_the_export_does_not_cover_is_refused(arch, tiny_engines, tmp_path):
+    with pytest.raises(ExportError, match=f"does not write {arch} models yet"):
+        export_checkpoint(tiny_engines(arch), tmp_path / "trtllm")
     assert not (tmp_path / "trtllm").exists()
+
+
+def test_a_sliding_window_shorter_than_the_engine_is_refused(tmp_path):
+    """TensorRT-LLM's checkpoint cannot carry the window: exporting would lose it silently."""
+    from tests.helpers import make_tiny_model
+
+    folder = make_tiny_model(tmp_path / "m", "mistral", sliding_window=64)
+    with pytest.raises(ExportError, match="sliding window of 64 positions up to max_seq_len 512"):
+        export_checkpoint(build_engine(tmp_path / "long", folder), tmp_path / "trtllm")
+    assert not (tmp_path / "trtllm").exists()
+    export_checkpoint(build_engine(tmp_path / "short", folder, max_input_len=32, max_seq_len=64), tmp_path / "ok")
 
 
 def test_a_quantized_checkpoint_is_built_as_it_is(tiny_models, tmp_path, capsys):

@@ -68,6 +68,42 @@ def test_paged_attention_matches_reference(isa, dtype, shape, rotate):
         torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
 
 
+WINDOWED = [  # (shape, window): windows within a block, across blocks, of whole blocks, past every context
+    ((9, 3, 64, 32, 5, 40, 100), 1), ((9, 3, 64, 32, 5, 40, 100), 37), ((6, 2, 48, 7, 4, 19, 33), 7),
+    ((8, 1, 32, 16, 7, 1, 300), 64), ((12, 2, 64, 32, 2, 3, 2200), 1000), ((2, 2, 6, 5, 3, 9, 12), 500),
+]
+
+
+@pytest.mark.parametrize("pool_dtype", [None, torch.int8], ids=["model-dtype-pool", "int8-pool"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape, window", WINDOWED)
+def test_sliding_window_attention_matches_reference(isa, dtype, pool_dtype, shape, window):
+    """With a sliding window W each token attends to its last W positions only (prefill chunks
+    and decode tokens, windows inside one block, across blocks and past the context)."""
+    rng = random.Random(f"{isa}{dtype}{pool_dtype}{shape}{window}")
+    for _ in range(2):
+        batch = random_batch(rng, dtype, *shape)
+        if pool_dtype is not None:
+            batch = quantized_pools(batch, pool_dtype, torch.Generator().manual_seed(rng.randrange(2**31)))
+        ref = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+        scale = shape[2] ** -0.5
+        got = ops.paged_attention(**batch, scale=scale, window=window)
+        want = reference.paged_attention(**ref, scale=scale, window=window)
+        tol = 2e-5 if dtype == torch.float32 else 2e-2
+        torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
+        ends = batch["context_lens"] + batch["query_start"].diff()  # each sequence's positions + 1
+        if int(ends.max()) > window:  # the window hides something: attending to everything differs
+            plain = reference.paged_attention(**{k: v.clone() if isinstance(v, torch.Tensor) else v
+                                                 for k, v in batch.items()}, scale=scale)
+            assert not torch.allclose(plain.float(), want.float(), rtol=tol, atol=tol)
+
+
+def test_negative_window_is_refused(plugin_isas):
+    batch = random_batch(random.Random(3), torch.float32, 2, 1, 16, 4, 1, 2, 3)
+    with pytest.raises(RuntimeError, match="window must be 0"):
+        ops.paged_attention(**batch, scale=1.0, window=-1)
+
+
 def quantized_pools(batch, pool_dtype, g):
     """The batch with int8 / fp8 pools (earlier contexts: random stored values) and random
     per-channel scales, some small enough to saturate."""

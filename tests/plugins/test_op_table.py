@@ -9,7 +9,7 @@ from kiln.plugins.formats import pack_int4
 from kiln.quantize.formats import quantize_fp8, quantize_int4, quantize_int8
 
 SEED = 20261201
-OPS = ["rms_norm", "add_rms_norm", "silu_mul", "linear", "paged_attention", "decode_layers", "linear_w8",
+OPS = ["rms_norm", "add_rms_norm", "silu_mul", "gelu_tanh_mul", "linear", "paged_attention", "decode_layers", "linear_w8",
        "linear_w8_tiled", "dequantize_int8_tiled", "linear_w4", "dequantize_int4", "linear_w4_tiled",
        "dequantize_int4_tiled", "linear_w8a8", "linear_w4a8", "linear_w4a8_tiled", "linear_fp8", "quantize_fp8",
        "dequantize_fp8", "gptq_block", "fake_quant_int4", "pack_int4_tiled", "pack_int8_tiled", "to_hugepages"]
@@ -68,6 +68,7 @@ def samples():
         "rms_norm": [((x, torch.randn(64, generator=g), 1e-5), None)],
         "add_rms_norm": [((x.clone(), torch.randn(3, 64, generator=g), torch.randn(64, generator=g), 1e-5), None)],
         "silu_mul": [((torch.randn(3, 40, generator=g),), None)],
+        "gelu_tanh_mul": [((torch.randn(3, 40, generator=g),), None)],
         "linear": [((x, w, torch.randn(8, generator=g)), None), ((x.bfloat16(), w.bfloat16(), None), None)],
         "paged_attention": [(paged_attention_sample(g, torch.float32), None),
                             (paged_attention_sample(g, torch.int8), None)],

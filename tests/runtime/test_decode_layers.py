@@ -49,7 +49,9 @@ def decode(model, spec, fused: bool, steps: int, rows: int):
     ("bfloat16", {"algo": "none", "kv_cache": "fp8", "key_rotation": "none"}),
     ("float32", {"algo": "int8_wo", "kv_cache": "int8", "key_rotation": "hadamard"}),
 ])
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])  # Qwen3: head norms, head_dim of its own
+# Qwen3: head norms, head_dim of its own; Gemma 3: output norms, GeGLU, a sliding-window layer with
+# its own rotary tables (the decode steps here go past its window of 6)
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma3"])
 def test_fused_decode_equals_the_python_loop(arch, dtype, quantization, tiny_models, tmp_path):
     engine = Engine(build_engine(tmp_path / "e", tiny_models[arch], dtype, quantization={**quantization, **SMALL}))
     model = engine.model

@@ -1,10 +1,11 @@
-"""kiln engines against Hugging Face transformers on tiny random Llama, Mistral, Qwen2, Qwen3 and Phi-3."""
+"""kiln engines against Hugging Face transformers on tiny random Llama, Mistral, Qwen2, Qwen3, Phi-3
+and Gemma 3 (a sliding-window layer of window 6 and a global one: every prompt here is longer)."""
 import pytest
 import torch
 
 from tests.helpers import build_engine, forward_logits
 
-ARCHS = ["llama", "mistral", "qwen2", "qwen3", "phi3"]
+ARCHS = ["llama", "mistral", "qwen2", "qwen3", "phi3", "gemma3"]
 PROMPT = [1, 17, 250, 33, 99, 5, 201, 64, 300, 12, 7, 380, 45]
 
 
@@ -85,3 +86,38 @@ def test_bfloat16_logit_bound_and_greedy_tokens(arch, tiny_models, tiny_engines,
         top2 = want_logits[len(PROMPT) - 1 + step].topk(2).values
         margin = (top2[0] - top2[1]).item()
         assert margin < 2 * BF16_LOGIT_BOUND, f"diverged at step {step} with margin {margin}"
+
+
+def test_mistral_sliding_window_beyond_max_seq_len_matches_transformers(tmp_path, llm_for):
+    """A Mistral whose sliding window (5) is shorter than its prompts: logits at every position,
+    through the cache one token at a time, and greedy tokens as transformers' windowed mask gives."""
+    from tests.helpers import make_tiny_model
+
+    folder = make_tiny_model(tmp_path / "mistral-window", "mistral", seed=5, sliding_window=5)
+    llm = llm_for(build_engine(tmp_path / "engine", folder))
+    assert llm.engine.spec.sliding_window == 5
+    model = hf_model(folder, torch.float32)
+    with torch.no_grad():
+        want = model(torch.tensor([PROMPT])).logits[0]
+    assert (engine_logits(llm, PROMPT) - want).abs().max().item() < 1e-4
+    got = forward_logits(llm.engine, PROMPT, chunks=[4, 3] + [1] * (len(PROMPT) - 7))
+    assert (got - want).abs().max().item() < 1e-4
+    assert llm.generate(PROMPT, max_tokens=24, ignore_eos=True).token_ids == hf_greedy(model, PROMPT, 24)
+
+
+def test_gemma3_multimodal_checkpoint_builds_its_language_model(tmp_path, llm_for):
+    """Gemma 3 4B and up ship as Gemma3ForConditionalGeneration: the text config nested, the language
+    model's tensors under a prefix beside a vision tower. kiln builds the language model (the vision
+    tower is not part of a text engine): transformers' logits for text input at every position,
+    and its greedy tokens."""
+    from tests.helpers import make_tiny_model
+
+    folder = make_tiny_model(tmp_path / "gemma3-mm", "gemma3-multimodal", seed=3)
+    llm = llm_for(build_engine(tmp_path / "engine", folder))
+    assert llm.engine.spec.architecture == "gemma3" and llm.engine.spec.full_attention_layers == (1,)
+    model = hf_model(folder, torch.float32)
+    assert type(model).__name__ == "Gemma3ForConditionalGeneration"
+    with torch.no_grad():
+        want = model(torch.tensor([PROMPT])).logits[0]
+    assert (engine_logits(llm, PROMPT) - want).abs().max().item() < 1e-4
+    assert llm.generate(PROMPT, max_tokens=16, ignore_eos=True).token_ids == hf_greedy(model, PROMPT, 16)

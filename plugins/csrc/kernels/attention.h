@@ -10,8 +10,9 @@
 // embedding (rotate-half convention, cos/sin tables [positions, head_dim] in the model dtype)
 // is applied inside, rounded step by step as Hugging Face's apply_rotary_pos_emb rounds it.
 // First every new token's rotated k and its v are written to their slot, then each (token, head) attends
-// causally to positions [0, its own] of its sequence: one pass over the blocks with an online
-// softmax in fp32, rescaled once per block. Grouped-query attention: head h reads kv head
+// causally to positions [0, its own] of its sequence, or with a sliding window W (shape.window) to
+// the last W of them, (p - W, p], as Hugging Face's sliding-window mask has it (Mistral, Gemma 3's
+// local layers): one pass over the blocks with an online softmax in fp32, rescaled once per block. Grouped-query attention: head h reads kv head
 // h / (heads / kv_heads).
 // The pool holds T (the model dtype) or a quantized P (int8, FP8 E4M3) with one scale per
 // channel of K and of V (kv_scales [2, kv_heads * head_dim]): k / k_scale and v / v_scale
@@ -289,6 +290,9 @@ void paged_attention_impl(const T* qkv, const T* cos, const T* sin, P* k_pool, P
     const int32_t s = token_seq[token];
     return static_cast<int64_t>(context_lens[s]) + (token - query_start[s]);
   };
+  auto first_key = [&](int64_t position) {  // the first position a token at `position` attends to
+    return shape.window > 0 ? std::max<int64_t>(0, position + 1 - shape.window) : int64_t{0};
+  };
   auto slot_of = [&](int64_t seq, int64_t position) {
     return block_tables[seq * shape.max_blocks + position / bs] * block_stride + (position % bs) * row;
   };
@@ -365,7 +369,8 @@ void paged_attention_impl(const T* qkv, const T* cos, const T* sin, P* k_pool, P
   const int64_t chunk_blocks = std::max<int64_t>(1, kChunkTokens / bs);
   std::vector<int64_t> chunks(tokens), per_chunk(tokens), first_item(tokens + 1, 0), first_part(tokens + 1, 0);
   for (int64_t t = 0; t < tokens; ++t) {
-    const int64_t blocks = (position_of(t) + bs) / bs;  // context position + 1 keys
+    const int64_t position = position_of(t);  // keys [first_key, position]: the blocks from first_key's
+    const int64_t blocks = (position + bs) / bs - first_key(position) / bs;
     const int64_t most = std::min((blocks + chunk_blocks - 1) / chunk_blocks, kMaxChunks);
     per_chunk[t] = (blocks + most - 1) / most;
     chunks[t] = (blocks + per_chunk[t] - 1) / per_chunk[t];  // none of them empty
@@ -398,9 +403,9 @@ void paged_attention_impl(const T* qkv, const T* cos, const T* sin, P* k_pool, P
         const int64_t g = (item - first_item[t]) / chunks[t], c = (item - first_item[t]) % chunks[t];
         const int64_t s = token_seq[t];
         const int32_t* table = block_tables + s * shape.max_blocks;
-        const int64_t position = position_of(t), context = position + 1;
+        const int64_t position = position_of(t), context = position + 1, first = first_key(position);
         const int64_t blocks = (context + bs - 1) / bs;
-        const int64_t b_first = c * per_chunk[t], b_last = std::min(blocks, b_first + per_chunk[t]);
+        const int64_t b_first = first / bs + c * per_chunk[t], b_last = std::min(blocks, b_first + per_chunk[t]);
         const float* qf = queries.data() + (t * shape.heads + g * group) * head_dim;  // the group's heads
         std::fill(acc.begin(), acc.end(), 0.f);
         std::fill(running_max.begin(), running_max.end(), -std::numeric_limits<float>::infinity());
@@ -408,8 +413,9 @@ void paged_attention_impl(const T* qkv, const T* cos, const T* sin, P* k_pool, P
         // keys / values: the block storage; block_at(b): the storage block holding block b
         auto attend = [&](const auto* keys, const auto* values, auto block_at) {
           for (int64_t b = b_first; b < b_last; ++b) {
-            const int64_t n = std::min(bs, context - b * bs);
-            const int64_t at = block_at(b) * block_stride + g * head_dim;
+            const int64_t skip = std::max<int64_t>(0, first - b * bs);  // keys before the window
+            const int64_t n = std::min(bs, context - b * bs) - skip;
+            const int64_t at = block_at(b) * block_stride + skip * row + g * head_dim;
             if (b + 1 < b_last) {  // the next block's keys and values of this KV head, while this one runs
               const int64_t next = block_at(b + 1) * block_stride + g * head_dim;
               const int64_t bytes = head_dim * static_cast<int64_t>(sizeof(*keys));

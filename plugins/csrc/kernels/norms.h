@@ -34,10 +34,31 @@ void add_rms_norm_rows(T* residual, const T* x, const T* weight, T* out, int64_t
   });
 }
 
-// SwiGLU on the fused gate/up projection [rows, 2n]: out = silu(gate) * up, each rounded to T
-// as PyTorch's separate silu and mul would.
-template <typename T>
-void silu_mul_rows(const T* gate_up, T* out, int64_t rows, int64_t n) {
+// Gated activations on the fused gate/up projection [rows, 2n]: out = act(gate) * up, each rounded
+// to T as PyTorch's separate activation and mul would. Act: silu (SwiGLU: Llama, Qwen, Phi-3) or
+// tanh-approximated GELU (GeGLU: Gemma), each with a vector body (kLanes at a time) and a scalar
+// one for the rest of a row, computed as PyTorch computes it.
+struct Silu {
+  static float one(float g) { return g / (1.0f + std::exp(-g)); }
+#if !defined(KILN_ISA_SCALAR)
+  static vfloat lanes(vfloat g) { return vdiv(g, vadd(vset1(1.f), vexp(vsub(vzero(), g)))); }
+#endif
+};
+
+struct GeluTanh {  // 0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3))), as F.gelu(approximate="tanh")
+  static constexpr float kBeta = 0.7978845608028654f, kKappa = 0.044715f;
+  static float one(float x) { return 0.5f * x * (1.0f + std::tanh(kBeta * (x + kKappa * (x * x * x)))); }
+#if !defined(KILN_ISA_SCALAR)
+  static vfloat lanes(vfloat x) {  // tanh(u) = 1 - 2 / (e^(2u) + 1): -1 and 1 at the ends, no NaN
+    const vfloat inner = vmul(vset1(kBeta), vadd(x, vmul(vset1(kKappa), vmul(vmul(x, x), x))));
+    const vfloat tanh = vsub(vset1(1.f), vdiv(vset1(2.f), vadd(vexp(vadd(inner, inner)), vset1(1.f))));
+    return vmul(vmul(vset1(0.5f), x), vadd(vset1(1.f), tanh));
+  }
+#endif
+};
+
+template <typename Act, typename T>
+void gated_rows(const T* gate_up, T* out, int64_t rows, int64_t n) {
   constexpr int64_t kChunk = 256;  // elements of a row per task: a decode step's one row still splits
   const int64_t chunks = (n + kChunk - 1) / kChunk;
   at::parallel_for(0, rows * chunks, 1, [&](int64_t begin, int64_t end) {
@@ -48,17 +69,13 @@ void silu_mul_rows(const T* gate_up, T* out, int64_t rows, int64_t n) {
       T* o = out + r * n;
       int64_t i = first;
 #if !defined(KILN_ISA_SCALAR)
-      float silu[kLanes];
-      for (; i + kLanes <= last; i += kLanes) {  // silu in vector lanes (vexp), then rounded and multiplied as below
-        const vfloat g = vload(gate + i);
-        vstore(silu, vdiv(g, vadd(vset1(1.f), vexp(vsub(vzero(), g)))));
-        for (int j = 0; j < kLanes; ++j) store_as(o + i + j, round_as<T>(silu[j]) * to_f32(up[i + j]));
+      float act[kLanes];
+      for (; i + kLanes <= last; i += kLanes) {  // the activation in vector lanes, then rounded and multiplied as below
+        vstore(act, Act::lanes(vload(gate + i)));
+        for (int j = 0; j < kLanes; ++j) store_as(o + i + j, round_as<T>(act[j]) * to_f32(up[i + j]));
       }
 #endif
-      for (; i < last; ++i) {
-        const float g = to_f32(gate[i]);
-        store_as(o + i, round_as<T>(g / (1.0f + std::exp(-g))) * to_f32(up[i]));
-      }
+      for (; i < last; ++i) store_as(o + i, round_as<T>(Act::one(to_f32(gate[i]))) * to_f32(up[i]));
     }
   });
 }

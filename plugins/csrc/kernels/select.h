@@ -6,7 +6,8 @@
 // --- norms and activations (norms.h), dense linears (dense.h), attention (attention.h) ------
 template <typename T> constexpr auto rms_norm = rms_norm_rows<T>;
 template <typename T> constexpr auto add_rms_norm = add_rms_norm_rows<T>;
-template <typename T> constexpr auto silu_mul = silu_mul_rows<T>;
+template <typename T> constexpr auto silu_mul = gated_rows<Silu, T>;
+template <typename T> constexpr auto gelu_tanh_mul = gated_rows<GeluTanh, T>;
 template <typename T, typename P> constexpr auto paged_attention = paged_attention_impl<T, P>;
 
 template <typename T>

@@ -13,7 +13,7 @@ static PagedShape check_paged(const at::Tensor& qkv, const at::Tensor& k_pool, c
                               const at::Tensor& block_tables, const at::Tensor& query_start,
                               const at::Tensor& context_lens, const at::Tensor& cos, const at::Tensor& sin,
                               int64_t heads, const c10::optional<at::Tensor>& kv_scales, int64_t key_hadamard,
-                              std::vector<int32_t>& token_seq) {
+                              int64_t window, std::vector<int32_t>& token_seq) {
   check_float_or_bf16(qkv, "qkv");
   const auto pool_type = k_pool.scalar_type();
   const bool quantized = pool_type == at::kChar || pool_type == at::kFloat8_e4m3fn;
@@ -31,7 +31,8 @@ static PagedShape check_paged(const at::Tensor& qkv, const at::Tensor& k_pool, c
   check_int32_vector(context_lens, "context_lens", 1);
   const int64_t kv_heads = k_pool.size(2), head_dim = k_pool.size(3);
   PagedShape shape{qkv.size(0), context_lens.size(0), heads, kv_heads, head_dim, k_pool.size(1),
-                   block_tables.size(1), key_hadamard};
+                   block_tables.size(1), key_hadamard, window};
+  TORCH_CHECK(window >= 0, "kiln::paged_attention: window must be 0 (none) or a number of positions, got ", window);
   TORCH_CHECK(qkv.dim() == 2 && qkv.size(1) == (heads + 2 * kv_heads) * head_dim,
               "kiln::paged_attention: qkv ", qkv.sizes(), " is not [tokens, (", heads, " + 2 x ",
               kv_heads, ") x ", head_dim, "]");
@@ -123,10 +124,10 @@ at::Tensor paged_attention(const at::Tensor& qkv, at::Tensor& k_pool, at::Tensor
                            const at::Tensor& block_tables, const at::Tensor& query_start,
                            const at::Tensor& context_lens, const at::Tensor& cos, const at::Tensor& sin,
                            int64_t heads, double scale, const c10::optional<at::Tensor>& kv_scales,
-                           int64_t key_hadamard) {
+                           int64_t key_hadamard, int64_t window) {
   std::vector<int32_t> token_seq;
   const PagedShape shape = check_paged(qkv, k_pool, v_pool, block_tables, query_start, context_lens, cos, sin, heads,
-                                       kv_scales, key_hadamard, token_seq);
+                                       kv_scales, key_hadamard, window, token_seq);
   return run_paged(qkv, k_pool.data_ptr(), v_pool.data_ptr(), k_pool.scalar_type(), block_tables, query_start,
                    context_lens, cos, sin, shape, token_seq, scale, kv_scales);
 }

@@ -98,23 +98,43 @@ at::Tensor decode_layers(at::Tensor& h, const at::Tensor& x0, const OptionalTens
     };
     auto own = [&](LayerTensor which) { return tensors.get(t0 + kLayerLinears * kLinearTensors + which); };
     const c10::optional<at::Tensor> post_norm = own(post_attention_norm), after = own(next_norm),
-                                    kv_scales = own(plan::kv_scales), head_q = own(q_norm), head_k = own(k_norm);
+                                    kv_scales = own(plan::kv_scales), head_q = own(q_norm), head_k = own(k_norm),
+                                    attn_norm = own(attn_out_norm), mlp_norm = own(mlp_out_norm),
+                                    layer_cos = own(plan::cos), layer_sin = own(plan::sin);
+    const int64_t* layer_ints = ints.data() + i * kLayerInts + kLayerLinears * kLinearInts;
+    const int64_t window = layer_ints[plan::window], activation = layer_ints[plan::activation];
     TORCH_CHECK(post_norm.has_value() && after.has_value(), "kiln::decode_layers: layer ", i, "'s plan lacks a norm");
-    TORCH_CHECK(head_q.has_value() == head_k.has_value(), "kiln::decode_layers: layer ", i,
-                "'s plan has one head norm without the other");
+    TORCH_CHECK(head_q.has_value() == head_k.has_value() && layer_cos.has_value() == layer_sin.has_value(),
+                "kiln::decode_layers: layer ", i, "'s plan has one head norm or rotary table without the other");
+    TORCH_CHECK(activation >= 0 && activation < kActivations, "kiln::decode_layers: layer ", i,
+                "'s activation ", activation, " is not one of the library's ", kActivations);
+    const at::Tensor& rope_cos = layer_cos ? *layer_cos : cos;
+    const at::Tensor& rope_sin = layer_sin ? *layer_sin : sin;
     const at::Tensor qkv_out = head_q ? norm_heads(run(x, qkv), *head_q, *head_k, heads, eps) : run(x, qkv);
     if (i == 0)  // the step's metadata and shapes, checked once: every layer's pool is alike
       shape = check_paged(qkv_out, kv.select(0, 0).select(0, 0), kv.select(0, 0).select(0, 1), block_tables,
-                          query_start, context_lens, cos, sin, heads, kv_scales, key_hadamard, token_seq);
+                          query_start, context_lens, cos, sin, heads, kv_scales, key_hadamard, 0, token_seq);
     TORCH_CHECK(kv_scales.has_value() == quantized &&
                     (!quantized || kv_scales->numel() == 2 * shape.kv_heads * shape.head_dim),
                 "kiln::decode_layers: layer ", i, "'s kv_scales do not match its pool");
+    if (layer_cos)  // a layer's own tables: as the step's tables were checked
+      TORCH_CHECK(rope_cos.scalar_type() == cos.scalar_type() && rope_cos.sizes() == cos.sizes() &&
+                      rope_sin.sizes() == cos.sizes() && rope_sin.scalar_type() == cos.scalar_type() &&
+                      rope_cos.is_contiguous() && rope_sin.is_contiguous(),
+                  "kiln::decode_layers: layer ", i, "'s rotary tables must be contiguous and shaped as the step's ",
+                  cos.sizes());
+    TORCH_CHECK(window >= 0, "kiln::decode_layers: layer ", i, "'s window ", window, " is negative");
+    PagedShape layer_shape = shape;
+    layer_shape.window = window;
     char* k_pool = static_cast<char*>(kv.data_ptr()) + i * kv.stride(0) * kv.element_size();
     const at::Tensor attn = run_paged(qkv_out, k_pool, k_pool + kv.stride(1) * kv.element_size(), kv.scalar_type(),
-                                      block_tables, query_start, context_lens, cos, sin, shape, token_seq, scale,
-                                      kv_scales);
-    x = add_rms_norm(h, run(attn, out), *post_norm, eps);
-    x = add_rms_norm(h, run(silu_mul(run(x, gate_up)), down), *after, eps);
+                                      block_tables, query_start, context_lens, rope_cos, rope_sin, layer_shape,
+                                      token_seq, scale, kv_scales);
+    const at::Tensor attn_o = run(attn, out);
+    x = add_rms_norm(h, attn_norm ? rms_norm(attn_o, *attn_norm, eps) : attn_o, *post_norm, eps);
+    const at::Tensor up = run(x, gate_up);
+    const at::Tensor mlp = run(activation == plan::gelu_tanh ? gelu_tanh_mul(up) : silu_mul(up), down);
+    x = add_rms_norm(h, mlp_norm ? rms_norm(mlp, *mlp_norm, eps) : mlp, *after, eps);
   }
   return x;
 }

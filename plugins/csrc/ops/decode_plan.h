@@ -13,10 +13,16 @@
 // W8A8's static input scale (0: per-row dynamic); FP8 activations' 1 / input_scale (0: none)
 #define KILN_LINEAR_FLOATS(X) X(input_scale) X(inv_input_scale)
 #define KILN_LAYER_LINEARS(X) X(qkv) X(out) X(gate_up) X(down)
-// the post-attention norm, the norm after the layer (the next layer's input norm or the final
-// norm), the KV-cache scales of a quantized pool, and Qwen3's RMSNorms over each query and key
-// head (absent for other models)
-#define KILN_LAYER_TENSORS(X) X(post_attention_norm) X(next_norm) X(kv_scales) X(q_norm) X(k_norm)
+// the post-attention norm (the MLP's input norm), the norm after the layer (the next layer's
+// input norm or the final norm), the KV-cache scales of a quantized pool, Qwen3's and Gemma 3's
+// RMSNorms over each query and key head, Gemma's norms of the attention's and the MLP's outputs
+// before each joins the residual, and the layer's own rotary tables where they differ from the
+// step's (Gemma 3's local layers); absent (None) where a model has no such thing
+#define KILN_LAYER_TENSORS(X) \
+  X(post_attention_norm) X(next_norm) X(kv_scales) X(q_norm) X(k_norm) X(attn_out_norm) X(mlp_out_norm) X(cos) X(sin)
+// the layer's sliding window (0: none), and its MLP's gated activation (a name of KILN_ACTIVATIONS)
+#define KILN_LAYER_INTS(X) X(window) X(activation)
+#define KILN_ACTIVATIONS(X) X(silu) X(gelu_tanh)
 
 namespace plan {
 #define KILN_PLAN_ENUM(name) name,
@@ -27,6 +33,8 @@ enum LinearInt : int64_t { KILN_LINEAR_INTS(KILN_PLAN_ENUM) };
 enum LinearFloat : int64_t { KILN_LINEAR_FLOATS(KILN_PLAN_ENUM) };
 enum LayerLinear : int64_t { KILN_LAYER_LINEARS(KILN_PLAN_ENUM) };
 enum LayerTensor : int64_t { KILN_LAYER_TENSORS(KILN_PLAN_ENUM) };
+enum LayerInt : int64_t { KILN_LAYER_INTS(KILN_PLAN_ENUM) };
+enum Activation : int64_t { KILN_ACTIVATIONS(KILN_PLAN_ENUM) };
 
 constexpr int64_t kKinds = 0 KILN_LINEAR_KINDS(KILN_PLAN_COUNT);
 constexpr int64_t kLinearTensors = 0 KILN_LINEAR_TENSORS(KILN_PLAN_COUNT);
@@ -34,7 +42,8 @@ constexpr int64_t kLinearInts = 0 KILN_LINEAR_INTS(KILN_PLAN_COUNT);
 constexpr int64_t kLinearFloats = 0 KILN_LINEAR_FLOATS(KILN_PLAN_COUNT);
 constexpr int64_t kLayerLinears = 0 KILN_LAYER_LINEARS(KILN_PLAN_COUNT);
 constexpr int64_t kLayerTensors = kLayerLinears * kLinearTensors + (0 KILN_LAYER_TENSORS(KILN_PLAN_COUNT));
-constexpr int64_t kLayerInts = kLayerLinears * kLinearInts;
+constexpr int64_t kActivations = 0 KILN_ACTIVATIONS(KILN_PLAN_COUNT);
+constexpr int64_t kLayerInts = kLayerLinears * kLinearInts + (0 KILN_LAYER_INTS(KILN_PLAN_COUNT));
 constexpr int64_t kLayerFloats = kLayerLinears * kLinearFloats;
 #undef KILN_PLAN_ENUM
 #undef KILN_PLAN_COUNT
@@ -51,7 +60,9 @@ inline std::string layout_json() {
          list("linear_ints", KILN_LINEAR_INTS(KILN_PLAN_NAME)) + ", " +
          list("linear_floats", KILN_LINEAR_FLOATS(KILN_PLAN_NAME)) + ", " +
          list("layer_linears", KILN_LAYER_LINEARS(KILN_PLAN_NAME)) + ", " +
-         list("layer_tensors", KILN_LAYER_TENSORS(KILN_PLAN_NAME)) + "}";
+         list("layer_tensors", KILN_LAYER_TENSORS(KILN_PLAN_NAME)) + ", " +
+         list("layer_ints", KILN_LAYER_INTS(KILN_PLAN_NAME)) + ", " +
+         list("activations", KILN_ACTIVATIONS(KILN_PLAN_NAME)) + "}";
 #undef KILN_PLAN_NAME
 }
 }  // namespace plan

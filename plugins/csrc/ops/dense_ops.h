@@ -46,9 +46,11 @@ at::Tensor add_rms_norm(at::Tensor& residual, const at::Tensor& x, const at::Ten
   return out;
 }
 
-at::Tensor silu_mul(const at::Tensor& gate_up) {
+// act(gate) * up over [.., 2n] (gate, then up) -> [.., n], by the kernels for float32 and bf16
+template <typename F32, typename BF16>
+static at::Tensor gated(const at::Tensor& gate_up, const char* op, F32 f32, BF16 bf16_kernel) {
   check_float_or_bf16(gate_up, "gate_up");
-  TORCH_CHECK(gate_up.dim() >= 1 && gate_up.size(-1) % 2 == 0, "kiln::silu_mul: last dim ",
+  TORCH_CHECK(gate_up.dim() >= 1 && gate_up.size(-1) % 2 == 0, "kiln::", op, ": last dim ",
               gate_up.size(-1), " of gate_up must be even (gate, then up)");
   auto gu = gate_up.contiguous();
   const int64_t n = gu.size(-1) / 2;
@@ -57,11 +59,18 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
   auto out = at::empty(sizes, gu.options());
   const int64_t rows = n == 0 ? 0 : gu.numel() / (2 * n);
   if (gu.scalar_type() == at::kFloat)
-    active().silu_mul_f32(gu.data_ptr<float>(), out.data_ptr<float>(), rows, n);
+    f32(gu.data_ptr<float>(), out.data_ptr<float>(), rows, n);
   else
-    active().silu_mul_bf16(reinterpret_cast<const bf16*>(gu.data_ptr()), reinterpret_cast<bf16*>(out.data_ptr()),
-                           rows, n);
+    bf16_kernel(reinterpret_cast<const bf16*>(gu.data_ptr()), reinterpret_cast<bf16*>(out.data_ptr()), rows, n);
   return out;
+}
+
+at::Tensor silu_mul(const at::Tensor& gate_up) {
+  return gated(gate_up, "silu_mul", active().silu_mul_f32, active().silu_mul_bf16);
+}
+
+at::Tensor gelu_tanh_mul(const at::Tensor& gate_up) {
+  return gated(gate_up, "gelu_tanh_mul", active().gelu_tanh_mul_f32, active().gelu_tanh_mul_bf16);
 }
 
 at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
