@@ -1,6 +1,8 @@
-"""GGUF files (llama, qwen2, qwen3 and phi3 architectures, as llama.cpp's convert_hf_to_gguf.py
-writes them): dequantized with the `gguf` package, tokenizer rebuilt for `tokenizers`. Phi-3's
-fused attn_qkv and ffn_up (gate and up rows) are split into the canonical tensors."""
+"""GGUF files (llama, qwen2, qwen3, phi3 and gemma3 architectures, as llama.cpp's
+convert_hf_to_gguf.py writes them): dequantized with the `gguf` package, tokenizer rebuilt for
+`tokenizers` (byte-level BPE or SentencePiece BPE). Phi-3's fused attn_qkv and ffn_up (gate and
+up rows) are split into the canonical tensors; Gemma 3's norms arrive as their multipliers
+(the converter adds Gemma's 1 to each)."""
 from __future__ import annotations
 
 import json
@@ -34,9 +36,18 @@ _LAYER_NAMES = {
     "attn_q.bias": "attention.q.bias",  # qwen2
     "attn_k.bias": "attention.k.bias",
     "attn_v.bias": "attention.v.bias",
-    "attn_q_norm.weight": "attention.q_norm.weight",  # qwen3
+    "attn_q_norm.weight": "attention.q_norm.weight",  # qwen3, gemma3
     "attn_k_norm.weight": "attention.k_norm.weight",
 }
+_GEMMA3_LAYER_NAMES = {  # Gemma 3's norms of the attention's and the MLP's outputs; ffn_norm is the MLP's input norm
+    **_LAYER_NAMES,
+    "post_attention_norm.weight": "attention.out_norm.weight",
+    "post_ffw_norm.weight": "mlp.out_norm.weight",
+}
+# Gemma 3 in llama.cpp: every 6th layer attends globally, the others within the window at RoPE base
+# 10000 (neither is in the file); the query scale is head_dim^-0.5, but (hidden / heads)^-0.5 on the
+# 62-layer 27B model, as its query_pre_attn_scalar says
+GEMMA3_PATTERN, GEMMA3_LOCAL_THETA, GEMMA3_27B_LAYERS = 6, 10_000.0, 62
 # Phi-3's fused tensors -> the canonical tensors they hold, row blocks in this order
 _FUSED = {
     "attn_qkv.weight": ("attention.q.weight", "attention.k.weight", "attention.v.weight"),
@@ -44,7 +55,7 @@ _FUSED = {
 }
 # general.architecture -> whether llama.cpp permuted the q / k rows (its Llama converter interleaves
 # the rotary pairs; its Qwen and Phi-3 converters keep Hugging Face's rotate-half order)
-ARCHITECTURES = {"llama": True, "qwen2": False, "qwen3": False, "phi3": False}
+ARCHITECTURES = {"llama": True, "qwen2": False, "qwen3": False, "phi3": False, "gemma3": False}
 FUSED_ARCHITECTURES = ("phi3",)
 # tensors of Phi-3's long-context RoPE scaling (LongRoPE), which kiln does not implement yet
 _LONGROPE_TENSORS = ("rope_factors_long.weight", "rope_factors_short.weight")
@@ -60,8 +71,13 @@ _QWEN2_SPLIT = (  # llama.cpp's LLAMA_VOCAB_PRE_TYPE_QWEN2: as Llama 3's, but di
 )
 KNOWN_PRE = ("default", "gpt2", "smollm", "llama-bpe", "llama3", "qwen2")
 
+# tokenizer.ggml.token_type values (SentencePiece's piece types, as llama.cpp's converter writes them)
+TOKEN_TYPE_NORMAL = 1
+TOKEN_TYPE_UNKNOWN = 2
 TOKEN_TYPE_CONTROL = 3
 TOKEN_TYPE_USER_DEFINED = 4
+TOKEN_TYPE_BYTE = 6
+SPACE = "\u2581"  # SentencePiece's visible space, "▁"
 
 
 def _field(reader, key: str, default=None):
@@ -79,20 +95,84 @@ def _unpermute(weight: torch.Tensor, heads: int) -> torch.Tensor:
     )
 
 
+def _sentencepiece_tokenizer(reader, source: Path, tokens: list[str], types: list[int]):
+    """A SentencePiece BPE vocabulary (tokenizer.ggml.model "llama": Llama 1-2, Mistral, Phi-3,
+    Gemma) as a `tokenizers` BPE: SentencePiece merges the adjacent pair whose joined piece scores
+    highest, so every split of a normal piece into two pieces of the vocabulary is a merge, ranked
+    by the joined piece's score (ties by id), as transformers derives them from a tokenizer.model;
+    characters outside the vocabulary fall back to the <0xNN> byte pieces. Spaces become "▁", with
+    one prepended to each stretch of text where the file says so (add_space_prefix, as llama.cpp
+    prepends it to the text after each special token)."""
+    from tokenizers import Tokenizer, decoders, models, normalizers
+
+    scores = _field(reader, "tokenizer.ggml.scores")
+    if scores is None or len(scores) != len(tokens):
+        raise CheckpointError(f"{source}: a SentencePiece vocabulary needs tokenizer.ggml.scores, one per token")
+    vocab = {token: i for i, token in enumerate(tokens)}
+    merges = []
+    for piece, score, kind in zip(tokens, scores, types):
+        if kind != TOKEN_TYPE_NORMAL or len(piece) < 2:
+            continue
+        splits = [(piece[:i], piece[i:]) for i in range(1, len(piece)) if piece[:i] in vocab and piece[i:] in vocab]
+        merges += [(left, right, float(score)) for left, right in sorted(splits, key=lambda p: (vocab[p[0]], vocab[p[1]]))]
+    merges.sort(key=lambda merge: merge[2], reverse=True)  # stable: ties keep their order
+    unknown = next((tokens[i] for i, kind in enumerate(types) if kind == TOKEN_TYPE_UNKNOWN), None)
+    tokenizer = Tokenizer(models.BPE(vocab, [(left, right) for left, right, _ in merges], unk_token=unknown,
+                                     fuse_unk=True, byte_fallback=True))
+    prefix = bool(_field(reader, "tokenizer.ggml.add_space_prefix", True))
+    spaces = normalizers.Replace(" ", SPACE)
+    tokenizer.normalizer = normalizers.Sequence([normalizers.Prepend(SPACE), spaces]) if prefix else spaces
+    steps = [decoders.Replace(SPACE, " "), decoders.ByteFallback(), decoders.Fuse()]
+    tokenizer.decoder = decoders.Sequence(steps + ([decoders.Strip(" ", 1, 0)] if prefix else []))
+    return tokenizer
+
+
 def _tokenizer_json(reader, source: Path) -> tuple[str, str]:
-    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+    from tokenizers import AddedToken, processors
 
     kind = _field(reader, "tokenizer.ggml.model")
-    if kind != "gpt2":
-        raise CheckpointError(
-            f"{source}: tokenizer model {kind!r} is not supported yet (byte-level BPE 'gpt2' is)"
+    if kind not in ("gpt2", "llama"):
+        raise CheckpointError(f"{source}: tokenizer model {kind!r} is not supported yet (byte-level BPE 'gpt2' "
+                              "and SentencePiece BPE 'llama' are)")
+    tokens = _field(reader, "tokenizer.ggml.tokens")
+    types = _field(reader, "tokenizer.ggml.token_type") or [TOKEN_TYPE_NORMAL] * len(tokens)
+    if kind == "llama":
+        tokenizer = _sentencepiece_tokenizer(reader, source, tokens, types)
+        special_types = (TOKEN_TYPE_CONTROL, TOKEN_TYPE_UNKNOWN)
+    else:
+        tokenizer = _byte_level_tokenizer(reader, source, tokens)
+        special_types = (TOKEN_TYPE_CONTROL,)
+    special = [
+        AddedToken(t, special=ty in special_types, normalized=False)
+        for t, ty in zip(tokens, types)
+        if ty in (*special_types, TOKEN_TYPE_USER_DEFINED)
+    ]
+    tokenizer.add_tokens(special)
+    bos = _field(reader, "tokenizer.ggml.bos_token_id")
+    # llama.cpp adds BOS to a SentencePiece vocabulary's prompts unless the file says otherwise
+    if _field(reader, "tokenizer.ggml.add_bos_token", kind == "llama") and bos is not None:
+        tokenizer.post_processor = processors.TemplateProcessing(
+            single=f"{tokens[bos]} $A", pair=f"{tokens[bos]} $A $B", special_tokens=[(tokens[bos], bos)]
         )
+    elif kind == "gpt2":
+        tokenizer.post_processor = processors.ByteLevel(trim_offsets=False)
+    eos = _field(reader, "tokenizer.ggml.eos_token_id")
+    config = {
+        "bos_token": tokens[bos] if bos is not None else None,
+        "eos_token": tokens[eos] if eos is not None else None,
+        "chat_template": _field(reader, "tokenizer.chat_template"),
+    }
+    return tokenizer.to_str(), json.dumps(config, indent=2)
+
+
+def _byte_level_tokenizer(reader, source: Path, tokens: list[str]):
+    """A byte-level BPE vocabulary (tokenizer.ggml.model "gpt2") with its pre-tokenizer's splits."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+
     pre = _field(reader, "tokenizer.ggml.pre", "default")
     if pre not in KNOWN_PRE:
         raise CheckpointError(f"{source}: pre-tokenizer {pre!r} unknown; kiln knows {KNOWN_PRE}")
-    tokens = _field(reader, "tokenizer.ggml.tokens")
     merges = [tuple(m.split(" ", 1)) for m in _field(reader, "tokenizer.ggml.merges")]
-    types = _field(reader, "tokenizer.ggml.token_type") or [1] * len(tokens)
     tokenizer = Tokenizer(models.BPE({t: i for i, t in enumerate(tokens)}, merges, ignore_merges=False))
     byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     if pre == "smollm":  # digits one by one, as the model's own tokenizer (and llama.cpp) split them
@@ -110,26 +190,7 @@ def _tokenizer_json(reader, source: Path) -> tuple[str, str]:
     else:
         tokenizer.pre_tokenizer = byte_level
     tokenizer.decoder = decoders.ByteLevel()
-    special = [
-        AddedToken(t, special=ty == TOKEN_TYPE_CONTROL, normalized=False)
-        for t, ty in zip(tokens, types)
-        if ty in (TOKEN_TYPE_CONTROL, TOKEN_TYPE_USER_DEFINED)
-    ]
-    tokenizer.add_tokens(special)
-    bos = _field(reader, "tokenizer.ggml.bos_token_id")
-    if _field(reader, "tokenizer.ggml.add_bos_token", False) and bos is not None:
-        tokenizer.post_processor = processors.TemplateProcessing(
-            single=f"{tokens[bos]} $A", pair=f"{tokens[bos]} $A $B", special_tokens=[(tokens[bos], bos)]
-        )
-    else:
-        tokenizer.post_processor = processors.ByteLevel(trim_offsets=False)
-    eos = _field(reader, "tokenizer.ggml.eos_token_id")
-    config = {
-        "bos_token": tokens[bos] if bos is not None else None,
-        "eos_token": tokens[eos] if eos is not None else None,
-        "chat_template": _field(reader, "tokenizer.chat_template"),
-    }
-    return tokenizer.to_str(), json.dumps(config, indent=2)
+    return tokenizer
 
 
 def _split_fused(fused: dict[tuple[int, str], torch.Tensor], spec: ModelSpec, path: Path) -> dict:
@@ -165,14 +226,17 @@ def load_gguf(path: Path) -> Checkpoint:
         return value
 
     scaling = _field(reader, f"{arch}.rope.scaling.type")
-    if scaling not in (None, "none"):
-        raise CheckpointError(f"{path}: GGUF rope scaling {scaling!r} is not supported yet (none is)")
+    if scaling not in (None, "none", "linear"):
+        raise CheckpointError(f"{path}: GGUF rope scaling {scaling!r} is not supported yet (none and linear are)")
+    if _field(reader, f"{arch}.final_logit_softcapping") or _field(reader, f"{arch}.attn_logit_softcapping"):
+        raise CheckpointError(f"{path}: GGUF {arch} with soft-capped logits is not supported")
     heads, kv_heads, hidden = meta("attention.head_count"), meta("attention.head_count_kv"), meta("embedding_length")
     head_dim = int(meta("attention.key_length", hidden // heads))
     rotary = _field(reader, f"{arch}.rope.dimension_count")
     if rotary is not None and int(rotary) != head_dim:
         raise CheckpointError(f"{path}: GGUF {arch}.rope.dimension_count {rotary} differs from the head size "
                               f"{head_dim} (rotary embedding on part of each head: partial rotary is not supported yet)")
+    layer_names = _GEMMA3_LAYER_NAMES if arch == "gemma3" else _LAYER_NAMES
     tensors: dict[str, torch.Tensor] = {}
     fused: dict[tuple[int, str], torch.Tensor] = {}
     freq_factors = None
@@ -189,8 +253,8 @@ def load_gguf(path: Path) -> Checkpoint:
         fused_key = None
         if match and arch in FUSED_ARCHITECTURES and match.group(2) in _FUSED:
             fused_key = (int(match.group(1)), match.group(2))
-        elif match and match.group(2) in _LAYER_NAMES:
-            name = names.layer_tensor(int(match.group(1)), _LAYER_NAMES[match.group(2)])
+        elif match and match.group(2) in layer_names:
+            name = names.layer_tensor(int(match.group(1)), layer_names[match.group(2)])
         if name is None and fused_key is None:
             unknown.append(t.name)
             continue
@@ -207,11 +271,19 @@ def load_gguf(path: Path) -> Checkpoint:
         tensors[name] = weight
     tokens = _field(reader, "tokenizer.ggml.tokens") or []
     eos = _field(reader, "tokenizer.ggml.eos_token_id")
+    layers = int(meta("block_count"))
+    linear = float(meta("rope.scaling.factor")) if scaling == "linear" else None
+    options = dict(qkv_bias=arch == "qwen2", head_norms=arch == "qwen3", rope_linear_factor=linear)
+    if arch == "gemma3":
+        query = hidden / heads if layers == GEMMA3_27B_LAYERS else head_dim
+        options.update(head_norms=True, output_norms=True, activation="gelu_tanh", embed_scale=float(hidden) ** 0.5,
+                       query_scale=float(query) ** -0.5, local_rope_theta=GEMMA3_LOCAL_THETA,
+                       full_attention_layers=tuple(i for i in range(layers) if i % GEMMA3_PATTERN == GEMMA3_PATTERN - 1))
     spec = ModelSpec(
         architecture=arch,
         vocab_size=int(meta("vocab_size", len(tokens))),
         hidden_size=int(hidden),
-        num_layers=int(meta("block_count")),
+        num_layers=layers,
         num_heads=int(heads),
         num_kv_heads=int(kv_heads),
         head_dim=head_dim,
@@ -222,11 +294,10 @@ def load_gguf(path: Path) -> Checkpoint:
         sliding_window=int(_field(reader, f"{arch}.attention.sliding_window", 0)) or None,  # 0: none (Phi-4)
         tie_embeddings=names.CKPT_LM_HEAD not in tensors,
         rope_freq_factors=freq_factors,
-        qkv_bias=arch == "qwen2",
-        head_norms=arch == "qwen3",
         bos_id=_field(reader, "tokenizer.ggml.bos_token_id"),
         eos_ids=(int(eos),) if eos is not None else (),
         pad_id=_field(reader, "tokenizer.ggml.padding_token_id"),
+        **options,
     )
     refuse_unused(path, spec, unknown, {name: name for name in tensors})
     tensors.update(_split_fused(fused, spec, path))

@@ -56,7 +56,8 @@ def test_a_gguf_from_llama_cpps_converter_matches_transformers(arch, gguf_models
 # (what to change in the Llama GGUF, the error it must give): a metadata key set to a value, or an
 # extra tensor by name
 REFUSED = [
-    (("general.architecture", "gemma3"), "GGUF architecture 'gemma3' is not supported"),
+    (("general.architecture", "gemma2"), "GGUF architecture 'gemma2' is not supported"),
+    (("llama.final_logit_softcapping", 30.0), "soft-capped logits"),
     (("llama.rope.scaling.type", "yarn"), "rope scaling 'yarn' is not supported"),
     (("llama.rope.dimension_count", 8), "partial rotary is not supported yet"),
     (("tensor", "rope_factors_long.weight"), r"rope_factors_long.weight: Phi-3's long-context RoPE scaling"),
@@ -82,6 +83,8 @@ def test_gguf_files_kiln_cannot_read_are_refused_with_what_they_hold(gguf_models
                              field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None)
     if key == "llama.rope.dimension_count":
         writer.add_uint32(key, value)
+    elif isinstance(value, float):
+        writer.add_float32(key, value)
     elif key not in ("general.architecture", "tensor"):
         writer.add_string(key, value)
     for tensor in reader.tensors:
@@ -94,3 +97,82 @@ def test_gguf_files_kiln_cannot_read_are_refused_with_what_they_hold(gguf_models
     writer.close()
     with pytest.raises(CheckpointError, match=message):
         load_checkpoint(changed)
+
+
+TEXTS = ["The quick brown fox.", "  two leading spaces,  and  doubled  ones", "line one\nline two\n\n\tindented",
+         "digits 1234567 and 3.14159", "unicode: café, naïve, 東京, emoji 🙂 (byte fallback)", "def f(x):\n    return x",
+         " ", "a"]
+
+
+def test_a_sentencepiece_vocabulary_tokenizes_as_sentencepiece(tmp_path, llm_for):
+    """A GGUF whose vocabulary is SentencePiece BPE (tokenizer.ggml.model "llama", as Llama 2,
+    Mistral, Phi-3-mini and Gemma ship theirs), written by llama.cpp's converter from a real
+    tokenizer.model: kiln's tokenizer gives sentencepiece's own ids and text back, for prose, code,
+    runs of spaces, digits and characters outside the vocabulary (byte fallback); BOS is added as
+    llama.cpp adds it; streamed text comes out as sentencepiece decodes it; the engine builds."""
+    import sentencepiece
+    from pydoc_data.topics import topics
+    from tokenizers import Tokenizer
+
+    from tests.helpers import make_sentencepiece
+
+    folder = make_tiny_model(tmp_path / "llama-spm", "llama", vocab_size=600)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        (folder / name).unlink(missing_ok=True)
+    make_sentencepiece(folder / "tokenizer.model", 600)
+    gguf_file = llama_cpp_gguf(folder, tmp_path / "spm.gguf")
+    checkpoint = load_checkpoint(gguf_file)
+    tokenizer = Tokenizer.from_str(checkpoint.tokenizer_files["tokenizer.json"])
+    sp = sentencepiece.SentencePieceProcessor(model_file=str(folder / "tokenizer.model"))
+    texts = TEXTS + [text[:400] for text in list(topics.values())[300:320]]  # not the training text
+    for text in texts:
+        ids = sp.encode(text)
+        assert tokenizer.encode(text, add_special_tokens=False).ids == ids, text
+        assert tokenizer.decode(ids) == sp.decode(ids), text
+    assert any(sp.id_to_piece(i).startswith("<0x") for text in TEXTS for i in sp.encode(text))  # bytes were used
+    assert tokenizer.encode("hello", add_special_tokens=True).ids == [1] + sp.encode("hello")
+    # streamed text: token by token after a prompt, as the engine emits it, by decoding and by bytes
+    from kiln.runtime.detokenizer import IncrementalDetokenizer, TokenBytes
+
+    prompt, new = sp.encode("Hello"), sp.encode(TEXTS[4] + "\n" + TEXTS[2])
+    want = sp.decode(prompt + new)[len(sp.decode(prompt)):]
+    token_bytes = TokenBytes.of(tokenizer)
+    assert token_bytes is not None and token_bytes.bytes_of(new).decode() == " " + sp.decode(new)
+    stream = IncrementalDetokenizer(tokenizer, prompt)
+    chunks = [stream.add([token], final=i == len(new) - 1) for i, token in enumerate(new)]
+    assert "".join(chunk[2] for chunk in chunks if chunk) == want
+    llm = llm_for(build_engine(tmp_path / "engine", gguf_file, "float32"))
+    assert len(llm.generate("The quick brown", max_tokens=12, ignore_eos=True).token_ids) == 12
+
+
+def test_a_gemma3_gguf_with_its_sentencepiece_vocabulary_matches_transformers(tmp_path, llm_for):
+    """Gemma 3 as llama.cpp writes it (norms with Gemma's 1 added, every 6th layer global, a
+    SentencePiece vocabulary without the space prefix): transformers' logits at every position on
+    a prompt longer than the window, its greedy tokens, and sentencepiece's own token ids."""
+    import sentencepiece
+    from tokenizers import Tokenizer
+    from transformers import AutoModelForCausalLM
+
+    from tests.helpers import make_sentencepiece
+
+    # six layers: llama.cpp's pattern makes the last one global; its query scale is head_dim^-0.5
+    folder = make_tiny_model(tmp_path / "gemma3", "gemma3", vocab_size=600, num_hidden_layers=6,
+                             layer_types=None, rope_parameters=None, query_pre_attn_scalar=32)
+    make_sentencepiece(folder / "tokenizer.model", 600, space_prefix=False)
+    gguf_file = llama_cpp_gguf(folder, tmp_path / "gemma3.gguf")
+    checkpoint = load_checkpoint(gguf_file)
+    spec = checkpoint.spec
+    assert (spec.architecture, spec.full_attention_layers, spec.sliding_window) == ("gemma3", (5,), 6)
+    sp = sentencepiece.SentencePieceProcessor(model_file=str(folder / "tokenizer.model"))
+    tokenizer = Tokenizer.from_str(checkpoint.tokenizer_files["tokenizer.json"])
+    for text in TEXTS:
+        assert tokenizer.encode(text, add_special_tokens=False).ids == sp.encode(text), text
+        assert tokenizer.decode(sp.encode(text)) == sp.decode(sp.encode(text)), text
+    llm = llm_for(build_engine(tmp_path / "engine", gguf_file, "float32"))
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    with torch.no_grad():
+        want = model(torch.tensor([PROMPT])).logits[0]
+    assert (forward_logits(llm.engine, PROMPT) - want).abs().max().item() < 1e-4
+    greedy = model.generate(torch.tensor([PROMPT]), max_new_tokens=16, min_new_tokens=16, do_sample=False,
+                            eos_token_id=None, pad_token_id=0)[0, len(PROMPT):].tolist()
+    assert llm.generate(PROMPT, max_tokens=16, ignore_eos=True).token_ids == greedy
