@@ -33,10 +33,13 @@ def gelu_tanh_mul(gate_up):
 
 
 def rope(x, cos, sin):
-    """x: [tokens, heads, dim]; cos/sin: [tokens, dim] (rotate-half, as Hugging Face's Llama)."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos[:, None, :] + rotated * sin[:, None, :]
+    """x: [tokens, heads, dim]; cos/sin: [tokens, rotary] (rotate-half, as Hugging Face's Llama; the
+    first `rotary` values of each head rotate, the rest pass, as its Phi-3 with partial rotary)."""
+    rotary = cos.shape[-1]
+    part, rest = x[..., :rotary], x[..., rotary:]
+    half = rotary // 2
+    rotated = torch.cat((-part[..., half:], part[..., :half]), dim=-1)
+    return torch.cat((part * cos[:, None, :] + rotated * sin[:, None, :], rest), dim=-1)
 
 
 def store_kv(values, pool_dtype, scales):

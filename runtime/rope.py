@@ -8,12 +8,19 @@ import torch
 from kiln.runtime.spec import ModelSpec
 
 
-def inverse_frequencies(spec: ModelSpec, local: bool = False) -> torch.Tensor:
+def inverse_frequencies(spec: ModelSpec, local: bool = False, max_positions: int = 0) -> torch.Tensor:
     """local: the sliding-window layers' frequencies (spec.local_rope_theta, unscaled, as Gemma 3
-    has them); else every other layer's."""
-    dim = spec.head_dim
+    has them); else every other layer's. max_positions: the engine's longest sequence (LongRoPE
+    takes its long divisors beyond the original context)."""
+    dim = spec.rotary_dim or spec.head_dim
     theta = spec.local_rope_theta if local else spec.rope_theta
-    inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64).to(torch.float) / dim))
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64).to(torch.float) / dim
+    longrope = spec.rope_longrope
+    if longrope is not None and not local:  # as transformers' _compute_longrope_parameters
+        long = max_positions > longrope.original_max_position_embeddings
+        divisors = torch.tensor(longrope.long_factor if long else longrope.short_factor, dtype=torch.float32)
+        return 1.0 / (divisors * theta**exponents)
+    inv_freq = 1.0 / (theta**exponents)
     if local:
         return inv_freq
     if spec.rope_linear_factor is not None:  # transformers' "linear" rope type
@@ -37,9 +44,12 @@ def inverse_frequencies(spec: ModelSpec, local: bool = False) -> torch.Tensor:
 
 
 def cos_sin_tables(spec: ModelSpec, max_positions: int, dtype: torch.dtype, local: bool = False):
-    """[max_positions, head_dim] cos and sin, rounded to the model dtype as HF does (local: of the
-    sliding-window layers, inverse_frequencies)."""
-    inv_freq = inverse_frequencies(spec, local)
+    """[max_positions, rotary dims] cos and sin (rotary dims: head_dim, or spec.rotary_dim), rounded
+    to the model dtype as HF does (local: of the sliding-window layers, inverse_frequencies)."""
+    inv_freq = inverse_frequencies(spec, local, max_positions)
     freqs = torch.outer(torch.arange(max_positions, dtype=torch.float), inv_freq)
     emb = torch.cat((freqs, freqs), dim=-1)
+    if spec.rope_longrope is not None and not local:  # LongRoPE's factor on cos and sin, in float32 first
+        factor = spec.rope_longrope.attention_factor
+        return (emb.cos() * factor).to(dtype), (emb.sin() * factor).to(dtype)
     return emb.cos().to(dtype), emb.sin().to(dtype)

@@ -11,6 +11,7 @@ struct PagedShape {
   int64_t tokens, seqs, heads, kv_heads, head_dim, block_size, max_blocks;
   int64_t key_hadamard = 0;  // 0, or the block size of the Walsh-Hadamard transform of q and k after RoPE
   int64_t window = 0;        // 0, or a sliding window: a token at position p attends to (p - window, p]
+  int64_t rotary_dim = 0;    // how many of each head's values rotary embedding rotates (the tables' width)
 };
 
 // --- int4, rows (as the engine stores them) ---------------------------------------------------

@@ -98,6 +98,32 @@ def test_sliding_window_attention_matches_reference(isa, dtype, pool_dtype, shap
             assert not torch.allclose(plain.float(), want.float(), rtol=tol, atol=tol)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim, rotary", [(64, 48), (96, 72), (48, 32), (16, 2)])
+def test_partial_rotary_matches_reference(isa, dtype, head_dim, rotary):
+    """Rotary tables narrower than the head (Phi-4-mini's partial_rotary_factor): the first `rotary`
+    values of each query and key rotate (in vector lanes where half of it fills them), the rest
+    pass unchanged."""
+    rng = random.Random(f"{isa}{dtype}{head_dim}{rotary}")
+    for _ in range(2):
+        batch = random_batch(rng, dtype, 6, 2, head_dim, 16, 3, 9, 40)
+        batch["cos"], batch["sin"] = batch["cos"][:, :rotary].contiguous(), batch["sin"][:, :rotary].contiguous()
+        ref = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+        got = ops.paged_attention(**batch, scale=head_dim**-0.5)
+        want = reference.paged_attention(**ref, scale=head_dim**-0.5)
+        assert torch.equal(batch["k_pool"], ref["k_pool"])  # the stored keys: rotated part and passed part
+        tol = 2e-5 if dtype == torch.float32 else 2e-2
+        torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("width", [0, 7, 34])
+def test_rotary_tables_of_a_bad_width_are_refused(plugin_isas, width):
+    batch = random_batch(random.Random(5), torch.float32, 2, 1, 32, 4, 1, 2, 3)
+    batch["cos"] = batch["sin"] = torch.ones(batch["cos"].shape[0], width)
+    with pytest.raises(RuntimeError, match="an even number of rotary dims up to head_dim 32"):
+        ops.paged_attention(**batch, scale=1.0)
+
+
 def test_negative_window_is_refused(plugin_isas):
     batch = random_batch(random.Random(3), torch.float32, 2, 1, 16, 4, 1, 2, 3)
     with pytest.raises(RuntimeError, match="window must be 0"):

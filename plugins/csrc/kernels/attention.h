@@ -7,8 +7,9 @@
 // block holding the sequence's positions [i * block_size, (i + 1) * block_size).
 //
 // The input is the fused QKV projection [tokens, (heads + 2 kv_heads) * head_dim]. Rotary
-// embedding (rotate-half convention, cos/sin tables [positions, head_dim] in the model dtype)
-// is applied inside, rounded step by step as Hugging Face's apply_rotary_pos_emb rounds it.
+// embedding (rotate-half convention, cos/sin tables [positions, rotary_dim] in the model dtype,
+// rotary_dim = head_dim or, partial rotary, the first rotary_dim values of each head) is applied
+// inside, rounded step by step as Hugging Face's apply_rotary_pos_emb rounds it.
 // First every new token's rotated k and its v are written to their slot, then each (token, head) attends
 // causally to positions [0, its own] of its sequence, or with a sliding window W (shape.window) to
 // the last W of them, (p - W, p], as Hugging Face's sliding-window mask has it (Mistral, Gemma 3's
@@ -33,10 +34,13 @@
 // number of threads (benchmarks/ablations/attention_context.py; tests/plugins/test_attention.py).
 // Included per ISA inside kiln::<isa> after vec.h and hadamard.h.
 
-// x * cos + rotate_half(x) * sin for one head vector, into fp32 (values rounded to T).
+// x * cos + rotate_half(x) * sin for one head vector, into fp32 (values rounded to T). Only the
+// first `rotary` values rotate (partial rotary, as Phi-4-mini has it: cos / sin hold `rotary`
+// values a position); the rest pass through unchanged.
 template <typename T>
-inline void rope_into(float* dst, const T* x, const T* cos, const T* sin, int64_t head_dim) {
-  const int64_t half = head_dim / 2;
+inline void rope_into(float* dst, const T* x, const T* cos, const T* sin, int64_t head_dim, int64_t rotary) {
+  const int64_t half = rotary / 2;
+  for (int64_t d = rotary; d < head_dim; ++d) dst[d] = to_f32(x[d]);
 #if !defined(KILN_ISA_SCALAR)
   if (half % kLanes == 0) {  // the same roundings, kLanes at a time
     const vfloat minus_one = vset1(-1.f);  // -x exactly, the sign of zero included
@@ -51,7 +55,7 @@ inline void rope_into(float* dst, const T* x, const T* cos, const T* sin, int64_
     return;
   }
 #endif
-  for (int64_t d = 0; d < head_dim; ++d) {
+  for (int64_t d = 0; d < rotary; ++d) {
     const float rotated = d < half ? -to_f32(x[d + half]) : to_f32(x[d - half]);
     dst[d] = round_as<T>(round_as<T>(to_f32(x[d]) * to_f32(cos[d])) +
                          round_as<T>(rotated * to_f32(sin[d])));
@@ -285,7 +289,7 @@ void paged_attention_impl(const T* qkv, const T* cos, const T* sin, P* k_pool, P
   constexpr bool quantized = !std::is_same_v<P, T>;
   const int64_t row = shape.kv_heads * shape.head_dim;  // one token's keys in a block
   const int64_t block_stride = shape.block_size * row;
-  const int64_t head_dim = shape.head_dim, bs = shape.block_size;
+  const int64_t head_dim = shape.head_dim, bs = shape.block_size, rotary = shape.rotary_dim;
   auto position_of = [&](int64_t token) {
     const int32_t s = token_seq[token];
     return static_cast<int64_t>(context_lens[s]) + (token - query_start[s]);
@@ -311,8 +315,8 @@ void paged_attention_impl(const T* qkv, const T* cos, const T* sin, P* k_pool, P
       const int64_t position = position_of(t);
       for (int64_t h = 0; h < shape.heads; ++h) {
         float* q = queries.data() + (t * shape.heads + h) * head_dim;
-        rope_into(q, qkv + t * qkv_row + h * head_dim, cos + position * head_dim, sin + position * head_dim,
-                  head_dim);
+        rope_into(q, qkv + t * qkv_row + h * head_dim, cos + position * rotary, sin + position * rotary,
+                  head_dim, rotary);
         if (shape.key_hadamard) hadamard_inplace(q, head_dim, shape.key_hadamard);
         for (int64_t d = 0; d < head_dim; ++d) q[d] *= scale;
         if constexpr (quantized)
@@ -321,8 +325,8 @@ void paged_attention_impl(const T* qkv, const T* cos, const T* sin, P* k_pool, P
       const int64_t slot = slot_of(token_seq[t], position);
       const T* k = qkv + t * qkv_row + q_size;
       for (int64_t g = 0; g < shape.kv_heads; ++g) {
-        rope_into(rotated.data(), k + g * head_dim, cos + position * head_dim, sin + position * head_dim,
-                  head_dim);
+        rope_into(rotated.data(), k + g * head_dim, cos + position * rotary, sin + position * rotary,
+                  head_dim, rotary);
         if (shape.key_hadamard) hadamard_inplace(rotated.data(), head_dim, shape.key_hadamard);
         if constexpr (quantized)
           store_scaled(k_pool + slot + g * head_dim, rotated.data(), inv_scales.data() + g * head_dim, head_dim);

@@ -31,7 +31,7 @@ static PagedShape check_paged(const at::Tensor& qkv, const at::Tensor& k_pool, c
   check_int32_vector(context_lens, "context_lens", 1);
   const int64_t kv_heads = k_pool.size(2), head_dim = k_pool.size(3);
   PagedShape shape{qkv.size(0), context_lens.size(0), heads, kv_heads, head_dim, k_pool.size(1),
-                   block_tables.size(1), key_hadamard, window};
+                   block_tables.size(1), key_hadamard, window, cos.dim() == 2 ? cos.size(1) : 0};
   TORCH_CHECK(window >= 0, "kiln::paged_attention: window must be 0 (none) or a number of positions, got ", window);
   TORCH_CHECK(qkv.dim() == 2 && qkv.size(1) == (heads + 2 * kv_heads) * head_dim,
               "kiln::paged_attention: qkv ", qkv.sizes(), " is not [tokens, (", heads, " + 2 x ",
@@ -50,9 +50,10 @@ static PagedShape check_paged(const at::Tensor& qkv, const at::Tensor& k_pool, c
                     kv_scales->size(0) == 2 && kv_scales->size(1) == kv_heads * head_dim,
                 "kiln::paged_attention: kv_scales must be contiguous float32 [2, ", kv_heads * head_dim, "], got ",
                 kv_scales->sizes());
-  TORCH_CHECK(cos.dim() == 2 && cos.size(1) == head_dim && sin.sizes() == cos.sizes() &&
-                  cos.is_contiguous() && sin.is_contiguous(),
-              "kiln::paged_attention: cos/sin must be contiguous [positions, ", head_dim, "]");
+  TORCH_CHECK(cos.dim() == 2 && cos.size(1) > 0 && cos.size(1) <= head_dim && cos.size(1) % 2 == 0 &&
+                  sin.sizes() == cos.sizes() && cos.is_contiguous() && sin.is_contiguous(),
+              "kiln::paged_attention: cos/sin must be contiguous [positions, rotary dims]: an even number of "
+              "rotary dims up to head_dim ", head_dim, ", got ", cos.sizes(), " and ", sin.sizes());
   TORCH_CHECK(query_start.size(0) == shape.seqs + 1 && block_tables.size(0) == shape.seqs,
               "kiln::paged_attention: ", shape.seqs, " sequences need query_start of ", shape.seqs + 1,
               " and block_tables of ", shape.seqs, " rows");
