@@ -38,6 +38,12 @@ def pack_weights(
         for fused, parts in PACKED_PARTS.items():
             if names.layer_tensor(i, parts[0]) in src:  # else already quantized (checkpoint.prequantized)
                 out[fused] = torch.cat([layer(part) for part in parts])
+        if spec.num_experts:  # the router as it is; each expert's gate and up fused as a dense MLP's
+            out[names.MLP_ROUTER] = layer(names.CKPT_ROUTER)
+            for e in range(spec.num_experts):
+                gate, up, down = (layer(names.expert_tensor(e, n)) for n in names.CKPT_EXPERT)
+                out[names.expert_tensor(e, "gate_up.weight")] = torch.cat([gate, up])
+                out[names.expert_tensor(e, "down.weight")] = down
         if spec.qkv_bias:
             out[names.ATTN_QKV_BIAS] = torch.cat(
                 [layer("attention.q.bias"), layer("attention.k.bias"), layer("attention.v.bias")]

@@ -7,7 +7,8 @@ these changes a format: bump ENGINE_FORMAT_VERSION for engine names."""
 ENGINE_FORMAT_VERSION = 9  # 2: paged attention; 3: fused rope/norm/SwiGLU; 4: GEMV; 5: AVX512-BF16 kernels;
 # 6: quantized linears (int8 / int4 weights, W8A8); 7: FP8 linears, input_scale, int8 / FP8 KV cache;
 # 8: the KV cache's key rotation (quantization.key_rotation); 9: sliding-window attention (engines
-# may hold a window shorter than max_seq_len) and Gemma 3's options (spec fields, output norms).
+# may hold a window shorter than max_seq_len), Gemma 3's options (spec fields, output norms),
+# LongRoPE and partial rotary, Mixture-of-Experts layers (router, experts).
 # (Qwen3's head norms were new tensors and a new spec field that older engines simply lack: no new
 # version.)
 ENGINE_JSON = "engine.json"
@@ -36,6 +37,13 @@ HEAD_NORMS = (ATTN_Q_NORM, ATTN_K_NORM)
 ATTN_OUT_NORM = "attention.out_norm.weight"  # Gemma: an RMSNorm of the attention's output before the residual add
 MLP_OUT_NORM = "mlp.out_norm.weight"  # ... and of the MLP's
 OUTPUT_NORMS = (ATTN_OUT_NORM, MLP_OUT_NORM)
+MLP_ROUTER = "mlp.router.weight"  # Mixture-of-Experts: [experts, hidden], the router's logits (kept unquantized)
+
+
+def expert_tensor(expert: int, name: str) -> str:
+    """An expert's tensor within a layer: mlp.experts.{expert}.gate_up.weight (gate, up rows fused),
+    mlp.experts.{expert}.down.weight, and their quantized forms."""
+    return f"mlp.experts.{expert}.{name}"
 ATTN_OUT = "attention.out.weight"
 MLP_GATE_UP = "mlp.gate_up.weight"  # rows: gate, then up
 MLP_DOWN = "mlp.down.weight"
@@ -218,6 +226,9 @@ CKPT_LAYER_TENSORS = (
 CKPT_QKV_BIASES = ("attention.q.bias", "attention.k.bias", "attention.v.bias")
 CKPT_HEAD_NORMS = ("attention.q_norm.weight", "attention.k_norm.weight")  # Qwen3, Gemma 3
 CKPT_OUTPUT_NORMS = ("attention.out_norm.weight", "mlp.out_norm.weight")  # Gemma 3 (spec.output_norms)
+CKPT_DENSE_MLP = ("mlp.gate.weight", "mlp.up.weight", "mlp.down.weight")  # (a Mixture-of-Experts layer instead has:)
+CKPT_ROUTER = "mlp.router.weight"
+CKPT_EXPERT = ("gate.weight", "up.weight", "down.weight")  # each as expert_tensor(e, name)
 
 # engine model custom metrics (Triton metrics endpoint, Prometheus text format)
 METRIC_KV_BLOCKS = "kiln_kv_cache_blocks"

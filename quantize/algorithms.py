@@ -62,7 +62,8 @@ def pick_group_size(setting, spec: ModelSpec) -> int:
     """auto: 128 where it divides every in_features, else the largest of 64 / 32 that does."""
     if setting != "auto":
         return int(setting)
-    in_features = (spec.hidden_size, spec.q_size, spec.intermediate_size)
+    in_features = (spec.hidden_size, spec.q_size,
+                   spec.expert_intermediate_size if spec.num_experts else spec.intermediate_size)
     for size in (128, 64, 32):
         if all(k % size == 0 for k in in_features):
             return size
@@ -335,7 +336,7 @@ def quantize_weights(weights: dict[str, torch.Tensor], spec: ModelSpec, options:
     algo, kind, group_size = options.algo, options.kind, options.group_size
     for name, tensor in weights.items():
         if not name.startswith("layers.") or name.endswith((names.ATTN_QKV_BIAS, *names.HEAD_NORMS,
-                                                            *names.OUTPUT_NORMS)):
+                                                            *names.OUTPUT_NORMS, names.MLP_ROUTER)):
             out[name] = tensor.to(dtype).contiguous()
     if options.lm_head in ("int8", "int4"):
         head = weights[names.EMBED if spec.tie_embeddings else names.LM_HEAD]
@@ -350,6 +351,10 @@ def quantize_weights(weights: dict[str, torch.Tensor], spec: ModelSpec, options:
         out[names.linear_tensor(prefix, names.QWEIGHT)] = qweight
         out[names.linear_tensor(prefix, names.WEIGHT_SCALES)] = scales
     for i in range(spec.num_layers):
+        if spec.num_experts:
+            out.update(quantize_moe_layer(weights, i, spec, options, dtype))
+            progress()
+            continue
         layer = LayerWeights.take(weights, i)
         clips: dict[str, torch.Tensor] = {}
         scales: dict[str, torch.Tensor] = {}
@@ -397,6 +402,33 @@ def quantize_weights(weights: dict[str, torch.Tensor], spec: ModelSpec, options:
             if n == "out" and layer.pre_scale_out is not None:
                 out[names.linear_tensor(prefix, names.PRE_SCALE)] = layer.pre_scale_out.float().contiguous()
         progress()
+    return out
+
+
+MOE_ALGOS = ("int8_wo", "int4_wo")  # the weight-only algorithms a Mixture-of-Experts model takes so far
+
+
+def quantize_moe_layer(weights: dict[str, torch.Tensor], i: int, spec: ModelSpec, options: QuantOptions,
+                       dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """A Mixture-of-Experts layer's attention and every expert's linears, rounded to nearest
+    (int8 per channel, or int4 groups): the weight-only algorithms, which need no calibration;
+    its norms and router are in `out` already, as they are."""
+    if options.algo not in MOE_ALGOS:
+        raise ValueError(f"quantization.algo {options.algo} does not apply to Mixture-of-Experts models yet "
+                         f"({', '.join(MOE_ALGOS)} do)")
+    linears = [names.ATTN_QKV, names.ATTN_OUT] + [names.expert_tensor(e, n) for e in range(spec.num_experts)
+                                                  for n in ("gate_up.weight", "down.weight")]
+    out = {names.layer_tensor(i, n): weights[names.layer_tensor(i, n)].to(dtype).contiguous()
+           for n in (names.INPUT_NORM, names.POST_ATTENTION_NORM)}
+    for linear in linears:
+        w = weights[names.layer_tensor(i, linear)].float()
+        prefix = names.linear_prefix(names.layer_tensor(i, linear))
+        if options.kind in INT4_KINDS:
+            qweight, w_scales = round_int4(w, None, options.group_size, None)
+        else:
+            qweight, w_scales = quantize_int8(w)
+        out[names.linear_tensor(prefix, names.QWEIGHT)] = qweight
+        out[names.linear_tensor(prefix, names.WEIGHT_SCALES)] = w_scales
     return out
 
 

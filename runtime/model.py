@@ -26,12 +26,20 @@ KV_DTYPES = {names.KV_CACHE_INT8: torch.int8, names.KV_CACHE_FP8: torch.float8_e
 
 
 @dataclass
+class Expert:
+    """One expert of a Mixture-of-Experts layer: a gated MLP (runtime.linear objects)."""
+
+    gate_up: object
+    down: object
+
+
+@dataclass
 class Layer:
     input_norm: torch.Tensor
     qkv: object  # runtime.linear objects: callables x -> x @ W.T (+ bias)
     out: object
     post_attention_norm: torch.Tensor
-    gate_up: object
+    gate_up: object  # the dense MLP (None in a Mixture-of-Experts layer)
     down: object
     kv_scales: torch.Tensor | None = None  # [2, kv_size] for an int8 / FP8 KV cache
     q_norm: torch.Tensor | None = None  # [head_dim]: Qwen3's RMSNorm over each query head
@@ -40,6 +48,8 @@ class Layer:
     mlp_out_norm: torch.Tensor | None = None  # ... and of the MLP's
     window: int = 0  # sliding window (0: none)
     local_rope: bool = False  # rotary tables of its own (Gemma 3's sliding-window layers)
+    router: torch.Tensor | None = None  # Mixture-of-Experts: [experts, hidden]
+    experts: list[Expert] | None = None
 
 
 @dataclass
@@ -115,7 +125,9 @@ class LlamaModel:
         # Gemma: embeddings times sqrt(hidden), the factor rounded to the model dtype as HF rounds it
         self.embed_scale = (torch.tensor(spec.embed_scale, dtype=torch.float32).to(self.dtype)
                             if spec.embed_scale is not None else None)
-        self.fused_decode = True  # steps of a few rows run every layer in one plugin call (decode_layers)
+        # steps of a few rows run every layer in one plugin call (decode_layers); Mixture-of-Experts
+        # layers run in the Python loop
+        self.fused_decode = not spec.num_experts
         self._plan = None  # built on first use, from the layers as they are then
 
     def decode_plan(self) -> tuple[list, list[int], list[float]]:
@@ -152,13 +164,17 @@ class LlamaModel:
                 raise KeyError(f"a {quant['kv_cache']} KV cache needs {names.layer_tensor(i, names.ATTN_KV_SCALES)}")
             kv_scales = kv_scales.float().contiguous()
 
+        moe = self.spec.num_experts > 0
         return Layer(
             input_norm=get(names.INPUT_NORM),
             qkv=linear(names.ATTN_QKV, weights.get(names.layer_tensor(i, names.ATTN_QKV_BIAS))),
             out=linear(names.ATTN_OUT),
             post_attention_norm=get(names.POST_ATTENTION_NORM),
-            gate_up=linear(names.MLP_GATE_UP),
-            down=linear(names.MLP_DOWN),
+            gate_up=None if moe else linear(names.MLP_GATE_UP),
+            down=None if moe else linear(names.MLP_DOWN),
+            router=get(names.MLP_ROUTER) if moe else None,
+            experts=[Expert(linear(names.expert_tensor(e, "gate_up.weight")), linear(names.expert_tensor(e, "down.weight")))
+                     for e in range(self.spec.num_experts)] if moe else None,
             kv_scales=kv_scales,
             q_norm=get(names.ATTN_Q_NORM) if self.spec.head_norms else None,
             k_norm=get(names.ATTN_K_NORM) if self.spec.head_norms else None,
@@ -175,6 +191,27 @@ class LlamaModel:
         queries = ops.rms_norm(qkv[:, :q].reshape(-1, spec.head_dim), layer.q_norm, spec.norm_eps)
         keys = ops.rms_norm(qkv[:, q:q + kv].reshape(-1, spec.head_dim), layer.k_norm, spec.norm_eps)
         return torch.cat([queries.view(rows, q), keys.view(rows, kv), qkv[:, q + kv:]], dim=1)
+
+    def mixture(self, x: torch.Tensor, layer: Layer) -> torch.Tensor:
+        """A Mixture-of-Experts MLP (as transformers' Mixtral / Qwen3-MoE blocks): the router's
+        softmax in float32, each token's top experts_per_token weights (rescaled to sum to 1 where
+        the family does), then each chosen expert once over the rows routed to it, in expert
+        order, its output times the row's weight added into the result. Only the chosen experts'
+        weights are read."""
+        spec = self.spec
+        probs = F.linear(x, layer.router).float().softmax(dim=-1)
+        weights, chosen = probs.topk(spec.experts_per_token, dim=-1)
+        if spec.normalize_expert_weights:
+            weights /= weights.sum(dim=-1, keepdim=True)
+        if spec.round_expert_weights:
+            weights = weights.to(x.dtype)
+        out = torch.zeros_like(x)
+        for e in chosen.unique().tolist():
+            rows, slot = torch.where(chosen == e)
+            expert = layer.experts[e]
+            y = expert.down(self.activation(expert.gate_up(x[rows])))
+            out.index_add_(0, rows, (y * weights[rows, slot, None]).to(x.dtype))
+        return out
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, ctx: StepContext, pool: KVPool) -> torch.Tensor:
@@ -210,7 +247,7 @@ class LlamaModel:
             if layer.attn_out_norm is not None:
                 attn = ops.rms_norm(attn, layer.attn_out_norm, eps)
             x = ops.add_rms_norm(h, attn, layer.post_attention_norm, eps)
-            down = layer.down(self.activation(layer.gate_up(x)))
+            down = self.mixture(x, layer) if layer.experts else layer.down(self.activation(layer.gate_up(x)))
             if layer.mlp_out_norm is not None:
                 down = ops.rms_norm(down, layer.mlp_out_norm, eps)
             x = ops.add_rms_norm(h, down, self.next_norm(index), eps)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma3")
+ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma3", "mixtral", "qwen3_moe")
 ACTIVATIONS = ("silu", "gelu_tanh")  # the MLP's gated activation: SwiGLU, or GeGLU with tanh-GELU (Gemma)
 
 
@@ -17,6 +17,23 @@ class RopeScaling:
     low_freq_factor: float
     high_freq_factor: float
     original_max_position_embeddings: int
+
+
+@dataclass(frozen=True)
+class LongRope:
+    """Phi-3's long-context RoPE (rope_type "longrope"): per-frequency divisors for contexts up to
+    original_max_position_embeddings (short) and beyond (long), and a factor on cos and sin. An
+    engine whose max_seq_len exceeds original_max_position_embeddings uses the long divisors at
+    every position (transformers switches to them once a sequence grows past it); else the short."""
+
+    short_factor: tuple[float, ...]
+    long_factor: tuple[float, ...]
+    original_max_position_embeddings: int
+    attention_factor: float
+
+    def __post_init__(self):  # (from JSON: lists)
+        object.__setattr__(self, "short_factor", tuple(float(f) for f in self.short_factor))
+        object.__setattr__(self, "long_factor", tuple(float(f) for f in self.long_factor))
 
 
 @dataclass(frozen=True)
@@ -47,11 +64,20 @@ class ModelSpec:
     # stores Llama 3 scaling), instead of rope_scaling
     rope_freq_factors: tuple[float, ...] | None = None
     rope_linear_factor: float | None = None  # "linear" rope scaling: positions / factor (not on local layers)
+    rope_longrope: LongRope | None = None  # Phi-3's long-context RoPE
+    rotary_dim: int | None = None  # partial rotary (Phi-4-mini): the first rotary_dim values of each head rotate
     local_rope_theta: float | None = None  # Gemma 3: the sliding-window layers' own RoPE base
     embed_scale: float | None = None  # Gemma: embeddings times sqrt(hidden), rounded to the model dtype
     query_scale: float | None = None  # attention scores' scale (Gemma 3: query_pre_attn_scalar^-0.5); else head_dim^-0.5
     output_norms: bool = False  # Gemma: RMSNorms of the attention's and the MLP's outputs before each residual add
     activation: str = "silu"  # one of ACTIVATIONS
+    # Mixture-of-Experts (Mixtral, Qwen3-MoE): each layer's MLP is num_experts experts of
+    # expert_intermediate_size, of which a router picks experts_per_token for each token
+    num_experts: int = 0  # 0: a dense MLP
+    experts_per_token: int = 0
+    expert_intermediate_size: int = 0
+    normalize_expert_weights: bool = True  # the top-k softmax weights rescaled to sum to 1
+    round_expert_weights: bool = False  # the weights rounded to the model dtype before use (Qwen3-MoE)
 
     def __post_init__(self):
         if self.architecture not in ARCHITECTURES:
@@ -64,6 +90,11 @@ class ModelSpec:
             raise ValueError(f"activation {self.activation!r} is not one of {ACTIVATIONS}")
         if self.sliding_window is not None and self.sliding_window < 1:
             raise ValueError(f"sliding_window {self.sliding_window} must be at least 1 (or None)")
+        if self.rotary_dim is not None and not (0 < self.rotary_dim <= self.head_dim and self.rotary_dim % 2 == 0):
+            raise ValueError(f"rotary_dim {self.rotary_dim} must be even and within head_dim {self.head_dim}")
+        if self.num_experts and not (0 < self.experts_per_token <= self.num_experts and self.expert_intermediate_size > 0):
+            raise ValueError(f"a Mixture-of-Experts model needs 0 < experts_per_token ({self.experts_per_token}) <= "
+                             f"num_experts ({self.num_experts}) and an expert_intermediate_size")
         bad = [i for i in self.full_attention_layers if not 0 <= i < self.num_layers]
         if bad:
             raise ValueError(f"full_attention_layers {bad} are not layers of a {self.num_layers}-layer model")
@@ -100,6 +131,8 @@ class ModelSpec:
         data = dict(data)
         if data.get("rope_scaling"):
             data["rope_scaling"] = RopeScaling(**data["rope_scaling"])
+        if data.get("rope_longrope"):
+            data["rope_longrope"] = LongRope(**data["rope_longrope"])
         data["eos_ids"] = tuple(data.get("eos_ids", ()))
         data["full_attention_layers"] = tuple(data.get("full_attention_layers", ()))
         if data.get("rope_freq_factors") is not None:

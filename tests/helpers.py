@@ -67,8 +67,8 @@ def make_sentencepiece(path: Path, vocab_size: int, space_prefix: bool = True) -
 
 
 def make_tiny_model(folder: Path, architecture: str, seed: int = 0, **overrides) -> Path:
-    """A tiny random Llama / Mistral / Qwen2 / Qwen3 / Phi-3 / Gemma 3 saved as a Hugging Face folder
-    (safetensors)."""
+    """A tiny random Llama / Mistral / Qwen2 / Qwen3 / Phi-3 / Gemma 3 / Mixtral / Qwen3-MoE saved as a
+    Hugging Face folder (safetensors)."""
     import torch
     import transformers
 
@@ -113,6 +113,16 @@ def make_tiny_model(folder: Path, architecture: str, seed: int = 0, **overrides)
         shapes.setdefault("query_pre_attn_scalar", 24)  # not head_dim: the scale is its own option
         config = transformers.Gemma3TextConfig(head_dim=32, pad_token_id=0, **shapes)
         model = transformers.Gemma3ForCausalLM(config)
+    elif architecture == "mixtral":  # 4 experts, 2 a token
+        shapes.setdefault("num_key_value_heads", 2)
+        config = transformers.MixtralConfig(num_local_experts=4, num_experts_per_tok=2, **shapes)
+        model = transformers.MixtralForCausalLM(config)
+    elif architecture == "qwen3_moe":  # 6 experts of their own width, 2 a token, weights not renormalized
+        shapes.setdefault("num_key_value_heads", 2)
+        shapes.setdefault("norm_topk_prob", False)
+        config = transformers.Qwen3MoeConfig(head_dim=32, num_experts=6, num_experts_per_tok=2, moe_intermediate_size=48,
+                                             **shapes)
+        model = transformers.Qwen3MoeForCausalLM(config)
     elif architecture == "gemma3-multimodal":  # Gemma 3 4B and up: a language model beside a vision tower
         shapes.setdefault("num_key_value_heads", 2)
         text = dict(shapes, head_dim=32, query_pre_attn_scalar=24, pad_token_id=0, sliding_window=6,
@@ -126,7 +136,7 @@ def make_tiny_model(folder: Path, architecture: str, seed: int = 0, **overrides)
         raise ValueError(architecture)
     with torch.no_grad():  # default init is tiny; wider weights make logits differ more
         for name, p in model.named_parameters():
-            if p.dim() == 2:
+            if p.dim() in (2, 3):  # (transformers keeps a Mixture-of-Experts layer's experts in one 3-D tensor)
                 p.normal_(0, 0.08)
             elif architecture.startswith("gemma3") and "norm" in name:  # zeros by default (Gemma: 1 + w)
                 p.normal_(0.0, 0.3)

@@ -1,5 +1,5 @@
-"""GGUF files (llama, qwen2, qwen3, phi3 and gemma3 architectures, as llama.cpp's
-convert_hf_to_gguf.py writes them): dequantized with the `gguf` package, tokenizer rebuilt for
+"""GGUF files (llama (Mixtral: llama with experts), qwen2, qwen3, qwen3moe, phi3 and gemma3
+architectures, as llama.cpp's convert_hf_to_gguf.py writes them): dequantized with the `gguf` package, tokenizer rebuilt for
 `tokenizers` (byte-level BPE or SentencePiece BPE). Phi-3's fused attn_qkv and ffn_up (gate and
 up rows) are split into the canonical tensors; Gemma 3's norms arrive as their multipliers
 (the converter adds Gemma's 1 to each)."""
@@ -15,7 +15,7 @@ import torch
 from kiln import constants as names
 from kiln.builder.checkpoint import Checkpoint, refuse_unused
 from kiln.errors import CheckpointError
-from kiln.runtime.spec import ModelSpec
+from kiln.runtime.spec import LongRope, ModelSpec
 
 _TOP_NAMES = {
     "token_embd.weight": names.CKPT_EMBED,
@@ -39,6 +39,11 @@ _LAYER_NAMES = {
     "attn_q_norm.weight": "attention.q_norm.weight",  # qwen3, gemma3
     "attn_k_norm.weight": "attention.k_norm.weight",
 }
+# Mixture-of-Experts (Mixtral as llama.cpp's `llama` with experts, `qwen3moe`): the router, and
+# each projection of every expert stacked in one [experts, out, in] tensor
+_ROUTER = "ffn_gate_inp.weight"
+_STACKED_EXPERTS = {"ffn_gate_exps.weight": "gate.weight", "ffn_up_exps.weight": "up.weight",
+                    "ffn_down_exps.weight": "down.weight"}
 _GEMMA3_LAYER_NAMES = {  # Gemma 3's norms of the attention's and the MLP's outputs; ffn_norm is the MLP's input norm
     **_LAYER_NAMES,
     "post_attention_norm.weight": "attention.out_norm.weight",
@@ -55,9 +60,10 @@ _FUSED = {
 }
 # general.architecture -> whether llama.cpp permuted the q / k rows (its Llama converter interleaves
 # the rotary pairs; its Qwen and Phi-3 converters keep Hugging Face's rotate-half order)
-ARCHITECTURES = {"llama": True, "qwen2": False, "qwen3": False, "phi3": False, "gemma3": False}
+ARCHITECTURES = {"llama": True, "qwen2": False, "qwen3": False, "phi3": False, "gemma3": False, "qwen3moe": False}
+MOE_ARCHITECTURES = ("llama", "qwen3moe")  # (a `llama` GGUF with experts is a Mixtral)
 FUSED_ARCHITECTURES = ("phi3",)
-# tensors of Phi-3's long-context RoPE scaling (LongRoPE), which kiln does not implement yet
+# tensors of Phi-3's long-context RoPE scaling (LongRoPE): its long and short divisors
 _LONGROPE_TENSORS = ("rope_factors_long.weight", "rope_factors_short.weight")
 
 # Pre-tokenizer splits per tokenizer.ggml.pre, as llama.cpp applies them before byte-level BPE.
@@ -233,21 +239,23 @@ def load_gguf(path: Path) -> Checkpoint:
     heads, kv_heads, hidden = meta("attention.head_count"), meta("attention.head_count_kv"), meta("embedding_length")
     head_dim = int(meta("attention.key_length", hidden // heads))
     rotary = _field(reader, f"{arch}.rope.dimension_count")
-    if rotary is not None and int(rotary) != head_dim:
+    if rotary is not None and int(rotary) != head_dim and arch != "phi3":
         raise CheckpointError(f"{path}: GGUF {arch}.rope.dimension_count {rotary} differs from the head size "
-                              f"{head_dim} (rotary embedding on part of each head: partial rotary is not supported yet)")
+                              f"{head_dim} (rotary embedding on part of each head: partial rotary is supported on "
+                              "phi3 only)")
     layer_names = _GEMMA3_LAYER_NAMES if arch == "gemma3" else _LAYER_NAMES
     tensors: dict[str, torch.Tensor] = {}
     fused: dict[tuple[int, str], torch.Tensor] = {}
     freq_factors = None
+    longrope: dict[str, tuple[float, ...]] = {}  # Phi-3's long-context RoPE divisors, by tensor name
     unknown = []
     for t in reader.tensors:
         if t.name == "rope_freqs.weight":  # Llama 3 scaling, as llama.cpp's converter stores it
             freq_factors = tuple(float(f) for f in np.asarray(gguf.quants.dequantize(t.data, t.tensor_type)).reshape(-1))
             continue
-        if t.name in _LONGROPE_TENSORS:
-            raise CheckpointError(f"{path}: GGUF tensor {t.name}: Phi-3's long-context RoPE scaling (longrope) is not "
-                                  "supported yet")
+        if t.name in _LONGROPE_TENSORS and arch == "phi3":
+            longrope[t.name] = tuple(float(f) for f in np.asarray(gguf.quants.dequantize(t.data, t.tensor_type)).reshape(-1))
+            continue
         name = _TOP_NAMES.get(t.name)
         match = _LAYER.match(t.name)
         fused_key = None
@@ -255,6 +263,15 @@ def load_gguf(path: Path) -> Checkpoint:
             fused_key = (int(match.group(1)), match.group(2))
         elif match and match.group(2) in layer_names:
             name = names.layer_tensor(int(match.group(1)), layer_names[match.group(2)])
+        elif match and arch in MOE_ARCHITECTURES and match.group(2) == _ROUTER:
+            name = names.layer_tensor(int(match.group(1)), names.CKPT_ROUTER)
+        elif match and arch in MOE_ARCHITECTURES and match.group(2) in _STACKED_EXPERTS:
+            stacked = torch.from_numpy(np.array(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32))
+            stacked = stacked.reshape(tuple(int(d) for d in reversed(t.shape)))
+            for e, expert in enumerate(stacked):
+                tensors[names.layer_tensor(int(match.group(1)), names.expert_tensor(
+                    e, _STACKED_EXPERTS[match.group(2)]))] = expert.clone()
+            continue
         if name is None and fused_key is None:
             unknown.append(t.name)
             continue
@@ -273,14 +290,29 @@ def load_gguf(path: Path) -> Checkpoint:
     eos = _field(reader, "tokenizer.ggml.eos_token_id")
     layers = int(meta("block_count"))
     linear = float(meta("rope.scaling.factor")) if scaling == "linear" else None
-    options = dict(qkv_bias=arch == "qwen2", head_norms=arch == "qwen3", rope_linear_factor=linear)
+    options = dict(qkv_bias=arch == "qwen2", head_norms=arch == "qwen3", rope_linear_factor=linear,
+                   rotary_dim=int(rotary) if rotary is not None and int(rotary) != head_dim else None)
+    experts = int(_field(reader, f"{arch}.expert_count", 0) or 0)
+    if experts:  # as transformers' Mixtral (renormalized top-k) and Qwen3-MoE (the weights rounded to the dtype)
+        options.update(num_experts=experts, experts_per_token=int(meta("expert_used_count")),
+                       expert_intermediate_size=int(_field(reader, f"{arch}.expert_feed_forward_length", 0)
+                                                    or meta("feed_forward_length")),
+                       normalize_expert_weights=bool(_field(reader, f"{arch}.expert_weights_norm", True)),
+                       round_expert_weights=arch == "qwen3moe", head_norms=arch == "qwen3moe")
+    if longrope:  # as llama.cpp runs Phi-3's LongRoPE: divisors from the tensors, the factor from the metadata
+        if set(longrope) != set(_LONGROPE_TENSORS):
+            raise CheckpointError(f"{path}: GGUF phi3 has {sorted(longrope)} without the other LongRoPE tensor")
+        options["rope_longrope"] = LongRope(
+            short_factor=longrope["rope_factors_short.weight"], long_factor=longrope["rope_factors_long.weight"],
+            original_max_position_embeddings=int(meta("rope.scaling.original_context_length")),
+            attention_factor=float(meta("rope.scaling.attn_factor", 1.0)))
     if arch == "gemma3":
         query = hidden / heads if layers == GEMMA3_27B_LAYERS else head_dim
         options.update(head_norms=True, output_norms=True, activation="gelu_tanh", embed_scale=float(hidden) ** 0.5,
                        query_scale=float(query) ** -0.5, local_rope_theta=GEMMA3_LOCAL_THETA,
                        full_attention_layers=tuple(i for i in range(layers) if i % GEMMA3_PATTERN == GEMMA3_PATTERN - 1))
     spec = ModelSpec(
-        architecture=arch,
+        architecture={"qwen3moe": "qwen3_moe"}.get(arch, "mixtral" if experts else arch),
         vocab_size=int(meta("vocab_size", len(tokens))),
         hidden_size=int(hidden),
         num_layers=layers,

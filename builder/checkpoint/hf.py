@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import math
 import re
 from pathlib import Path
 
@@ -10,7 +11,7 @@ from safetensors import SafetensorError, safe_open
 from kiln import constants as names
 from kiln.builder.checkpoint import Checkpoint, refuse_unused
 from kiln.errors import CheckpointError
-from kiln.runtime.spec import ModelSpec, RopeScaling
+from kiln.runtime.spec import LongRope, ModelSpec, RopeScaling
 
 ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
@@ -20,7 +21,15 @@ ARCHITECTURES = {
     "Phi3ForCausalLM": "phi3",
     "Gemma3ForCausalLM": "gemma3",  # Gemma 3's text models (model_type gemma3_text: the 1B, or a text-only export)
     "Gemma3ForConditionalGeneration": "gemma3",  # 4B and up: the language model of the multimodal checkpoint
+    "MixtralForCausalLM": "mixtral",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
 }
+# Mixture-of-Experts layers: the router, and each expert's projections (Mixtral's w1 / w3 / w2 are
+# the gate / up / down projections)
+_EXPERT = re.compile(r"^(?:block_sparse_moe|mlp)\.experts\.(\d+)\.(w1|w3|w2|gate_proj|up_proj|down_proj)\.weight$")
+_EXPERT_NAMES = {"w1": "gate.weight", "w3": "up.weight", "w2": "down.weight", "gate_proj": "gate.weight",
+                 "up_proj": "up.weight", "down_proj": "down.weight"}
+_ROUTERS = {"mixtral": "block_sparse_moe.gate.weight", "qwen3_moe": "mlp.gate.weight"}
 # transformers' Gemma3TextConfig defaults: configs on the Hub leave out what equals them
 GEMMA3_DEFAULTS = {
     "vocab_size": 262_208, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26,
@@ -84,6 +93,13 @@ def canonical_name(hf_name: str, architecture: str) -> str | None:
     match = _LAYER.match(hf_name)
     if match and match.group(2) in layer_names:
         return names.layer_tensor(int(match.group(1)), layer_names[match.group(2)])
+    if match and architecture in _ROUTERS:
+        if match.group(2) == _ROUTERS[architecture]:
+            return names.layer_tensor(int(match.group(1)), names.CKPT_ROUTER)
+        expert = _EXPERT.match(match.group(2))
+        if expert:
+            return names.layer_tensor(int(match.group(1)),
+                                      names.expert_tensor(int(expert.group(1)), _EXPERT_NAMES[expert.group(2)]))
     return None
 
 
@@ -132,21 +148,34 @@ def _ids(value) -> tuple[int, ...]:
     return tuple(value) if isinstance(value, list) else (int(value),)
 
 
-def _rope(config: dict, source: Path) -> tuple[float, RopeScaling | None]:
+def _rope(config: dict, source: Path, arch: str) -> dict:
+    """ModelSpec's RoPE fields: the base, and Llama 3 / linear / (Phi-3) LongRoPE scaling."""
     params = config.get("rope_parameters") or {}
     theta = float(params.get("rope_theta", config.get("rope_theta", 10000.0)))
     scaling = config.get("rope_scaling") or params
     kind = scaling.get("rope_type", scaling.get("type", "default")) if scaling else "default"
     if kind in (None, "default"):
-        return theta, None
+        return dict(rope_theta=theta)
     if kind == "llama3":
-        return theta, RopeScaling(
+        return dict(rope_theta=theta, rope_scaling=RopeScaling(
             factor=float(scaling["factor"]),
             low_freq_factor=float(scaling["low_freq_factor"]),
             high_freq_factor=float(scaling["high_freq_factor"]),
             original_max_position_embeddings=int(scaling["original_max_position_embeddings"]),
-        )
-    raise CheckpointError(f"{source}: rope scaling type {kind!r} is not supported (default, llama3)")
+        ))
+    if kind == "linear":
+        return dict(rope_theta=theta, rope_linear_factor=float(scaling["factor"]))
+    if kind == "longrope" and arch == "phi3":  # as transformers' _compute_longrope_parameters
+        original = int(scaling.get("original_max_position_embeddings") or config["original_max_position_embeddings"])
+        factor = scaling.get("factor") or int(config.get("max_position_embeddings", original)) / original
+        attention = scaling.get("attention_factor")
+        if attention is None:
+            attention = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+        return dict(rope_theta=theta, rope_longrope=LongRope(
+            short_factor=scaling["short_factor"], long_factor=scaling["long_factor"],
+            original_max_position_embeddings=original, attention_factor=float(attention)))
+    raise CheckpointError(f"{source}: rope scaling type {kind!r} is not supported (default, llama3, linear; "
+                          "longrope on Phi-3)")
 
 
 def _gemma3_options(config: dict, source: Path) -> dict:
@@ -193,6 +222,28 @@ def _gemma3_options(config: dict, source: Path) -> dict:
     )
 
 
+def _moe_options(config: dict, source: Path, arch: str) -> dict:
+    """ModelSpec fields of Mixtral and Qwen3-MoE (every layer's MLP a set of experts; what kiln
+    does not implement is refused by name)."""
+    if arch == "qwen3_moe":
+        if config.get("mlp_only_layers") or int(config.get("decoder_sparse_step", 1)) != 1:
+            raise CheckpointError(f"{source}: dense layers among the experts' (mlp_only_layers "
+                                  f"{config.get('mlp_only_layers')}, decoder_sparse_step "
+                                  f"{config.get('decoder_sparse_step')}) are not supported yet")
+        # (the Hub's configs say num_experts; transformers 5 saves it as num_local_experts)
+        experts = int(config["num_experts"] if "num_experts" in config else config["num_local_experts"])
+        width = int(config["moe_intermediate_size"])
+        normalize, rounded = bool(config.get("norm_topk_prob", False)), True
+    else:
+        experts, width, normalize, rounded = int(config["num_local_experts"]), int(config["intermediate_size"]), True, False
+    sliding = config.get("sliding_window") if config.get("use_sliding_window", arch == "mixtral") else None
+    return dict(**_rope(config, source, arch), head_norms=arch == "qwen3_moe",
+                sliding_window=int(sliding) if sliding else None,
+                tie_embeddings=bool(config.get("tie_word_embeddings", False)),
+                num_experts=experts, experts_per_token=int(config["num_experts_per_tok"]),
+                expert_intermediate_size=width, normalize_expert_weights=normalize, round_expert_weights=rounded)
+
+
 def spec_from_config(config: dict, generation: dict, source: Path) -> ModelSpec:
     archs = config.get("architectures") or []
     arch = next((ARCHITECTURES[a] for a in archs if a in ARCHITECTURES), None)
@@ -206,23 +257,26 @@ def spec_from_config(config: dict, generation: dict, source: Path) -> ModelSpec:
         config = {**{k: v for k, v in (config.get("text_config") or {}).items() if v is not None}, **top}
     if arch == "gemma3":
         config = {**GEMMA3_DEFAULTS, **config}
-    if config.get("mlp_bias") or (arch in ("llama", "qwen3", "gemma3") and config.get("attention_bias")):
+    if config.get("mlp_bias") or (arch in ("llama", "qwen3", "gemma3", "qwen3_moe") and config.get("attention_bias")):
         raise CheckpointError(f"{source}: attention_bias / mlp_bias Llama variants are not supported")
     rope = config.get("rope_parameters") or {}
-    partial = rope.get("partial_rotary_factor", config.get("partial_rotary_factor")) or 1.0
-    if float(partial) != 1.0:  # Phi-4-mini
+    partial = float(rope.get("partial_rotary_factor", config.get("partial_rotary_factor")) or 1.0)
+    if partial != 1.0 and arch != "phi3":  # (Phi-4-mini has it; transformers' other families here do not)
         raise CheckpointError(f"{source}: partial_rotary_factor {partial} (rotary embedding on part of each head) is "
-                              "not supported yet")
+                              f"not supported on {arch} (Phi-3 / Phi-4 only)")
     heads = int(config["num_attention_heads"])
     hidden = int(config["hidden_size"])
+    head_dim = int(config.get("head_dim") or hidden // heads)
     eos = _ids(generation.get("eos_token_id")) or _ids(config.get("eos_token_id"))
     if arch == "gemma3":
         options = _gemma3_options(config, source)
+    elif arch in _ROUTERS:
+        options = _moe_options(config, source, arch)
     else:
-        theta, scaling = _rope(config, source)
         sliding = config.get("sliding_window") if config.get("use_sliding_window", arch in ("mistral", "phi3")) else None
-        options = dict(rope_theta=theta, rope_scaling=scaling, qkv_bias=arch == "qwen2", head_norms=arch == "qwen3",
+        options = dict(**_rope(config, source, arch), qkv_bias=arch == "qwen2", head_norms=arch == "qwen3",
                        sliding_window=int(sliding) if sliding else None,
+                       rotary_dim=int(head_dim * partial) if partial != 1.0 else None,
                        tie_embeddings=bool(config.get("tie_word_embeddings", False)))
     return ModelSpec(
         architecture=arch,
@@ -231,7 +285,7 @@ def spec_from_config(config: dict, generation: dict, source: Path) -> ModelSpec:
         num_layers=int(config["num_hidden_layers"]),
         num_heads=heads,
         num_kv_heads=int(config.get("num_key_value_heads") or heads),
-        head_dim=int(config.get("head_dim") or hidden // heads),
+        head_dim=head_dim,
         intermediate_size=int(config["intermediate_size"]),
         max_position_embeddings=int(config.get("max_position_embeddings", 2048)),
         norm_eps=float(config.get("rms_norm_eps", 1e-6)),

@@ -64,12 +64,16 @@ def test_unsupported_architecture(llama_copy):
 
 @pytest.mark.parametrize("change, message", [
     ({"rope_parameters": {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0] * 8,
-                          "long_factor": [2.0] * 8}}, "rope scaling type 'longrope' is not supported"),
+                          "long_factor": [2.0] * 8, "original_max_position_embeddings": 64}},
+     "rope scaling type 'longrope' is not supported"),
     ({"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.75}},
-     "partial_rotary_factor 0.75"),
+     "partial_rotary_factor 0.75 .* not supported on llama"),
+    ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0}},
+     "rope scaling type 'yarn' is not supported"),
 ])
-def test_phi_variants_kiln_cannot_run_yet_are_refused(change, message, tiny_models, tmp_path):
-    folder = shutil.copytree(tiny_models["phi3"], tmp_path / "phi3")
+def test_rope_variants_kiln_cannot_run_on_a_family_are_refused(change, message, tiny_models, tmp_path):
+    """(Phi-3 has LongRoPE and partial rotary; Llama, as transformers runs it, neither.)"""
+    folder = shutil.copytree(tiny_models["llama"], tmp_path / "llama")
     config = {**json.loads((folder / "config.json").read_text()), **change}
     config.pop("rope_scaling", None)
     (folder / "config.json").write_text(json.dumps(config))

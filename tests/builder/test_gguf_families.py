@@ -59,8 +59,8 @@ REFUSED = [
     (("general.architecture", "gemma2"), "GGUF architecture 'gemma2' is not supported"),
     (("llama.final_logit_softcapping", 30.0), "soft-capped logits"),
     (("llama.rope.scaling.type", "yarn"), "rope scaling 'yarn' is not supported"),
-    (("llama.rope.dimension_count", 8), "partial rotary is not supported yet"),
-    (("tensor", "rope_factors_long.weight"), r"rope_factors_long.weight: Phi-3's long-context RoPE scaling"),
+    (("llama.rope.dimension_count", 8), "partial rotary is supported on phi3 only"),
+    (("tensor", "rope_factors_long.weight"), r"has no place for: rope_factors_long.weight"),  # (Phi-3 has them)
     (("tensor", "blk.0.attn_output.bias"), r"has no place for: blk.0.attn_output.bias"),
     (("tensor", "blk.1.attn_q.bias"), r"has no place for: layers.1.attention.q.bias"),  # (Qwen2 has them)
 ]
@@ -168,6 +168,54 @@ def test_a_gemma3_gguf_with_its_sentencepiece_vocabulary_matches_transformers(tm
     for text in TEXTS:
         assert tokenizer.encode(text, add_special_tokens=False).ids == sp.encode(text), text
         assert tokenizer.decode(sp.encode(text)) == sp.decode(sp.encode(text)), text
+    llm = llm_for(build_engine(tmp_path / "engine", gguf_file, "float32"))
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    with torch.no_grad():
+        want = model(torch.tensor([PROMPT])).logits[0]
+    assert (forward_logits(llm.engine, PROMPT) - want).abs().max().item() < 1e-4
+    greedy = model.generate(torch.tensor([PROMPT]), max_new_tokens=16, min_new_tokens=16, do_sample=False,
+                            eos_token_id=None, pad_token_id=0)[0, len(PROMPT):].tolist()
+    assert llm.generate(PROMPT, max_tokens=16, ignore_eos=True).token_ids == greedy
+
+
+@pytest.mark.parametrize("max_seq_len, prompt", [(32, PROMPT), (512, (PROMPT * 4)[:44])], ids=["short", "long"])
+def test_a_phi3_gguf_with_longrope_and_partial_rotary_matches_transformers(max_seq_len, prompt, gguf_models,
+                                                                            tmp_path, llm_for):
+    """Phi-3.5 / Phi-4-mini as llama.cpp writes them: LongRoPE's divisors as rope_factors_long /
+    rope_factors_short tensors and its factor in the metadata, rotary embedding on 3/4 of each head
+    (rope.dimension_count); the short divisors within the original context, the long beyond."""
+    from transformers import AutoModelForCausalLM
+
+    g = torch.Generator().manual_seed(13)
+    rope = {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
+            "original_max_position_embeddings": 32, "short_factor": (1 + torch.rand(6, generator=g)).tolist(),
+            "long_factor": (1 + 4 * torch.rand(6, generator=g)).tolist()}
+    folder = make_tiny_model(tmp_path / "phi3", "phi3", vocab_size=400, rope_parameters=rope,
+                             original_max_position_embeddings=32)
+    (folder / "tokenizer_config.json").write_text((gguf_models["phi3"] / "tokenizer_config.json").read_text())
+    gguf_file = llama_cpp_gguf(folder, tmp_path / "phi3.gguf")
+    spec = load_checkpoint(gguf_file).spec
+    assert spec.rotary_dim == 12 and spec.rope_longrope.original_max_position_embeddings == 32
+    llm = llm_for(build_engine(tmp_path / "engine", gguf_file, "float32", max_input_len=max_seq_len // 2,
+                               max_seq_len=max_seq_len))
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    with torch.no_grad():
+        want = model(torch.tensor([prompt])).logits[0]
+    assert (forward_logits(llm.engine, prompt) - want).abs().max().item() < 1e-4
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe"])
+def test_a_mixture_of_experts_gguf_matches_transformers(arch, tmp_path, llm_for):
+    """Mixtral (llama.cpp's `llama` with experts) and Qwen3-MoE (`qwen3moe`; its Hub models
+    renormalize the top-k weights, as llama.cpp does) as the converter writes them: the router as
+    ffn_gate_inp, each projection of all experts stacked in one tensor."""
+    from transformers import AutoModelForCausalLM
+
+    folder = make_tiny_model(tmp_path / arch, arch, vocab_size=400,
+                             **({"norm_topk_prob": True} if arch == "qwen3_moe" else {}))
+    gguf_file = llama_cpp_gguf(folder, tmp_path / f"{arch}.gguf")
+    spec = load_checkpoint(gguf_file).spec
+    assert (spec.architecture, spec.experts_per_token, spec.normalize_expert_weights) == (arch, 2, True)
     llm = llm_for(build_engine(tmp_path / "engine", gguf_file, "float32"))
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     with torch.no_grad():

@@ -264,6 +264,37 @@ def test_qwen3_quantized_builds_keep_the_head_norms_and_report(algo, kv_cache, t
     assert [len(o.token_ids) for o in out] == [6, 6]
 
 
+@pytest.mark.parametrize("arch, algo, kind", [("mixtral", "int4_wo", names.LINEAR_INT4),
+                                              ("qwen3_moe", "int8_wo", names.LINEAR_INT8)])
+def test_mixture_of_experts_weight_only_builds_quantize_every_expert(arch, algo, kind, tiny_models, tmp_path, llm_for):
+    """Every expert's linears (and the attention's) are stored quantized, the router as it is; the
+    accuracy report measures the build; the engine runs a batch."""
+    groups = {"group_size": 32} if algo == "int4_wo" else {}
+    engine_dir = build_engine(tmp_path / algo, tiny_models[arch], "bfloat16", quantization={
+        "algo": algo, **groups, "accuracy": SMALL_ACCURACY, "accuracy_gate": None})
+    meta = json.loads((engine_dir / names.ENGINE_JSON).read_text())
+    assert meta["quantization"]["linear"] == kind and meta["model"]["num_experts"] > 0
+    report = meta["quantization"]["accuracy"]
+    assert report["tokens"] > 300 and report["ppl_quantized"] > 0 and report["kl"] >= 0
+    tensors = _weights(Engine(engine_dir))
+    for e in range(meta["model"]["num_experts"]):
+        for linear in ("gate_up", "down"):
+            prefix = names.layer_tensor(1, names.expert_tensor(e, linear))
+            assert names.linear_tensor(prefix, names.QWEIGHT) in tensors
+            assert names.layer_tensor(1, names.expert_tensor(e, f"{linear}.weight")) not in tensors
+    assert tensors[names.layer_tensor(1, names.MLP_ROUTER)].dtype == torch.bfloat16
+    out = llm_for(engine_dir).generate([PROMPT, PROMPT[:5]], max_tokens=6, ignore_eos=True)
+    assert [len(o.token_ids) for o in out] == [6, 6]
+
+
+@pytest.mark.parametrize("quantization", [{"algo": "int4_awq"}, {"algo": "int8_wo", "kv_cache": "int8"}])
+def test_calibrated_quantization_of_a_mixture_of_experts_is_refused(quantization, tiny_models, tmp_path):
+    from kiln.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="on a Mixture-of-Experts model .* not supported yet"):
+        build_engine(tmp_path / "e", tiny_models["mixtral"], "bfloat16", quantization=quantization)
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_kv_calibration_bounds_the_rotated_keys(arch, tiny_engines):
     """No rotated key the engine writes exceeds its channel's calibrated range (the pair-norm

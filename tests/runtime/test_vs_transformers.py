@@ -1,11 +1,12 @@
-"""kiln engines against Hugging Face transformers on tiny random Llama, Mistral, Qwen2, Qwen3, Phi-3
-and Gemma 3 (a sliding-window layer of window 6 and a global one: every prompt here is longer)."""
+"""kiln engines against Hugging Face transformers on tiny random Llama, Mistral, Qwen2, Qwen3, Phi-3,
+Gemma 3 (a sliding-window layer of window 6 and a global one: every prompt here is longer) and the
+Mixture-of-Experts Mixtral and Qwen3-MoE (2 of 4 / 6 experts a token)."""
 import pytest
 import torch
 
 from tests.helpers import build_engine, forward_logits
 
-ARCHS = ["llama", "mistral", "qwen2", "qwen3", "phi3", "gemma3"]
+ARCHS = ["llama", "mistral", "qwen2", "qwen3", "phi3", "gemma3", "mixtral", "qwen3_moe"]
 PROMPT = [1, 17, 250, 33, 99, 5, 201, 64, 300, 12, 7, 380, 45]
 
 
@@ -121,3 +122,33 @@ def test_gemma3_multimodal_checkpoint_builds_its_language_model(tmp_path, llm_fo
         want = model(torch.tensor([PROMPT])).logits[0]
     assert (engine_logits(llm, PROMPT) - want).abs().max().item() < 1e-4
     assert llm.generate(PROMPT, max_tokens=16, ignore_eos=True).token_ids == hf_greedy(model, PROMPT, 16)
+
+
+LONG_PROMPT = (PROMPT * 4)[:44]  # longer than the Phi-3 below's original context of 32
+
+
+@pytest.mark.parametrize("max_seq_len, prompt", [(32, PROMPT), (512, LONG_PROMPT)], ids=["short", "long"])
+def test_phi3_longrope_and_partial_rotary_match_transformers(max_seq_len, prompt, tmp_path, llm_for):
+    """Phi-3.5 / Phi-4-mini style: LongRoPE (short and long divisors, original context 32, its
+    factor on cos and sin) and rotary embedding on 3/4 of each head. An engine within the original
+    context uses the short divisors, one beyond it the long, as transformers does for a sequence
+    of that length: logits at every position and greedy tokens."""
+    from tests.helpers import make_tiny_model
+
+    half = 16 * 3 // 4 // 2  # head_dim 16 (hidden 64, 4 heads) x 0.75 rotary dims, in pairs
+    g = torch.Generator().manual_seed(11)
+    rope = {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
+            "original_max_position_embeddings": 32,
+            "short_factor": (1 + torch.rand(half, generator=g)).tolist(),
+            "long_factor": (1 + 4 * torch.rand(half, generator=g)).tolist()}
+    folder = make_tiny_model(tmp_path / "phi3", "phi3", seed=7, rope_parameters=rope,
+                             original_max_position_embeddings=32)
+    llm = llm_for(build_engine(tmp_path / "engine", folder, max_input_len=max_seq_len // 2, max_seq_len=max_seq_len))
+    spec = llm.engine.spec
+    assert spec.rotary_dim == 12 and spec.rope_longrope.attention_factor > 1
+    model = hf_model(folder, torch.float32)
+    with torch.no_grad():
+        want = model(torch.tensor([prompt])).logits[0]
+    assert (engine_logits(llm, prompt) - want).abs().max().item() < 1e-4
+    n = min(12, max_seq_len - len(prompt))
+    assert llm.generate(prompt, max_tokens=n, ignore_eos=True).token_ids == hf_greedy(model, prompt, n)
