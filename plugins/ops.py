@@ -178,6 +178,15 @@ def decode_layers(h, x, tensors, ints, floats, kv, block_tables, query_start, co
     return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
+@op
+def moe_mlp(x, router, tensors, ints, floats, top_k, normalize, round_weights, activation):
+    """A Mixture-of-Experts MLP for a few rows: softmax of x @ router.T in float32, each row's
+    top_k experts (their weights rescaled to sum to 1 if normalize, rounded to x's dtype if
+    round_weights), each chosen expert once over its rows (activation: a code of the library's
+    activations), weighted and added in expert order. (tensors, ints, floats): expert_plan's."""
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
 # --- quantized linears --------------------------------------------------------------------
 @op
 def linear_w8(x, qweight, scales, bias=None):
@@ -326,25 +335,14 @@ def decode_plan(layers: list[dict]) -> tuple[list, list[int], list[float]]:
     its values (absent: None / 0). The positions come from the library
     (csrc/ops/decode_plan.h), so they cannot drift apart."""
     layout = library_info()["decode_plan"]
-    kinds = {name: code for code, name in enumerate(layout["linear_kinds"])}
-    activations = {name: code for code, name in enumerate(layout["activations"])}
-    fields = {*layout["linear_tensors"], *layout["linear_ints"], *layout["linear_floats"]}
+    activations = activation_codes()
     tensors, ints, floats = [], [], []
     for index, layer in enumerate(layers):
         unknown = set(layer) - {*layout["layer_linears"], *layout["layer_tensors"], *layout["layer_ints"]}
         if unknown:
             raise KeyError(f"decode plan layer {index}: unknown entries {sorted(unknown)}")
         for name in layout["layer_linears"]:
-            record = layer[name]
-            if set(record) - fields:
-                raise KeyError(f"decode plan layer {index} {name}: unknown fields {sorted(set(record) - fields)}")
-            if record.get("kind") not in kinds:
-                raise KeyError(f"decode plan layer {index} {name}: unknown linear kind {record.get('kind')!r}; "
-                               f"the library has {sorted(kinds)}")
-            tensors += [record.get(field) for field in layout["linear_tensors"]]
-            ints += [kinds[record["kind"]] if field == "kind" else int(record.get(field, 0))
-                     for field in layout["linear_ints"]]
-            floats += [float(record.get(field, 0.0)) for field in layout["linear_floats"]]
+            _add_linear(layer[name], f"decode plan layer {index} {name}", tensors, ints, floats)
         tensors += [layer.get(name) for name in layout["layer_tensors"]]
         activation = layer.get("activation", layout["activations"][0])
         if activation not in activations:
@@ -353,3 +351,32 @@ def decode_plan(layers: list[dict]) -> tuple[list, list[int], list[float]]:
         ints += [activations[activation] if name == "activation" else int(layer.get(name, 0))
                  for name in layout["layer_ints"]]
     return tensors, ints, floats
+
+
+def expert_plan(experts: list[tuple[dict, dict]]) -> tuple[list, list[int], list[float]]:
+    """moe_mlp's (tensors, ints, floats) from each expert's (gate_up, down) linear records, laid
+    out as decode_plan lays out a linear."""
+    tensors, ints, floats = [], [], []
+    for e, pair in enumerate(experts):
+        for name, record in zip(("gate_up", "down"), pair):
+            _add_linear(record, f"expert plan {e} {name}", tensors, ints, floats)
+    return tensors, ints, floats
+
+
+def activation_codes() -> dict[str, int]:
+    """The library's gated activations by name -> their codes."""
+    return {name: code for code, name in enumerate(library_info()["decode_plan"]["activations"])}
+
+
+def _add_linear(record: dict, where: str, tensors: list, ints: list, floats: list) -> None:
+    """One linear's record appended to a plan's three lists, by the library's field names."""
+    layout = library_info()["decode_plan"]
+    kinds = {name: code for code, name in enumerate(layout["linear_kinds"])}
+    fields = {*layout["linear_tensors"], *layout["linear_ints"], *layout["linear_floats"]}
+    if set(record) - fields:
+        raise KeyError(f"{where}: unknown fields {sorted(set(record) - fields)}")
+    if record.get("kind") not in kinds:
+        raise KeyError(f"{where}: unknown linear kind {record.get('kind')!r}; the library has {sorted(kinds)}")
+    tensors += [record.get(field) for field in layout["linear_tensors"]]
+    ints += [kinds[record["kind"]] if field == "kind" else int(record.get(field, 0)) for field in layout["linear_ints"]]
+    floats += [float(record.get(field, 0.0)) for field in layout["linear_floats"]]

@@ -50,6 +50,7 @@ class Layer:
     local_rope: bool = False  # rotary tables of its own (Gemma 3's sliding-window layers)
     router: torch.Tensor | None = None  # Mixture-of-Experts: [experts, hidden]
     experts: list[Expert] | None = None
+    expert_plan: tuple | None = None  # ops.expert_plan of the experts, made on first use
 
 
 @dataclass
@@ -126,8 +127,9 @@ class LlamaModel:
         self.embed_scale = (torch.tensor(spec.embed_scale, dtype=torch.float32).to(self.dtype)
                             if spec.embed_scale is not None else None)
         # steps of a few rows run every layer in one plugin call (decode_layers); Mixture-of-Experts
-        # layers run in the Python loop
+        # layers run in the Python loop, their experts in one plugin call a layer (moe_mlp)
         self.fused_decode = not spec.num_experts
+        self.fused_experts = True
         self._plan = None  # built on first use, from the layers as they are then
 
     def decode_plan(self) -> tuple[list, list[int], list[float]]:
@@ -197,8 +199,14 @@ class LlamaModel:
         softmax in float32, each token's top experts_per_token weights (rescaled to sum to 1 where
         the family does), then each chosen expert once over the rows routed to it, in expert
         order, its output times the row's weight added into the result. Only the chosen experts'
-        weights are read."""
+        weights are read. A few rows (decode) run it in one plugin call, bit for bit."""
         spec = self.spec
+        if self.fused_experts and x.shape[0] <= SKINNY_ROWS:  # the same, in one plugin call
+            if layer.expert_plan is None:
+                layer.expert_plan = ops.expert_plan([(e.gate_up.plan(), e.down.plan()) for e in layer.experts])
+            return ops.moe_mlp(x, layer.router, *layer.expert_plan, spec.experts_per_token,
+                               spec.normalize_expert_weights, spec.round_expert_weights,
+                               ops.activation_codes()[spec.activation])
         probs = F.linear(x, layer.router).float().softmax(dim=-1)
         weights, chosen = probs.topk(spec.experts_per_token, dim=-1)
         if spec.normalize_expert_weights:

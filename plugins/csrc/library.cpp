@@ -103,6 +103,7 @@ namespace avx512bf16 {  // AVX512-BF16 and AVX512-VNNI (Cooper Lake, Sapphire Ra
 #include "ops/layout_ops.h"
 #include "ops/decode_plan.h"
 #include "ops/decode_layers.h"
+#include "ops/moe_ops.h"
 #include "op_table.h"
 
 // What the Python side checks the library against when it loads it (plugins/ops.py), as JSON:

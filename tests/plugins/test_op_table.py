@@ -9,7 +9,7 @@ from kiln.plugins.formats import pack_int4
 from kiln.quantize.formats import quantize_fp8, quantize_int4, quantize_int8
 
 SEED = 20261201
-OPS = ["rms_norm", "add_rms_norm", "silu_mul", "gelu_tanh_mul", "linear", "paged_attention", "decode_layers", "linear_w8",
+OPS = ["rms_norm", "add_rms_norm", "silu_mul", "gelu_tanh_mul", "linear", "paged_attention", "decode_layers", "moe_mlp", "linear_w8",
        "linear_w8_tiled", "dequantize_int8_tiled", "linear_w4", "dequantize_int4", "linear_w4_tiled",
        "dequantize_int4_tiled", "linear_w8a8", "linear_w4a8", "linear_w4a8_tiled", "linear_fp8", "quantize_fp8",
        "dequantize_fp8", "gptq_block", "fake_quant_int4", "pack_int4_tiled", "pack_int8_tiled", "to_hugepages"]
@@ -36,6 +36,15 @@ def decode_layers_sample(g):
     return (h, h.clone(), tensors, ints, floats, torch.zeros(2, 2, 4, block, kv_heads, head_dim),
             torch.tensor([[2, 0, 1, 3]], dtype=torch.int32), torch.tensor([0, 2], dtype=torch.int32),
             torch.tensor([0], dtype=torch.int32), angles.cos(), angles.sin(), heads, 0.25, 1e-5)
+
+
+def moe_mlp_sample(g):
+    """Four dense float32 experts of width 24 over hidden 16, two a row, for 3 rows."""
+    def w(out, inp):
+        return torch.randn(out, inp, generator=g) * 0.3
+
+    experts = [({"kind": "dense", "weight": w(48, 16)}, {"kind": "dense", "weight": w(16, 24)}) for _ in range(4)]
+    return (torch.randn(3, 16, generator=g), w(4, 16), *ops.expert_plan(experts), 2, True, False, 0)
 
 
 def paged_attention_sample(g, pool_dtype):
@@ -73,6 +82,7 @@ def samples():
         "paged_attention": [(paged_attention_sample(g, torch.float32), None),
                             (paged_attention_sample(g, torch.int8), None)],
         "decode_layers": [(decode_layers_sample(g), None)],
+        "moe_mlp": [(moe_mlp_sample(g), None)],
         "linear_w8": [((x, q, s, None), None)],
         "linear_w8_tiled": [((x, tiled8, s16, None), None)],
         "dequantize_int8_tiled": [((tiled8, s16, torch.bfloat16), None)],

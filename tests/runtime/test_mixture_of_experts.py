@@ -23,12 +23,36 @@ def dense_reference(model, layer, x):
     return out
 
 
+@pytest.mark.parametrize("rows", [1, 3, 37])  # a few rows: the plugin op (moe_mlp); more: the Python loop
 @pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe"])
-def test_routing_matches_a_dense_reference(arch, tiny_engines):
+def test_routing_matches_a_dense_reference(arch, rows, tiny_engines):
     model = Engine(tiny_engines(arch)).model
-    x = torch.randn(37, model.spec.hidden_size, generator=generator(arch))
+    x = torch.randn(rows, model.spec.hidden_size, generator=generator(arch, rows))
     for layer in model.layers:
         torch.testing.assert_close(model.mixture(x, layer), dense_reference(model, layer, x), rtol=1e-5, atol=1e-5)
+
+
+SMALL = {"accuracy": {"tokens": 512, "window": 128}, "accuracy_gate": None}
+
+
+@pytest.mark.parametrize("dtype, quantization", [("float32", None), ("bfloat16", None),
+                                                 ("bfloat16", {"algo": "int4_wo", "group_size": 32, **SMALL}),
+                                                 ("bfloat16", {"algo": "int8_wo", **SMALL})])
+@pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe"])
+def test_the_fused_experts_equal_the_python_loop(arch, dtype, quantization, tiny_models, tmp_path):
+    """moe_mlp (the experts of a few rows in one plugin call) gives the Python loop's bits, for
+    every kind of linear an expert can be."""
+    from tests.helpers import build_engine
+
+    model = Engine(build_engine(tmp_path / "e", tiny_models[arch], dtype, quantization=quantization)).model
+    for rows in (1, 2, 5):
+        x = (torch.randn(rows, model.spec.hidden_size, generator=generator(arch, dtype, rows)) * 2).to(model.dtype)
+        for layer in model.layers:
+            model.fused_experts = True
+            fused = model.mixture(x, layer)
+            model.fused_experts = False
+            loop = model.mixture(x, layer)
+            assert torch.equal(fused, loop)
 
 
 @pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe"])
@@ -37,6 +61,7 @@ def test_a_step_runs_only_the_experts_its_tokens_chose(arch, tiny_engines):
     once a layer, the rows adding up to tokens x experts_per_token."""
     engine = Engine(tiny_engines(arch))
     spec = engine.spec
+    engine.model.fused_experts = False  # the Python loop, whose calls can be counted (moe_mlp: the same bits)
     calls: list[tuple[int, int, int]] = []  # (layer, expert, rows)
     for i, layer in enumerate(engine.model.layers):
         for e, expert in enumerate(layer.experts):

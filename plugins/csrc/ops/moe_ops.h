@@ -1,0 +1,54 @@
+// A Mixture-of-Experts MLP for a few rows (decode steps): the router, each row's top-k experts and
+// their weights, and each chosen expert once over the rows routed to it, in expert order, its
+// output times the rows' weights added into the result: runtime/model.py's LlamaModel.mixture
+// with the same ATen ops and the same linear kernels in the same order, so the same bits, without
+// the interpreter between the ~30 calls a layer makes. The experts come as a plan of linear
+// records (decode_plan.h), expert e's gate/up projection at record 2e and its down projection at
+// record 2e + 1.
+
+at::Tensor moe_mlp(const at::Tensor& x, const at::Tensor& router, const OptionalTensors& tensors, at::IntArrayRef ints,
+                   at::ArrayRef<double> floats, int64_t top_k, bool normalize, bool round_weights,
+                   int64_t activation) {
+  using namespace plan;
+  check_float_or_bf16(x, "x");
+  TORCH_CHECK(x.dim() == 2 && router.dim() == 2 && router.size(1) == x.size(1) &&
+                  router.scalar_type() == x.scalar_type(),
+              "kiln::moe_mlp: x must be [rows, hidden] and router [experts, hidden] of its dtype, got ", x.sizes(),
+              " and ", router.sizes());
+  const int64_t experts = router.size(0);
+  TORCH_CHECK(static_cast<int64_t>(tensors.size()) == 2 * experts * kLinearTensors &&
+                  static_cast<int64_t>(ints.size()) == 2 * experts * kLinearInts &&
+                  static_cast<int64_t>(floats.size()) == 2 * experts * kLinearFloats,
+              "kiln::moe_mlp: the plan has ", tensors.size(), " tensors, ", ints.size(), " ints and ", floats.size(),
+              " floats; ", experts, " experts need ", 2 * experts * kLinearTensors, ", ",
+              2 * experts * kLinearInts, " and ", 2 * experts * kLinearFloats);
+  TORCH_CHECK(top_k > 0 && top_k <= experts, "kiln::moe_mlp: top_k ", top_k, " must be in [1, ", experts, "]");
+  TORCH_CHECK(activation >= 0 && activation < kActivations, "kiln::moe_mlp: activation ", activation,
+              " is not one of the library's ", kActivations);
+  auto run = [&](const at::Tensor& in, int64_t record) {
+    return planned_linear(in, tensors, record * kLinearTensors, ints.data() + record * kLinearInts,
+                          floats.data() + record * kLinearFloats);
+  };
+  const at::Tensor probs = at::linear(x, router).to(at::kFloat).softmax(-1);
+  auto [weights, chosen] = at::topk(probs, top_k, -1);
+  if (normalize) weights = weights / weights.sum(-1, true);
+  if (round_weights) weights = weights.to(x.scalar_type());
+  at::Tensor out = at::zeros_like(x);
+  const at::Tensor picks = chosen.contiguous();
+  const int64_t* pick = picks.data_ptr<int64_t>();
+  const at::Tensor flat_weights = weights.reshape({-1});
+  for (int64_t e = 0; e < experts; ++e) {
+    std::vector<int64_t> rows, slots;  // (row, slot) pairs routed to e, row-major as torch.where gives them
+    for (int64_t i = 0; i < picks.numel(); ++i)
+      if (pick[i] == e) {
+        rows.push_back(i / top_k);
+        slots.push_back(i);
+      }
+    if (rows.empty()) continue;
+    const at::Tensor row_index = at::tensor(rows, at::kLong), slot_index = at::tensor(slots, at::kLong);
+    const at::Tensor up = run(x.index_select(0, row_index), 2 * e);
+    const at::Tensor y = run(activation == gelu_tanh ? gelu_tanh_mul(up) : silu_mul(up), 2 * e + 1);
+    out.index_add_(0, row_index, (y * flat_weights.index_select(0, slot_index).unsqueeze(1)).to(x.scalar_type()));
+  }
+  return out;
+}
