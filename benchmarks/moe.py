@@ -110,7 +110,8 @@ def step_bytes(engine_dir: Path) -> dict:
 
     engine = Engine(engine_dir)
     model, spec = engine.model, engine.spec
-    model.fused_experts = False  # the Python loop, whose linears can be wrapped (moe_mlp runs the same experts)
+    # the Python loop, whose linears can be wrapped (decode_layers and moe_mlp run the same experts)
+    model.fused_decode = model.fused_experts = False
     read = [0]
 
     def counted(linear):

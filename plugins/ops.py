@@ -329,20 +329,30 @@ def int8_tiles_fit(out_features: int, in_features: int) -> bool:
 def decode_plan(layers: list[dict]) -> tuple[list, list[int], list[float]]:
     """decode_layers' (tensors, ints, floats) from one record per layer, by name: each layer maps
     every name of the library's layer_linears to its linear's record, any name of layer_tensors
-    to a tensor (absent: None), `window` to its sliding window (absent: 0, none) and
-    `activation` to a name of the library's activations (absent: silu); a linear's record maps
+    to a tensor (absent: None), any of layer_ints to an int (absent: 0; `activation`: a name of
+    the library's activations, absent: silu) and, for a Mixture-of-Experts layer (`experts` > 0,
+    its dense linears left out), `expert_linears` to each expert's (gate_up, down) records,
+    which go after every layer's record; a linear's record maps
     `kind` (a name of linear_kinds) and any of linear_tensors / linear_ints / linear_floats to
     its values (absent: None / 0). The positions come from the library
     (csrc/ops/decode_plan.h), so they cannot drift apart."""
     layout = library_info()["decode_plan"]
     activations = activation_codes()
     tensors, ints, floats = [], [], []
+    experts = []  # every Mixture-of-Experts layer's experts, appended after the layers
     for index, layer in enumerate(layers):
-        unknown = set(layer) - {*layout["layer_linears"], *layout["layer_tensors"], *layout["layer_ints"]}
+        unknown = set(layer) - {*layout["layer_linears"], *layout["layer_tensors"], *layout["layer_ints"],
+                                "expert_linears"}
         if unknown:
             raise KeyError(f"decode plan layer {index}: unknown entries {sorted(unknown)}")
+        layer_experts = layer.get("expert_linears", [])
+        if len(layer_experts) != layer.get("experts", 0):
+            raise KeyError(f"decode plan layer {index}: {len(layer_experts)} expert_linears for experts "
+                           f"{layer.get('experts', 0)}")
+        experts += [(f"decode plan layer {index} expert {e}", pair) for e, pair in enumerate(layer_experts)]
         for name in layout["layer_linears"]:
-            _add_linear(layer[name], f"decode plan layer {index} {name}", tensors, ints, floats)
+            _add_linear(layer.get(name, {"kind": "dense"}) if layer_experts else layer[name],
+                        f"decode plan layer {index} {name}", tensors, ints, floats)
         tensors += [layer.get(name) for name in layout["layer_tensors"]]
         activation = layer.get("activation", layout["activations"][0])
         if activation not in activations:
@@ -350,6 +360,9 @@ def decode_plan(layers: list[dict]) -> tuple[list, list[int], list[float]]:
                            f"{sorted(activations)}")
         ints += [activations[activation] if name == "activation" else int(layer.get(name, 0))
                  for name in layout["layer_ints"]]
+    for where, pair in experts:
+        for name, record in zip(("gate_up", "down"), pair):
+            _add_linear(record, f"{where} {name}", tensors, ints, floats)
     return tensors, ints, floats
 
 

@@ -126,9 +126,9 @@ class LlamaModel:
         # Gemma: embeddings times sqrt(hidden), the factor rounded to the model dtype as HF rounds it
         self.embed_scale = (torch.tensor(spec.embed_scale, dtype=torch.float32).to(self.dtype)
                             if spec.embed_scale is not None else None)
-        # steps of a few rows run every layer in one plugin call (decode_layers); Mixture-of-Experts
-        # layers run in the Python loop, their experts in one plugin call a layer (moe_mlp)
-        self.fused_decode = not spec.num_experts
+        # steps of a few rows run every layer in one plugin call (decode_layers, Mixture-of-Experts
+        # layers' routing included); the Python loop runs a few rows' experts in one (moe_mlp)
+        self.fused_decode = True
         self.fused_experts = True
         self._plan = None  # built on first use, from the layers as they are then
 
@@ -137,7 +137,7 @@ class LlamaModel:
         return ops.decode_plan([self._plan_record(index, layer) for index, layer in enumerate(self.layers)])
 
     def _plan_record(self, index: int, layer: Layer) -> dict:
-        record = {**{name: getattr(layer, name).plan() for name in LINEARS},
+        record = {**{name: getattr(layer, name).plan() for name in LINEARS if getattr(layer, name) is not None},
                   "post_attention_norm": layer.post_attention_norm, "next_norm": self.next_norm(index),
                   "kv_scales": layer.kv_scales}
         if layer.q_norm is not None:
@@ -146,6 +146,12 @@ class LlamaModel:
             record.update(attn_out_norm=layer.attn_out_norm, mlp_out_norm=layer.mlp_out_norm)
         if layer.local_rope:
             record.update(cos=self.local_cos, sin=self.local_sin)
+        if layer.experts:
+            spec = self.spec
+            record.update(router=layer.router, experts=len(layer.experts), top_k=spec.experts_per_token,
+                          normalize_experts=int(spec.normalize_expert_weights),
+                          round_expert_weights=int(spec.round_expert_weights),
+                          expert_linears=[(e.gate_up.plan(), e.down.plan()) for e in layer.experts])
         return record | {"window": layer.window, "activation": self.spec.activation}
 
     def next_norm(self, index: int) -> torch.Tensor:

@@ -71,6 +71,26 @@ def test_fused_decode_equals_the_python_loop(arch, dtype, quantization, tiny_mod
         assert torch.equal(fused_pool.view(torch.uint8), loop_pool.view(torch.uint8))
 
 
+@pytest.mark.parametrize("dtype, quantization", [
+    ("bfloat16", {"algo": "none"}),
+    ("float32", {"algo": "none"}),
+    ("bfloat16", {"algo": "int4_wo", "group_size": 32}),
+    ("bfloat16", {"algo": "int8_wo"}),
+])
+@pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe"])
+def test_fused_decode_routes_experts_as_the_python_loop(arch, dtype, quantization, tiny_models, tmp_path):
+    """Mixture-of-Experts layers inside decode_layers (router, top-k, the chosen experts' linears)
+    give the Python loop's logits and KV cache, bit for bit."""
+    engine = Engine(build_engine(tmp_path / "e", tiny_models[arch], dtype, quantization={**quantization, **SMALL}))
+    model = engine.model
+    for rows in (1, 3):
+        fused_logits, fused_pool = decode(model, engine.spec, True, 4, rows)
+        assert model._plan is not None  # the fused path ran
+        loop_logits, loop_pool = decode(model, engine.spec, False, 4, rows)
+        assert torch.equal(fused_logits, loop_logits)
+        assert torch.equal(fused_pool.view(torch.uint8), loop_pool.view(torch.uint8))
+
+
 def test_decode_layers_refuses_a_plan_of_the_wrong_size(tiny_engines):
     engine = Engine(tiny_engines("llama", "bfloat16"))
     model = engine.model

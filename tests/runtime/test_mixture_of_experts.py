@@ -61,7 +61,8 @@ def test_a_step_runs_only_the_experts_its_tokens_chose(arch, tiny_engines):
     once a layer, the rows adding up to tokens x experts_per_token."""
     engine = Engine(tiny_engines(arch))
     spec = engine.spec
-    engine.model.fused_experts = False  # the Python loop, whose calls can be counted (moe_mlp: the same bits)
+    # the Python loop, whose calls can be counted (decode_layers and moe_mlp route as it does, bit for bit)
+    engine.model.fused_decode = engine.model.fused_experts = False
     calls: list[tuple[int, int, int]] = []  # (layer, expert, rows)
     for i, layer in enumerate(engine.model.layers):
         for e, expert in enumerate(layer.experts):

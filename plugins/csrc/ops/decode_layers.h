@@ -71,6 +71,12 @@ at::Tensor norm_heads(const at::Tensor& qkv, const at::Tensor& q_norm, const at:
   return at::cat({queries, keys, qkv.narrow(1, q + kv, kv)}, 1);
 }
 
+// A Mixture-of-Experts MLP over planned expert records (moe_ops.h)
+static at::Tensor route_experts(const at::Tensor& x, const at::Tensor& router, const OptionalTensors& tensors,
+                                int64_t t_first, const int64_t* ints, const double* floats, int64_t top_k,
+                                bool normalize, bool round_weights, int64_t activation);
+static void check_router(const at::Tensor& x, const at::Tensor& router, int64_t top_k, int64_t activation);
+
 at::Tensor decode_layers(at::Tensor& h, const at::Tensor& x0, const OptionalTensors& tensors, at::IntArrayRef ints,
                          at::ArrayRef<double> floats, at::Tensor& kv, const at::Tensor& block_tables,
                          const at::Tensor& query_start, const at::Tensor& context_lens, const at::Tensor& cos,
@@ -80,12 +86,22 @@ at::Tensor decode_layers(at::Tensor& h, const at::Tensor& x0, const OptionalTens
   TORCH_CHECK(layers > 0 && kv.size(1) == 2 && kv.is_contiguous(),
               "kiln::decode_layers: kv must be the pool's contiguous [layers, 2, blocks, block_size, kv_heads, "
               "head_dim] storage, got ", kv.sizes());
-  TORCH_CHECK(static_cast<int64_t>(tensors.size()) == layers * kLayerTensors &&
-                  static_cast<int64_t>(ints.size()) == layers * kLayerInts &&
-                  static_cast<int64_t>(floats.size()) == layers * kLayerFloats,
+  auto layer_int = [&](int64_t i, LayerInt which) { return ints[i * kLayerInts + kLayerLinears * kLinearInts + which]; };
+  int64_t expert_records = 0;  // the experts' linear records after the layers' (two an expert)
+  if (static_cast<int64_t>(ints.size()) >= layers * kLayerInts)
+    for (int64_t i = 0; i < layers; ++i) {
+      TORCH_CHECK(layer_int(i, plan::experts) >= 0, "kiln::decode_layers: layer ", i, " has a negative expert count");
+      expert_records += 2 * layer_int(i, plan::experts);
+    }
+  TORCH_CHECK(static_cast<int64_t>(tensors.size()) == layers * kLayerTensors + expert_records * kLinearTensors &&
+                  static_cast<int64_t>(ints.size()) == layers * kLayerInts + expert_records * kLinearInts &&
+                  static_cast<int64_t>(floats.size()) == layers * kLayerFloats + expert_records * kLinearFloats,
               "kiln::decode_layers: the plan has ", tensors.size(), " tensors, ", ints.size(), " ints and ",
-              floats.size(), " floats; ", layers, " layers need ", layers * kLayerTensors, ", ", layers * kLayerInts,
-              " and ", layers * kLayerFloats);
+              floats.size(), " floats; ", layers, " layers and ", expert_records / 2, " experts need ",
+              layers * kLayerTensors + expert_records * kLinearTensors, ", ",
+              layers * kLayerInts + expert_records * kLinearInts, " and ",
+              layers * kLayerFloats + expert_records * kLinearFloats);
+  int64_t t_expert = layers * kLayerTensors, i_expert = layers * kLayerInts, f_expert = layers * kLayerFloats;
   at::Tensor x = x0;
   PagedShape shape{};
   std::vector<int32_t> token_seq;
@@ -132,8 +148,23 @@ at::Tensor decode_layers(at::Tensor& h, const at::Tensor& x0, const OptionalTens
                                       token_seq, scale, kv_scales);
     const at::Tensor attn_o = run(attn, out);
     x = add_rms_norm(h, attn_norm ? rms_norm(attn_o, *attn_norm, eps) : attn_o, *post_norm, eps);
-    const at::Tensor up = run(x, gate_up);
-    const at::Tensor mlp = run(activation == plan::gelu_tanh ? gelu_tanh_mul(up) : silu_mul(up), down);
+    at::Tensor mlp;
+    if (const int64_t experts = layer_int(i, plan::experts); experts > 0) {  // a Mixture-of-Experts layer
+      const c10::optional<at::Tensor> layer_router = own(plan::router);
+      TORCH_CHECK(layer_router.has_value() && layer_router->size(0) == experts, "kiln::decode_layers: layer ", i,
+                  "'s ", experts, " experts need a router of as many rows");
+      const int64_t top_k = layer_int(i, plan::top_k);
+      check_router(x, *layer_router, top_k, activation);
+      mlp = route_experts(x, *layer_router, tensors, t_expert, ints.data() + i_expert, floats.data() + f_expert, top_k,
+                          layer_int(i, plan::normalize_experts) != 0, layer_int(i, plan::round_expert_weights) != 0,
+                          activation);
+      t_expert += 2 * experts * kLinearTensors;
+      i_expert += 2 * experts * kLinearInts;
+      f_expert += 2 * experts * kLinearFloats;
+    } else {
+      const at::Tensor up = run(x, gate_up);
+      mlp = run(activation == plan::gelu_tanh ? gelu_tanh_mul(up) : silu_mul(up), down);
+    }
     x = add_rms_norm(h, mlp_norm ? rms_norm(mlp, *mlp_norm, eps) : mlp, *after, eps);
   }
   return x;

@@ -6,28 +6,15 @@
 // records (decode_plan.h), expert e's gate/up projection at record 2e and its down projection at
 // record 2e + 1.
 
-at::Tensor moe_mlp(const at::Tensor& x, const at::Tensor& router, const OptionalTensors& tensors, at::IntArrayRef ints,
-                   at::ArrayRef<double> floats, int64_t top_k, bool normalize, bool round_weights,
-                   int64_t activation) {
+// The experts' records start at tensors[t_first], ints[0], floats[0] (gate_up of expert e at record 2e)
+static at::Tensor route_experts(const at::Tensor& x, const at::Tensor& router, const OptionalTensors& tensors,
+                                int64_t t_first, const int64_t* ints, const double* floats, int64_t top_k,
+                                bool normalize, bool round_weights, int64_t activation) {
   using namespace plan;
-  check_float_or_bf16(x, "x");
-  TORCH_CHECK(x.dim() == 2 && router.dim() == 2 && router.size(1) == x.size(1) &&
-                  router.scalar_type() == x.scalar_type(),
-              "kiln::moe_mlp: x must be [rows, hidden] and router [experts, hidden] of its dtype, got ", x.sizes(),
-              " and ", router.sizes());
   const int64_t experts = router.size(0);
-  TORCH_CHECK(static_cast<int64_t>(tensors.size()) == 2 * experts * kLinearTensors &&
-                  static_cast<int64_t>(ints.size()) == 2 * experts * kLinearInts &&
-                  static_cast<int64_t>(floats.size()) == 2 * experts * kLinearFloats,
-              "kiln::moe_mlp: the plan has ", tensors.size(), " tensors, ", ints.size(), " ints and ", floats.size(),
-              " floats; ", experts, " experts need ", 2 * experts * kLinearTensors, ", ",
-              2 * experts * kLinearInts, " and ", 2 * experts * kLinearFloats);
-  TORCH_CHECK(top_k > 0 && top_k <= experts, "kiln::moe_mlp: top_k ", top_k, " must be in [1, ", experts, "]");
-  TORCH_CHECK(activation >= 0 && activation < kActivations, "kiln::moe_mlp: activation ", activation,
-              " is not one of the library's ", kActivations);
   auto run = [&](const at::Tensor& in, int64_t record) {
-    return planned_linear(in, tensors, record * kLinearTensors, ints.data() + record * kLinearInts,
-                          floats.data() + record * kLinearFloats);
+    return planned_linear(in, tensors, t_first + record * kLinearTensors, ints + record * kLinearInts,
+                          floats + record * kLinearFloats);
   };
   const at::Tensor probs = at::linear(x, router).to(at::kFloat).softmax(-1);
   auto [weights, chosen] = at::topk(probs, top_k, -1);
@@ -51,4 +38,31 @@ at::Tensor moe_mlp(const at::Tensor& x, const at::Tensor& router, const Optional
     out.index_add_(0, row_index, (y * flat_weights.index_select(0, slot_index).unsqueeze(1)).to(x.scalar_type()));
   }
   return out;
+}
+
+static void check_router(const at::Tensor& x, const at::Tensor& router, int64_t top_k, int64_t activation) {
+  TORCH_CHECK(x.dim() == 2 && router.dim() == 2 && router.size(1) == x.size(1) &&
+                  router.scalar_type() == x.scalar_type(),
+              "kiln::moe_mlp: x must be [rows, hidden] and router [experts, hidden] of its dtype, got ", x.sizes(),
+              " and ", router.sizes());
+  TORCH_CHECK(top_k > 0 && top_k <= router.size(0), "kiln::moe_mlp: top_k ", top_k, " must be in [1, ",
+              router.size(0), "]");
+  TORCH_CHECK(activation >= 0 && activation < plan::kActivations, "kiln::moe_mlp: activation ", activation,
+              " is not one of the library's ", plan::kActivations);
+}
+
+at::Tensor moe_mlp(const at::Tensor& x, const at::Tensor& router, const OptionalTensors& tensors, at::IntArrayRef ints,
+                   at::ArrayRef<double> floats, int64_t top_k, bool normalize, bool round_weights,
+                   int64_t activation) {
+  using namespace plan;
+  check_float_or_bf16(x, "x");
+  check_router(x, router, top_k, activation);
+  const int64_t experts = router.size(0);
+  TORCH_CHECK(static_cast<int64_t>(tensors.size()) == 2 * experts * kLinearTensors &&
+                  static_cast<int64_t>(ints.size()) == 2 * experts * kLinearInts &&
+                  static_cast<int64_t>(floats.size()) == 2 * experts * kLinearFloats,
+              "kiln::moe_mlp: the plan has ", tensors.size(), " tensors, ", ints.size(), " ints and ", floats.size(),
+              " floats; ", experts, " experts need ", 2 * experts * kLinearTensors, ", ",
+              2 * experts * kLinearInts, " and ", 2 * experts * kLinearFloats);
+  return route_experts(x, router, tensors, 0, ints.data(), floats.data(), top_k, normalize, round_weights, activation);
 }
