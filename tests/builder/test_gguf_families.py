@@ -224,3 +224,75 @@ def test_a_mixture_of_experts_gguf_matches_transformers(arch, tmp_path, llm_for)
     greedy = model.generate(torch.tensor([PROMPT]), max_new_tokens=16, min_new_tokens=16, do_sample=False,
                             eos_token_id=None, pad_token_id=0)[0, len(PROMPT):].tolist()
     assert llm.generate(PROMPT, max_tokens=16, ignore_eos=True).token_ids == greedy
+
+
+def kquant_bytes(rows: int, cols: int, qtype, g: torch.Generator):
+    """Random valid blocks of a k-quant type (Q4_K, Q6_K: 256 values a block), as uint8
+    [rows, bytes a row]: random quants and sub-block scales, small positive fp16 super-block
+    scales (gguf's writer cannot quantize to k-quants; its reader dequantizes them)."""
+    import gguf
+    import numpy as np
+
+    block, size = gguf.GGML_QUANT_SIZES[qtype]
+    blocks = rows * cols // block
+    raw = torch.randint(0, 256, (blocks, size), generator=g, dtype=torch.uint8).numpy()
+    scale = (np.abs(np.asarray(torch.randn(blocks, 2, generator=g))) * 0.002 + 0.0005).astype(np.float16)
+    if qtype == gguf.GGMLQuantizationType.Q4_K:  # d and dmin lead the block
+        raw[:, 0:4] = scale.view(np.uint8).reshape(blocks, 4)
+    else:  # Q6_K: d ends it
+        raw[:, size - 2:] = scale[:, :1].view(np.uint8).reshape(blocks, 2)
+    return raw.reshape(rows, cols // block * size)
+
+
+def test_a_k_quant_gguf_is_read_as_ggufs_dequantizer_reads_it(gguf_models, tmp_path, llm_for):
+    """A GGUF whose linears are k-quants (Q4_K, Q6_K; 256-value blocks) and Q5_0, written with
+    gguf's writer: kiln's tensors are gguf's dequantized values (q / k rows un-permuted as
+    llama.cpp's converter permuted them), and the engine builds from it and generates; then
+    kiln's int4_awq quantizes those values in turn."""
+    import gguf
+    import numpy as np
+
+    folder = make_tiny_model(tmp_path / "llama256", "llama", vocab_size=400, hidden_size=256, intermediate_size=512,
+                             num_attention_heads=4, num_key_value_heads=2)
+    source = llama_cpp_gguf(folder, tmp_path / "f32.gguf")
+    reader = gguf.GGUFReader(source)
+    out = tmp_path / "kquant.gguf"
+    writer = gguf.GGUFWriter(out, arch="llama")
+    for field in reader.fields.values():
+        if field.name in ("general.architecture", "GGUF.version", "GGUF.tensor_count", "GGUF.kv_count"):
+            continue
+        writer.add_key_value(field.name, field.contents(), field.types[0],
+                             field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None)
+    g = torch.Generator().manual_seed(17)
+    kinds = [gguf.GGMLQuantizationType.Q4_K, gguf.GGMLQuantizationType.Q6_K, gguf.GGMLQuantizationType.Q5_0]
+    written = {}
+    for i, t in enumerate(reader.tensors):
+        data = np.asarray(t.data)
+        if data.ndim == 2 and t.name.startswith("blk."):
+            qtype = kinds[i % 3]
+            raw = (gguf.quants.quantize(np.ascontiguousarray(data, dtype=np.float32), qtype)
+                   if qtype == gguf.GGMLQuantizationType.Q5_0 else kquant_bytes(*data.shape, qtype, g))
+            writer.add_tensor(t.name, raw, raw_dtype=qtype)
+            written[t.name] = (qtype, gguf.quants.dequantize(raw, qtype))
+        else:
+            writer.add_tensor(t.name, data, raw_dtype=t.tensor_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    assert {q for q, _ in written.values()} == set(kinds)
+    tensors = load_checkpoint(out).tensors
+    heads = {"attn_q": 4, "attn_k": 2}
+    for name, (_, values) in written.items():
+        layer, kind = name.split(".")[1], name.split(".")[2]
+        canonical = {"attn_q": "attention.q.weight", "attn_k": "attention.k.weight", "attn_v": "attention.v.weight",
+                     "attn_output": "attention.o.weight", "ffn_gate": "mlp.gate.weight", "ffn_up": "mlp.up.weight",
+                     "ffn_down": "mlp.down.weight"}[kind]
+        want = torch.from_numpy(np.array(values, dtype=np.float32))
+        if kind in heads:  # llama.cpp's rotary-pair order, as kiln undoes it
+            want = want.reshape(heads[kind], -1, 2, want.shape[1]).swapaxes(1, 2).reshape(want.shape)
+        assert torch.equal(tensors[f"layers.{layer}.{canonical}"], want), name
+    llm = llm_for(build_engine(tmp_path / "engine", out, "bfloat16", quantization={
+        "algo": "int4_awq", "calibration": {"samples": 4, "seq_len": 64}, "accuracy": {"tokens": 256, "window": 128},
+        "accuracy_gate": None}))
+    assert len(llm.generate(PROMPT, max_tokens=8, ignore_eos=True).token_ids) == 8
