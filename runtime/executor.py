@@ -94,6 +94,9 @@ class Executor:
                 f"sequence needs ({needed}, {needed * per_block} bytes); give it more memory"
             )
         self.kv = KVCacheManager(num_blocks, block_size, options.enable_prefix_reuse)
+        spec = engine.spec
+        # every layer within a sliding window: blocks that fell out of it are released as it moves
+        self.window = spec.sliding_window if spec.sliding_window and not spec.full_attention_layers else 0
         self.pool = KVPool(engine.spec, num_blocks, block_size, engine.model.kv_dtype)
         self.scheduler = Scheduler(self.kv, self.limits.max_batch_size, self.limits.max_num_tokens,
                                    options.scheduler)
@@ -271,6 +274,8 @@ class Executor:
             for seq, count in batch:
                 seq.num_computed += count
                 self.kv.register_full_blocks(seq)
+                if self.window:
+                    self.kv.release_behind_window(seq, self.window)
                 self._counters["tokens_computed"] += count
             for sample in sampled:
                 self._on_token(sample)

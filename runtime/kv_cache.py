@@ -120,20 +120,38 @@ class KVCacheManager:
                 block.hash, block.tokens = key, chunk
                 self.by_hash[key] = block.id
 
+    def _drop(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        block.ref_count -= 1
+        if block.ref_count == 0:
+            if block.hash is not None:
+                self.evictable[block_id] = None
+            else:
+                self.free.append(block_id)
+
     def release(self, seq: Sequence) -> None:
         """Drop the sequence's references; hashed blocks stay findable until evicted. The tail
         goes first so it is evicted before the more shareable head."""
-        for block_id in reversed(seq.block_table):
-            block = self.blocks[block_id]
-            block.ref_count -= 1
-            if block.ref_count == 0:
-                if block.hash is not None:
-                    self.evictable[block_id] = None
-                else:
-                    self.free.append(block_id)
+        for block_id in reversed(seq.block_table[seq.released_blocks:]):
+            self._drop(block_id)
         seq.block_table.clear()
         seq.block_hashes.clear()
         seq.num_computed = 0
+        seq.released_blocks = 0
+
+    def release_behind_window(self, seq: Sequence, window: int) -> int:
+        """A model whose every layer attends within a sliding window: release the sequence's
+        blocks that no later token can attend to. The next token sits at position num_computed
+        and attends from num_computed - window + 1 on, so every block wholly before that goes
+        (as blocks of finished sequences go: hashed ones stay findable). Their ids stay in the
+        table, which attention never reads again. Returns how many blocks this released."""
+        first_needed = max(0, seq.num_computed - window + 1) // self.block_size
+        end = min(first_needed, len(seq.block_table))
+        for i in range(seq.released_blocks, end):
+            self._drop(seq.block_table[i])
+        released = max(0, end - seq.released_blocks)
+        seq.released_blocks = max(seq.released_blocks, end)
+        return released
 
     def stats(self) -> dict:
         return {

@@ -152,3 +152,25 @@ def test_phi3_longrope_and_partial_rotary_match_transformers(max_seq_len, prompt
     assert (engine_logits(llm, prompt) - want).abs().max().item() < 1e-4
     n = min(12, max_seq_len - len(prompt))
     assert llm.generate(prompt, max_tokens=n, ignore_eos=True).token_ids == hf_greedy(model, prompt, n)
+
+
+def test_blocks_behind_the_window_are_released_and_reused(tmp_path, llm_for):
+    """A Mistral whose every layer attends within a window of 5, blocks of 4 tokens, a pool of 20
+    blocks: four sequences of 37 tokens (10 blocks each without release) decode at once. Each
+    holds only the blocks its window still reaches, the released ones serve the others, and every
+    sequence gets the greedy tokens transformers gives it alone."""
+    from tests.helpers import make_tiny_model
+
+    folder = make_tiny_model(tmp_path / "mistral-window", "mistral", seed=5, sliding_window=5)
+    engine = build_engine(tmp_path / "engine", folder, max_input_len=32, max_seq_len=64, kv_block_size=4)
+    llm = llm_for(engine, kv_cache_memory="20KiB", enable_prefix_reuse=False)  # 1 KiB a block here
+    assert llm.executor.kv.num_blocks == 20 and llm.executor.window == 5
+    model = hf_model(folder, torch.float32)
+    prompts = [PROMPT, PROMPT[3:] + PROMPT[:3], PROMPT[::-1], PROMPT[5:] + PROMPT[:5]]
+    llm.executor.kv.reset_peak()
+    outs = llm.generate(prompts, max_tokens=24, ignore_eos=True)
+    assert [o.token_ids for o in outs] == [hf_greedy(model, p, 24) for p in prompts]
+    # each sequence holds at most the blocks of its window and of one step's tokens, not its 10
+    assert llm.executor.kv.stats()["blocks_used_peak"] <= 4 * 4
+    assert llm.executor.scheduler.num_preemptions == 0
+    assert llm.executor.kv.stats()["blocks_used"] == 0  # and all of them come back
