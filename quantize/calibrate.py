@@ -149,6 +149,8 @@ def calibrate(model: LlamaModel, sequences: list[list[int]], rows: int = 256, bl
     for index, layer in enumerate(model.layers):
         for name in LINEARS:
             inner = getattr(layer, name)
+            if inner is None:  # a Mixture-of-Experts layer's dense MLP: it has experts instead
+                continue
             in_features = inner.weight.shape[1]
             stats[index, name] = LinearStats(torch.zeros(in_features), torch.zeros(in_features),
                                              gram=torch.zeros(in_features, in_features) if index in gram_layers

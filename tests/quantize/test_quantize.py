@@ -287,12 +287,28 @@ def test_mixture_of_experts_weight_only_builds_quantize_every_expert(arch, algo,
     assert [len(o.token_ids) for o in out] == [6, 6]
 
 
-@pytest.mark.parametrize("quantization", [{"algo": "int4_awq"}, {"algo": "int8_wo", "kv_cache": "int8"}])
-def test_calibrated_quantization_of_a_mixture_of_experts_is_refused(quantization, tiny_models, tmp_path):
+@pytest.mark.parametrize("algo", ["int4_awq", "int8_sq", "fp8"])
+def test_calibrated_quantization_of_a_mixture_of_experts_is_refused(algo, tiny_models, tmp_path):
     from kiln.errors import ConfigError
 
-    with pytest.raises(ConfigError, match="on a Mixture-of-Experts model .* not supported yet"):
-        build_engine(tmp_path / "e", tiny_models["mixtral"], "bfloat16", quantization=quantization)
+    with pytest.raises(ConfigError, match=f"algo {algo} on a Mixture-of-Experts model .* not supported yet"):
+        build_engine(tmp_path / "e", tiny_models["mixtral"], "bfloat16", quantization={"algo": algo})
+
+
+@pytest.mark.parametrize("arch, quantization", [("mixtral", {"algo": "int4_wo", "group_size": 32, "kv_cache": "int8"}),
+                                                ("qwen3_moe", {"algo": "none", "kv_cache": "fp8"})])
+def test_a_mixture_of_experts_takes_a_quantized_kv_cache(arch, quantization, tiny_models, tmp_path, llm_for):
+    """Calibration measures the keys and values (after Qwen3-MoE's head norms) through the
+    routed layers; the engine stores the cache quantized, reports the accuracy and runs a batch."""
+    engine_dir = build_engine(tmp_path / "e", tiny_models[arch], "bfloat16", quantization={
+        **quantization, "calibration": SMALL_CALIBRATION, "accuracy": SMALL_ACCURACY, "accuracy_gate": None})
+    engine = Engine(engine_dir)
+    assert engine.model.kv_dtype == {"int8": torch.int8, "fp8": torch.float8_e4m3fn}[quantization["kv_cache"]]
+    tensors = _weights(engine)
+    assert tensors[names.layer_tensor(1, names.ATTN_KV_SCALES)].shape == (2, engine.spec.kv_size)
+    assert engine.meta["quantization"]["accuracy"]["kl"] >= 0
+    out = llm_for(engine_dir).generate([PROMPT, PROMPT[:5]], max_tokens=6, ignore_eos=True)
+    assert [len(o.token_ids) for o in out] == [6, 6]
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])

@@ -75,7 +75,7 @@ def test_fused_decode_equals_the_python_loop(arch, dtype, quantization, tiny_mod
     ("bfloat16", {"algo": "none"}),
     ("float32", {"algo": "none"}),
     ("bfloat16", {"algo": "int4_wo", "group_size": 32}),
-    ("bfloat16", {"algo": "int8_wo"}),
+    ("bfloat16", {"algo": "int8_wo", "kv_cache": "fp8"}),
 ])
 @pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe"])
 def test_fused_decode_routes_experts_as_the_python_loop(arch, dtype, quantization, tiny_models, tmp_path):
