@@ -99,7 +99,7 @@ def build(folder: Path, out: Path, algo: str) -> Path:
 
 
 def tensor_bytes(linear) -> int:
-    return sum(t.numel() * t.element_size() for t in vars(linear).values() if isinstance(t, torch.Tensor))
+    return sum(t.nbytes for t in vars(linear).values() if isinstance(t, torch.Tensor))
 
 
 def step_bytes(engine_dir: Path) -> dict:
@@ -122,16 +122,16 @@ def step_bytes(engine_dir: Path) -> dict:
             return linear(x)
         return call
 
-    active = tensor_bytes(model.lm_head)
+    routers = sum(layer.router.nbytes for layer in model.layers)  # read with F.linear, not wrapped
+    active = tensor_bytes(model.lm_head) + routers
     for layer in model.layers:
-        active += tensor_bytes(layer.qkv) + tensor_bytes(layer.out) + layer.router.numel() * layer.router.element_size()
+        active += tensor_bytes(layer.qkv) + tensor_bytes(layer.out)
         expert_sizes = [tensor_bytes(e.gate_up) + tensor_bytes(e.down) for e in layer.experts]
         active += spec.experts_per_token * statistics.mean(expert_sizes)
         layer.qkv, layer.out = counted(layer.qkv), counted(layer.out)
         for expert in layer.experts:
             expert.gate_up, expert.down = counted(expert.gate_up), counted(expert.down)
     model.lm_head = counted(model.lm_head)
-    routers = sum(layer.router.numel() * layer.router.element_size() for layer in model.layers)
     pool = KVPool(spec, 4, engine.limits.kv_block_size, model.kv_dtype)
     prompt = list(range(5, 25))
     model.forward(torch.tensor(prompt), StepContext.single(0, len(prompt), [0, 1, 2, 3]), pool)

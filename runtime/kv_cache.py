@@ -139,19 +139,17 @@ class KVCacheManager:
         seq.num_computed = 0
         seq.released_blocks = 0
 
-    def release_behind_window(self, seq: Sequence, window: int) -> int:
+    def release_behind_window(self, seq: Sequence, window: int) -> None:
         """A model whose every layer attends within a sliding window: release the sequence's
         blocks that no later token can attend to. The next token sits at position num_computed
         and attends from num_computed - window + 1 on, so every block wholly before that goes
         (as blocks of finished sequences go: hashed ones stay findable). Their ids stay in the
-        table, which attention never reads again. Returns how many blocks this released."""
+        table, which attention never reads again."""
         first_needed = max(0, seq.num_computed - window + 1) // self.block_size
         end = min(first_needed, len(seq.block_table))
         for i in range(seq.released_blocks, end):
             self._drop(seq.block_table[i])
-        released = max(0, end - seq.released_blocks)
         seq.released_blocks = max(seq.released_blocks, end)
-        return released
 
     def stats(self) -> dict:
         return {

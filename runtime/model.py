@@ -50,7 +50,7 @@ class Layer:
     local_rope: bool = False  # rotary tables of its own (Gemma 3's sliding-window layers)
     router: torch.Tensor | None = None  # Mixture-of-Experts: [experts, hidden]
     experts: list[Expert] | None = None
-    expert_plan: tuple | None = None  # ops.expert_plan of the experts, made on first use
+    expert_plan: tuple | None = None  # ops.expert_plan of the experts and the activation's code, made on first use
 
 
 @dataclass
@@ -208,11 +208,12 @@ class LlamaModel:
         weights are read. A few rows (decode) run it in one plugin call, bit for bit."""
         spec = self.spec
         if self.fused_experts and x.shape[0] <= SKINNY_ROWS:  # the same, in one plugin call
-            if layer.expert_plan is None:
-                layer.expert_plan = ops.expert_plan([(e.gate_up.plan(), e.down.plan()) for e in layer.experts])
-            return ops.moe_mlp(x, layer.router, *layer.expert_plan, spec.experts_per_token,
-                               spec.normalize_expert_weights, spec.round_expert_weights,
-                               ops.activation_codes()[spec.activation])
+            if layer.expert_plan is None:  # (the plan's lists, then the activation's code)
+                layer.expert_plan = (*ops.expert_plan([(e.gate_up.plan(), e.down.plan()) for e in layer.experts]),
+                                     ops.activation_codes()[spec.activation])
+            *plan, activation = layer.expert_plan
+            return ops.moe_mlp(x, layer.router, *plan, spec.experts_per_token, spec.normalize_expert_weights,
+                               spec.round_expert_weights, activation)
         probs = F.linear(x, layer.router).float().softmax(dim=-1)
         weights, chosen = probs.topk(spec.experts_per_token, dim=-1)
         if spec.normalize_expert_weights:

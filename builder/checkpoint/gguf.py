@@ -82,13 +82,20 @@ TOKEN_TYPE_NORMAL = 1
 TOKEN_TYPE_UNKNOWN = 2
 TOKEN_TYPE_CONTROL = 3
 TOKEN_TYPE_USER_DEFINED = 4
-TOKEN_TYPE_BYTE = 6
 SPACE = "\u2581"  # SentencePiece's visible space, "▁"
 
 
 def _field(reader, key: str, default=None):
     field = reader.fields.get(key)
     return default if field is None else field.contents()
+
+
+def _dequantized(t) -> torch.Tensor:
+    """A GGUF tensor as float32, in PyTorch's dimension order (GGUF lists dimensions innermost first)."""
+    import gguf
+
+    values = np.array(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32)
+    return torch.from_numpy(values).reshape(tuple(int(d) for d in reversed(t.shape)))
 
 
 def _unpermute(weight: torch.Tensor, heads: int) -> torch.Tensor:
@@ -251,10 +258,10 @@ def load_gguf(path: Path) -> Checkpoint:
     unknown = []
     for t in reader.tensors:
         if t.name == "rope_freqs.weight":  # Llama 3 scaling, as llama.cpp's converter stores it
-            freq_factors = tuple(float(f) for f in np.asarray(gguf.quants.dequantize(t.data, t.tensor_type)).reshape(-1))
+            freq_factors = tuple(_dequantized(t).reshape(-1).tolist())
             continue
         if t.name in _LONGROPE_TENSORS and arch == "phi3":
-            longrope[t.name] = tuple(float(f) for f in np.asarray(gguf.quants.dequantize(t.data, t.tensor_type)).reshape(-1))
+            longrope[t.name] = tuple(_dequantized(t).reshape(-1).tolist())
             continue
         name = _TOP_NAMES.get(t.name)
         match = _LAYER.match(t.name)
@@ -266,18 +273,14 @@ def load_gguf(path: Path) -> Checkpoint:
         elif match and arch in MOE_ARCHITECTURES and match.group(2) == _ROUTER:
             name = names.layer_tensor(int(match.group(1)), names.CKPT_ROUTER)
         elif match and arch in MOE_ARCHITECTURES and match.group(2) in _STACKED_EXPERTS:
-            stacked = torch.from_numpy(np.array(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32))
-            stacked = stacked.reshape(tuple(int(d) for d in reversed(t.shape)))
-            for e, expert in enumerate(stacked):
+            for e, expert in enumerate(_dequantized(t)):
                 tensors[names.layer_tensor(int(match.group(1)), names.expert_tensor(
                     e, _STACKED_EXPERTS[match.group(2)]))] = expert.clone()
             continue
         if name is None and fused_key is None:
             unknown.append(t.name)
             continue
-        shape = tuple(int(d) for d in reversed(t.shape))
-        values = gguf.quants.dequantize(t.data, t.tensor_type)
-        weight = torch.from_numpy(np.array(values, dtype=np.float32)).reshape(shape)
+        weight = _dequantized(t)
         if fused_key is not None:
             fused[fused_key] = weight
             continue

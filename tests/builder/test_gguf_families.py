@@ -29,11 +29,51 @@ def gguf_models(tmp_path_factory):
     return models
 
 
+def assert_matches_transformers(folder, llm, prompt=PROMPT, greedy_tokens=16):
+    """The engine's float32 logits within 1e-4 of transformers' on the original folder at every
+    position of `prompt`, and (greedy_tokens > 0) the same greedy tokens."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    with torch.no_grad():
+        want = model(torch.tensor([prompt])).logits[0]
+    assert (forward_logits(llm.engine, prompt) - want).abs().max().item() < 1e-4
+    if greedy_tokens:
+        greedy = model.generate(torch.tensor([prompt]), max_new_tokens=greedy_tokens, min_new_tokens=greedy_tokens,
+                                do_sample=False, eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
+        assert llm.generate(prompt, max_tokens=greedy_tokens, ignore_eos=True).token_ids == greedy
+
+
+def rewrite_gguf(source, out, arch="llama", drop=(), metadata=None, tensor=None, extra_tensors=None):
+    """`source` rewritten to `out` with gguf's writer: its metadata but the keys in `drop` (then
+    metadata(writer) adds any), each tensor as tensor(t) gives it ((data, type); default: as it
+    is), then extra_tensors (name -> float32 array)."""
+    import gguf
+
+    reader = gguf.GGUFReader(source)
+    writer = gguf.GGUFWriter(out, arch=arch)
+    for field in reader.fields.values():
+        if field.name in ("general.architecture", "GGUF.version", "GGUF.tensor_count", "GGUF.kv_count", *drop):
+            continue
+        writer.add_key_value(field.name, field.contents(), field.types[0],
+                             field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None)
+    if metadata:
+        metadata(writer)
+    for t in reader.tensors:
+        data, qtype = tensor(t) if tensor else (t.data, t.tensor_type)
+        writer.add_tensor(t.name, data, raw_dtype=qtype)
+    for name, data in (extra_tensors or {}).items():
+        writer.add_tensor(name, data)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "phi3"])
 def test_a_gguf_from_llama_cpps_converter_matches_transformers(arch, gguf_models, tmp_path, llm_for):
     """(The tiny Llama has Llama 3 rope scaling, which the converter stores as rope_freqs.weight.)"""
-    from transformers import AutoModelForCausalLM
-
     gguf_file = llama_cpp_gguf(gguf_models[arch], tmp_path / f"{arch}.gguf")
     spec = load_checkpoint(gguf_file).spec
     assert spec.architecture == arch
@@ -43,14 +83,7 @@ def test_a_gguf_from_llama_cpps_converter_matches_transformers(arch, gguf_models
         assert spec.rope_freq_factors is not None
         with pytest.raises(ExportError, match="rope_freqs"):
             export_checkpoint(engine_dir, tmp_path / "trtllm")
-    llm = llm_for(engine_dir)
-    model = AutoModelForCausalLM.from_pretrained(gguf_models[arch], dtype=torch.float32).eval()
-    with torch.no_grad():
-        want = model(torch.tensor([PROMPT])).logits[0]
-    assert (forward_logits(llm.engine, PROMPT) - want).abs().max().item() < 1e-4
-    greedy = model.generate(torch.tensor([PROMPT]), max_new_tokens=16, min_new_tokens=16, do_sample=False,
-                            eos_token_id=None, pad_token_id=0)[0, len(PROMPT):].tolist()
-    assert llm.generate(PROMPT, max_tokens=16, ignore_eos=True).token_ids == greedy
+    assert_matches_transformers(gguf_models[arch], llm_for(engine_dir))
 
 
 # (what to change in the Llama GGUF, the error it must give): a metadata key set to a value, or an
@@ -68,33 +101,21 @@ REFUSED = [
 
 @pytest.mark.parametrize("change,message", REFUSED)
 def test_gguf_files_kiln_cannot_read_are_refused_with_what_they_hold(gguf_models, tmp_path, change, message):
-    import gguf
     import numpy as np
 
-    gguf_file = llama_cpp_gguf(gguf_models["llama"], tmp_path / "llama.gguf")
-    reader = gguf.GGUFReader(gguf_file)
     key, value = change
-    changed = tmp_path / "changed.gguf"
-    writer = gguf.GGUFWriter(changed, arch=value if key == "general.architecture" else "llama")
-    for field in reader.fields.values():
-        if field.name in ("general.architecture", "GGUF.version", "GGUF.tensor_count", "GGUF.kv_count", key):
-            continue
-        writer.add_key_value(field.name, field.contents(), field.types[0],
-                             field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None)
-    if key == "llama.rope.dimension_count":
-        writer.add_uint32(key, value)
-    elif isinstance(value, float):
-        writer.add_float32(key, value)
-    elif key not in ("general.architecture", "tensor"):
-        writer.add_string(key, value)
-    for tensor in reader.tensors:
-        writer.add_tensor(tensor.name, tensor.data, raw_dtype=tensor.tensor_type)
-    if key == "tensor":
-        writer.add_tensor(value, np.ones(8, dtype=np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+
+    def metadata(writer):
+        if key == "llama.rope.dimension_count":
+            writer.add_uint32(key, value)
+        elif isinstance(value, float):
+            writer.add_float32(key, value)
+        elif key not in ("general.architecture", "tensor"):
+            writer.add_string(key, value)
+
+    changed = rewrite_gguf(llama_cpp_gguf(gguf_models["llama"], tmp_path / "llama.gguf"), tmp_path / "changed.gguf",
+                           arch=value if key == "general.architecture" else "llama", drop=(key,), metadata=metadata,
+                           extra_tensors={value: np.ones(8, dtype=np.float32)} if key == "tensor" else None)
     with pytest.raises(CheckpointError, match=message):
         load_checkpoint(changed)
 
@@ -151,7 +172,6 @@ def test_a_gemma3_gguf_with_its_sentencepiece_vocabulary_matches_transformers(tm
     a prompt longer than the window, its greedy tokens, and sentencepiece's own token ids."""
     import sentencepiece
     from tokenizers import Tokenizer
-    from transformers import AutoModelForCausalLM
 
     from tests.helpers import make_sentencepiece
 
@@ -168,14 +188,7 @@ def test_a_gemma3_gguf_with_its_sentencepiece_vocabulary_matches_transformers(tm
     for text in TEXTS:
         assert tokenizer.encode(text, add_special_tokens=False).ids == sp.encode(text), text
         assert tokenizer.decode(sp.encode(text)) == sp.decode(sp.encode(text)), text
-    llm = llm_for(build_engine(tmp_path / "engine", gguf_file, "float32"))
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    with torch.no_grad():
-        want = model(torch.tensor([PROMPT])).logits[0]
-    assert (forward_logits(llm.engine, PROMPT) - want).abs().max().item() < 1e-4
-    greedy = model.generate(torch.tensor([PROMPT]), max_new_tokens=16, min_new_tokens=16, do_sample=False,
-                            eos_token_id=None, pad_token_id=0)[0, len(PROMPT):].tolist()
-    assert llm.generate(PROMPT, max_tokens=16, ignore_eos=True).token_ids == greedy
+    assert_matches_transformers(folder, llm_for(build_engine(tmp_path / "engine", gguf_file, "float32")))
 
 
 @pytest.mark.parametrize("max_seq_len, prompt", [(32, PROMPT), (512, (PROMPT * 4)[:44])], ids=["short", "long"])
@@ -184,8 +197,6 @@ def test_a_phi3_gguf_with_longrope_and_partial_rotary_matches_transformers(max_s
     """Phi-3.5 / Phi-4-mini as llama.cpp writes them: LongRoPE's divisors as rope_factors_long /
     rope_factors_short tensors and its factor in the metadata, rotary embedding on 3/4 of each head
     (rope.dimension_count); the short divisors within the original context, the long beyond."""
-    from transformers import AutoModelForCausalLM
-
     g = torch.Generator().manual_seed(13)
     rope = {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
             "original_max_position_embeddings": 32, "short_factor": (1 + torch.rand(6, generator=g)).tolist(),
@@ -198,10 +209,7 @@ def test_a_phi3_gguf_with_longrope_and_partial_rotary_matches_transformers(max_s
     assert spec.rotary_dim == 12 and spec.rope_longrope.original_max_position_embeddings == 32
     llm = llm_for(build_engine(tmp_path / "engine", gguf_file, "float32", max_input_len=max_seq_len // 2,
                                max_seq_len=max_seq_len))
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    with torch.no_grad():
-        want = model(torch.tensor([prompt])).logits[0]
-    assert (forward_logits(llm.engine, prompt) - want).abs().max().item() < 1e-4
+    assert_matches_transformers(folder, llm, prompt, greedy_tokens=0)
 
 
 @pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe"])
@@ -209,21 +217,12 @@ def test_a_mixture_of_experts_gguf_matches_transformers(arch, tmp_path, llm_for)
     """Mixtral (llama.cpp's `llama` with experts) and Qwen3-MoE (`qwen3moe`; its Hub models
     renormalize the top-k weights, as llama.cpp does) as the converter writes them: the router as
     ffn_gate_inp, each projection of all experts stacked in one tensor."""
-    from transformers import AutoModelForCausalLM
-
     folder = make_tiny_model(tmp_path / arch, arch, vocab_size=400,
                              **({"norm_topk_prob": True} if arch == "qwen3_moe" else {}))
     gguf_file = llama_cpp_gguf(folder, tmp_path / f"{arch}.gguf")
     spec = load_checkpoint(gguf_file).spec
     assert (spec.architecture, spec.experts_per_token, spec.normalize_expert_weights) == (arch, 2, True)
-    llm = llm_for(build_engine(tmp_path / "engine", gguf_file, "float32"))
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    with torch.no_grad():
-        want = model(torch.tensor([PROMPT])).logits[0]
-    assert (forward_logits(llm.engine, PROMPT) - want).abs().max().item() < 1e-4
-    greedy = model.generate(torch.tensor([PROMPT]), max_new_tokens=16, min_new_tokens=16, do_sample=False,
-                            eos_token_id=None, pad_token_id=0)[0, len(PROMPT):].tolist()
-    assert llm.generate(PROMPT, max_tokens=16, ignore_eos=True).token_ids == greedy
+    assert_matches_transformers(folder, llm_for(build_engine(tmp_path / "engine", gguf_file, "float32")))
 
 
 def kquant_bytes(rows: int, cols: int, qtype, g: torch.Generator):
@@ -254,32 +253,21 @@ def test_a_k_quant_gguf_is_read_as_ggufs_dequantizer_reads_it(gguf_models, tmp_p
 
     folder = make_tiny_model(tmp_path / "llama256", "llama", vocab_size=400, hidden_size=256, intermediate_size=512,
                              num_attention_heads=4, num_key_value_heads=2)
-    source = llama_cpp_gguf(folder, tmp_path / "f32.gguf")
-    reader = gguf.GGUFReader(source)
-    out = tmp_path / "kquant.gguf"
-    writer = gguf.GGUFWriter(out, arch="llama")
-    for field in reader.fields.values():
-        if field.name in ("general.architecture", "GGUF.version", "GGUF.tensor_count", "GGUF.kv_count"):
-            continue
-        writer.add_key_value(field.name, field.contents(), field.types[0],
-                             field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None)
     g = torch.Generator().manual_seed(17)
     kinds = [gguf.GGMLQuantizationType.Q4_K, gguf.GGMLQuantizationType.Q6_K, gguf.GGMLQuantizationType.Q5_0]
     written = {}
-    for i, t in enumerate(reader.tensors):
+
+    def requantized(t):  # a layer's linears in turn as Q4_K, Q6_K and Q5_0; the rest as they are
         data = np.asarray(t.data)
-        if data.ndim == 2 and t.name.startswith("blk."):
-            qtype = kinds[i % 3]
-            raw = (gguf.quants.quantize(np.ascontiguousarray(data, dtype=np.float32), qtype)
-                   if qtype == gguf.GGMLQuantizationType.Q5_0 else kquant_bytes(*data.shape, qtype, g))
-            writer.add_tensor(t.name, raw, raw_dtype=qtype)
-            written[t.name] = (qtype, gguf.quants.dequantize(raw, qtype))
-        else:
-            writer.add_tensor(t.name, data, raw_dtype=t.tensor_type)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+        if data.ndim != 2 or not t.name.startswith("blk."):
+            return data, t.tensor_type
+        qtype = kinds[len(written) % 3]
+        raw = (gguf.quants.quantize(np.ascontiguousarray(data, dtype=np.float32), qtype)
+               if qtype == gguf.GGMLQuantizationType.Q5_0 else kquant_bytes(*data.shape, qtype, g))
+        written[t.name] = (qtype, gguf.quants.dequantize(raw, qtype))
+        return raw, qtype
+
+    out = rewrite_gguf(llama_cpp_gguf(folder, tmp_path / "f32.gguf"), tmp_path / "kquant.gguf", tensor=requantized)
     assert {q for q, _ in written.values()} == set(kinds)
     tensors = load_checkpoint(out).tensors
     heads = {"attn_q": 4, "attn_k": 2}

@@ -36,6 +36,16 @@ def decode(model, spec, fused: bool, steps: int, rows: int):
     return torch.stack(out), pool.storage
 
 
+def assert_fused_equals_loop(model, spec):
+    """1 and 3 rows decoding 4 steps: decode_layers gives the Python loop's logits and KV cache, bit for bit."""
+    for rows in (1, 3):
+        fused_logits, fused_pool = decode(model, spec, True, 4, rows)
+        assert model._plan is not None  # the fused path ran
+        loop_logits, loop_pool = decode(model, spec, False, 4, rows)
+        assert torch.equal(fused_logits, loop_logits)
+        assert torch.equal(fused_pool.view(torch.uint8), loop_pool.view(torch.uint8))
+
+
 @pytest.mark.parametrize("dtype, quantization", [
     ("bfloat16", {"algo": "none"}),
     ("float32", {"algo": "none"}),
@@ -63,12 +73,7 @@ def test_fused_decode_equals_the_python_loop(arch, dtype, quantization, tiny_mod
     rotated = quantization.get("key_rotation", "auto") == "hadamard" or (
         quantization.get("key_rotation", "auto") == "auto" and quantization.get("kv_cache") == "fp8")
     assert model.key_hadamard == (engine.spec.head_dim & -engine.spec.head_dim if rotated else 0)
-    for rows in (1, 3):
-        fused_logits, fused_pool = decode(model, engine.spec, True, 4, rows)
-        assert model._plan is not None  # the fused path ran
-        loop_logits, loop_pool = decode(model, engine.spec, False, 4, rows)
-        assert torch.equal(fused_logits, loop_logits)
-        assert torch.equal(fused_pool.view(torch.uint8), loop_pool.view(torch.uint8))
+    assert_fused_equals_loop(model, engine.spec)
 
 
 @pytest.mark.parametrize("dtype, quantization", [
@@ -82,13 +87,7 @@ def test_fused_decode_routes_experts_as_the_python_loop(arch, dtype, quantizatio
     """Mixture-of-Experts layers inside decode_layers (router, top-k, the chosen experts' linears)
     give the Python loop's logits and KV cache, bit for bit."""
     engine = Engine(build_engine(tmp_path / "e", tiny_models[arch], dtype, quantization={**quantization, **SMALL}))
-    model = engine.model
-    for rows in (1, 3):
-        fused_logits, fused_pool = decode(model, engine.spec, True, 4, rows)
-        assert model._plan is not None  # the fused path ran
-        loop_logits, loop_pool = decode(model, engine.spec, False, 4, rows)
-        assert torch.equal(fused_logits, loop_logits)
-        assert torch.equal(fused_pool.view(torch.uint8), loop_pool.view(torch.uint8))
+    assert_fused_equals_loop(engine.model, engine.spec)
 
 
 def test_decode_layers_refuses_a_plan_of_the_wrong_size(tiny_engines):
@@ -106,8 +105,8 @@ def test_decode_layers_refuses_a_plan_of_the_wrong_size(tiny_engines):
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_a_plan_names_head_norms_only_where_the_model_has_them(arch, tiny_engines):
-    """An engine carries the plugin library it was built with: a model without head norms must not
-    name them, or an engine whose older library lacks the names could not decode."""
+    """A layer's record names the head norms only where the model has them (decode_layers runs
+    them where the record holds both)."""
     model = Engine(tiny_engines(arch)).model
     record = model._plan_record(0, model.layers[0])
     assert ("q_norm" in record and "k_norm" in record) == (arch == "qwen3")

@@ -71,6 +71,11 @@ at::Tensor norm_heads(const at::Tensor& qkv, const at::Tensor& q_norm, const at:
   return at::cat({queries, keys, qkv.narrow(1, q + kv, kv)}, 1);
 }
 
+// The gated activation a plan names (decode_plan.h's KILN_ACTIVATIONS) over [rows, 2n] gate / up
+static at::Tensor activate(const at::Tensor& gate_up, int64_t activation) {
+  return activation == plan::gelu_tanh ? gelu_tanh_mul(gate_up) : silu_mul(gate_up);
+}
+
 // A Mixture-of-Experts MLP over planned expert records (moe_ops.h)
 static at::Tensor route_experts(const at::Tensor& x, const at::Tensor& router, const OptionalTensors& tensors,
                                 int64_t t_first, const int64_t* ints, const double* floats, int64_t top_k,
@@ -117,8 +122,7 @@ at::Tensor decode_layers(at::Tensor& h, const at::Tensor& x0, const OptionalTens
                                     kv_scales = own(plan::kv_scales), head_q = own(q_norm), head_k = own(k_norm),
                                     attn_norm = own(attn_out_norm), mlp_norm = own(mlp_out_norm),
                                     layer_cos = own(plan::cos), layer_sin = own(plan::sin);
-    const int64_t* layer_ints = ints.data() + i * kLayerInts + kLayerLinears * kLinearInts;
-    const int64_t window = layer_ints[plan::window], activation = layer_ints[plan::activation];
+    const int64_t window = layer_int(i, plan::window), activation = layer_int(i, plan::activation);
     TORCH_CHECK(post_norm.has_value() && after.has_value(), "kiln::decode_layers: layer ", i, "'s plan lacks a norm");
     TORCH_CHECK(head_q.has_value() == head_k.has_value() && layer_cos.has_value() == layer_sin.has_value(),
                 "kiln::decode_layers: layer ", i, "'s plan has one head norm or rotary table without the other");
@@ -162,8 +166,7 @@ at::Tensor decode_layers(at::Tensor& h, const at::Tensor& x0, const OptionalTens
       i_expert += 2 * experts * kLinearInts;
       f_expert += 2 * experts * kLinearFloats;
     } else {
-      const at::Tensor up = run(x, gate_up);
-      mlp = run(activation == plan::gelu_tanh ? gelu_tanh_mul(up) : silu_mul(up), down);
+      mlp = run(activate(run(x, gate_up), activation), down);
     }
     x = add_rms_norm(h, mlp_norm ? rms_norm(mlp, *mlp_norm, eps) : mlp, *after, eps);
   }

@@ -33,8 +33,7 @@ static at::Tensor route_experts(const at::Tensor& x, const at::Tensor& router, c
       }
     if (rows.empty()) continue;
     const at::Tensor row_index = at::tensor(rows, at::kLong), slot_index = at::tensor(slots, at::kLong);
-    const at::Tensor up = run(x.index_select(0, row_index), 2 * e);
-    const at::Tensor y = run(activation == gelu_tanh ? gelu_tanh_mul(up) : silu_mul(up), 2 * e + 1);
+    const at::Tensor y = run(activate(run(x.index_select(0, row_index), 2 * e), activation), 2 * e + 1);
     out.index_add_(0, row_index, (y * flat_weights.index_select(0, slot_index).unsqueeze(1)).to(x.scalar_type()));
   }
   return out;
