@@ -16,15 +16,6 @@ STEPS = 6  # validate, load, compile plugins, pack, write engine, write reposito
 
 
 def check_model_limits(config, spec) -> None:
-    from kiln.quantize.algorithms import MOE_ALGOS
-
-    quantization = config.quantization
-    if spec.num_experts and quantization.algo not in ("none", *MOE_ALGOS):
-        raise ConfigError(
-            f"quantization.algo {quantization.algo} on a Mixture-of-Experts model ({spec.architecture}, "
-            f"{spec.num_experts} experts) is not supported yet: calibrated weight algorithms come later; allowed: "
-            f"none, {', '.join(MOE_ALGOS)} (with any kv_cache)"
-        )
     build = config.build
     if build.max_seq_len > spec.max_position_embeddings:
         raise ConfigError(

@@ -33,7 +33,7 @@ def quantize(config, spec, tokenizer_files: dict[str, str], weights, dtype, step
     from tokenizers import Tokenizer
 
     from kiln.quantize.algorithms import QuantOptions, pick_group_size, quantization_meta, quantize_weights
-    from kiln.quantize.calibrate import Grams, calibrate, gram_chunks
+    from kiln.quantize.calibrate import EXPERTS, Grams, calibrate, gram_chunks
     from kiln.quantize.datasets import calibration_sequences, evaluation_ids
     from kiln.quantize.report import apply_gate, measure, report_table
     from kiln.runtime.model import LlamaModel
@@ -45,7 +45,7 @@ def quantize(config, spec, tokenizer_files: dict[str, str], weights, dtype, step
     options = QuantOptions(q.algo, q.kv_cache, pick_group_size(q.group_size, spec), q.smoothquant_alpha,
                            q.lm_head, q.fp8_weight_scales == "per_tensor", q.w4a8_activations, q.weight_rounding,
                            q.key_rotation)
-    stats = None
+    stats, routing = None, {}
     chunks = gram_chunks(reference) if options.gptq else [range(0)]  # layers whose x^T x are held together
     if options.needs_calibration:
         c = q.calibration
@@ -53,6 +53,9 @@ def quantize(config, spec, tokenizer_files: dict[str, str], weights, dtype, step
             sequences = calibration_sequences(tokenizer, c.dataset, c.samples, c.seq_len, base=Path.cwd())
             with progress_bar("sequences", len(sequences)) as advance:
                 stats = calibrate(reference, sequences, progress=advance, gram_layers=chunks[0])
+            routing = {index: value for (index, key), value in stats.items() if key == EXPERTS}
+            if routing:
+                console.print(routing_summary(routing))
     detail = {"int8_sq": f", alpha {q.smoothquant_alpha}", "fp8": f", weights {q.fp8_weight_scales}",
               "int4_awq": f", group size {options.group_size}", "int4_wo": f", group size {options.group_size}",
               "w4a8_awq": f", group size {options.group_size}, {q.w4a8_activations} activations"}.get(q.algo, "")
@@ -75,4 +78,21 @@ def quantize(config, spec, tokenizer_files: dict[str, str], weights, dtype, step
     meta["accuracy"] = report.to_json()
     if stats is not None:
         meta["calibration"] = q.calibration.model_dump()
+        if routing:  # tokens per expert, per layer, and the experts quantized from every token's statistics
+            meta["calibration"]["experts"] = {str(index): r.to_json() for index, r in routing.items()}
     return quantized, meta
+
+
+def routing_summary(routing: dict) -> str:
+    """One line on how calibration routed a Mixture-of-Experts model's tokens, naming the
+    experts it routed too few to (calibrate.MIN_EXPERT_TOKENS)."""
+    from kiln.quantize.calibrate import MIN_EXPERT_TOKENS
+
+    tokens = [t for r in routing.values() for t in r.tokens]
+    line = (f"Experts: {min(tokens)}-{max(tokens)} calibration tokens each over {len(routing)} layers")
+    pooled = [f"layer {index} expert{'s' if len(r.pooled) > 1 else ''} "
+              + ", ".join(f"{e} ({r.tokens[e]})" for e in r.pooled) for index, r in routing.items() if r.pooled]
+    if not pooled:
+        return line
+    return (line + f"; quantized from every token's statistics (routed under {MIN_EXPERT_TOKENS} tokens): "
+            + "; ".join(pooled))

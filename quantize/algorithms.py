@@ -1,11 +1,13 @@
 """The quantization algorithms, on the builder's packed float32 weights.
 
 Per layer the four linears are qkv (input: the attention norm's output), out (the attention
-output), gate_up (the MLP norm's output) and down (silu(gate) * up). A per-input-channel
-scale s turns x @ W.T into (x / s) @ (W * s).T; x / s is folded where that is free: into
-the norm before qkv and gate_up, into the `up` rows before down; for `out` it is a
-`pre_scale` the runtime multiplies in (with grouped-query attention it cannot be folded into
-the value rows). Then:
+output), gate_up (the MLP norm's output) and down (silu(gate) * up); a Mixture-of-Experts
+layer has qkv, out and a gate_up and down per expert, each expert calibrated on the tokens
+routed to it. A per-input-channel scale s turns x @ W.T into (x / s) @ (W * s).T; x / s is
+folded where that is free: into the norm before qkv and gate_up, into the `up` rows before
+down; for `out` and an expert's gate_up it is a `pre_scale` the runtime multiplies in (with
+grouped-query attention it cannot be folded into the value rows; the norm before the experts
+feeds the router and every expert). Then:
 
     int8_wo    round-to-nearest int8 per output channel (no calibration)
     int4_wo    round-to-nearest int4 per group (no calibration)
@@ -27,13 +29,14 @@ key_rotation hadamard (auto: for fp8) the keys are stored times a Hadamard matri
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from kiln import constants as names
 from kiln.plugins import ops
 from kiln.quantize.calibrate import HEAD_STATS, KVStats, LinearStats
+from kiln.runtime.model import EXPERT_LINEARS, expert_key
 from kiln.quantize.formats import (
     FP8_MAX, fake_quant_fp8, group_view, int4_scales, int8_scales, quantize_fp8, quantize_int4,
     quantize_int8)
@@ -123,41 +126,50 @@ def kv_cache_scales(stats: KVStats, kv_cache: str, key_rotation: str = names.KEY
     return (amax / KV_CACHE_MAX[kv_cache]).clamp(min=1e-8).contiguous()
 
 
+def linear_weights(spec: ModelSpec) -> dict[str, str]:
+    """A layer's linears by key (runtime.model.Layer.linears) -> the packed tensor each is stored
+    as: LINEAR_WEIGHTS, or on a Mixture-of-Experts model qkv, out and each expert's two."""
+    if not spec.num_experts:
+        return dict(LINEAR_WEIGHTS)
+    experts = {expert_key(e, n): names.expert_tensor(e, f"{n}.weight") for e in range(spec.num_experts)
+               for n in EXPERT_LINEARS}
+    return {"qkv": names.ATTN_QKV, "out": names.ATTN_OUT, **experts}
+
+
 @dataclass
 class LayerWeights:
     """One layer's float32 tensors, as new tensors (the inputs are left untouched)."""
 
     input_norm: torch.Tensor
     post_attention_norm: torch.Tensor
-    qkv: torch.Tensor
-    out: torch.Tensor
-    gate_up: torch.Tensor
-    down: torch.Tensor
-    pre_scale_out: torch.Tensor | None = None
+    linears: dict[str, torch.Tensor]  # by key, as linear_weights() names them
+    pre_scales: dict[str, torch.Tensor] = field(default_factory=dict)  # inputs' scales not folded elsewhere
 
     @classmethod
-    def take(cls, weights: dict[str, torch.Tensor], i: int) -> "LayerWeights":
+    def take(cls, weights: dict[str, torch.Tensor], i: int, spec: ModelSpec) -> "LayerWeights":
         def get(name):
             return weights[names.layer_tensor(i, name)].float().clone()
 
         return cls(get(names.INPUT_NORM), get(names.POST_ATTENTION_NORM),
-                   **{field: get(weight) for field, weight in LINEAR_WEIGHTS.items()})
+                   {key: get(weight) for key, weight in linear_weights(spec).items()})
 
     def apply_scales(self, s: dict[str, torch.Tensor]) -> None:
-        """x / s, W * s for each linear with a scale; the float model's output is unchanged."""
-        if "qkv" in s:
-            self.input_norm /= s["qkv"]
-            self.qkv *= s["qkv"]
-        if "gate_up" in s:
-            self.post_attention_norm /= s["gate_up"]
-            self.gate_up *= s["gate_up"]
-        if "down" in s:
-            half = self.gate_up.shape[0] // 2
-            self.gate_up[half:] /= s["down"][:, None]  # the up rows
-            self.down *= s["down"]
-        if "out" in s:
-            self.pre_scale_out = 1 / s["out"]
-            self.out *= s["out"]
+        """x / s, W * s for each linear with a scale; the float model's output is unchanged. x / s
+        goes into the norm before qkv and the dense gate_up, into the up rows before a down
+        projection (an expert's: its own), and elsewhere into a pre-scale the runtime multiplies
+        in: `out` (with grouped-query attention it cannot be folded into the value rows) and an
+        expert's gate_up (its input norm feeds the router and every other expert too)."""
+        for key, scale in s.items():
+            self.linears[key] *= scale
+            if key == "qkv":
+                self.input_norm /= scale
+            elif key == "gate_up":
+                self.post_attention_norm /= scale
+            elif key.endswith("down"):
+                gate_up = self.linears[key.removesuffix("down") + "gate_up"]
+                gate_up[gate_up.shape[0] // 2:] /= scale[:, None]  # the up rows
+            else:
+                self.pre_scales[key] = 1 / scale
 
 
 def fp8_weight_scales(w: torch.Tensor, x2: torch.Tensor, per_tensor: bool) -> torch.Tensor:
@@ -333,7 +345,6 @@ def quantize_weights(weights: dict[str, torch.Tensor], spec: ModelSpec, options:
         for _ in range(spec.num_layers):
             progress()
         return out
-    algo, kind, group_size = options.algo, options.kind, options.group_size
     for name, tensor in weights.items():
         if not name.startswith("layers.") or name.endswith((names.ATTN_QKV_BIAS, *names.HEAD_NORMS,
                                                             *names.OUTPUT_NORMS, names.MLP_ROUTER)):
@@ -351,85 +362,69 @@ def quantize_weights(weights: dict[str, torch.Tensor], spec: ModelSpec, options:
         out[names.linear_tensor(prefix, names.QWEIGHT)] = qweight
         out[names.linear_tensor(prefix, names.WEIGHT_SCALES)] = scales
     for i in range(spec.num_layers):
-        if spec.num_experts:
-            out.update(quantize_moe_layer(weights, i, spec, options, dtype))
-            progress()
-            continue
-        layer = LayerWeights.take(weights, i)
-        clips: dict[str, torch.Tensor] = {}
-        scales: dict[str, torch.Tensor] = {}
-        if algo == "int8_sq":
-            scales = {n: smoothquant_scales(getattr(layer, n), stats[i, n].absmax, options.alpha)
-                      for n in LINEAR_WEIGHTS}
-            layer.apply_scales(scales)
-        elif algo in ("int4_awq", "w4a8_awq"):
-            scales = {n: awq_scales(getattr(layer, n), stats[i, n].rows, stats[i, n].absmean, group_size)
-                      for n in LINEAR_WEIGHTS}
-            layer.apply_scales(scales)
-            for n in LINEAR_WEIGHTS:
-                clips[n] = awq_clip(getattr(layer, n), stats[i, n].rows / scales[n], group_size)
-            clips["qkv"][: spec.q_size + spec.kv_size] = 1.0
-            # (as in AWQ, query and key rows are not clipped: attention scores amplify their error)
-        out[names.layer_tensor(i, names.INPUT_NORM)] = layer.input_norm.to(dtype).contiguous()
-        out[names.layer_tensor(i, names.POST_ATTENTION_NORM)] = layer.post_attention_norm.to(dtype).contiguous()
-        for n, weight_name in LINEAR_WEIGHTS.items():
-            prefix = names.linear_prefix(names.layer_tensor(i, weight_name))
-            w = getattr(layer, n)
-            gram = None
-            if options.gptq:
-                s = scales.get(n)  # the Gram matrix of x / s
-                gram = grams(i, n) if s is None else grams(i, n) / s[:, None] / s[None, :]
-            if kind in INT4_KINDS:
-                qweight, w_scales = round_int4(w, gram, group_size, clips.get(n))
-            elif kind == names.LINEAR_FP8:
-                x2 = stats[i, n].rows.pow(2).mean(dim=0)
-                w_scales = fp8_weight_scales(w, x2, options.fp8_per_tensor)
-                qweight, w_scales = quantize_fp8(w if gram is None else gptq_fp8(w, gram, w_scales), scales=w_scales)
-            else:
-                qweight, w_scales = quantize_int8(*((w,) if gram is None else gptq_int8(w, gram)))
-                # (the grid's scales go with it: the rounded row's own absmax may be smaller)
-            out[names.linear_tensor(prefix, names.QWEIGHT)] = qweight
-            out[names.linear_tensor(prefix, names.WEIGHT_SCALES)] = w_scales
-            if kind == names.LINEAR_W8A8:
-                out[names.linear_tensor(prefix, names.WEIGHT_SUM)] = qweight.to(torch.int32).sum(
-                    dim=1, dtype=torch.int32)
-            if options.fp8_activations:
-                s = scales.get(n)
-                rows, absmax = (stats[i, n].rows, stats[i, n].absmax) if s is None else (
-                    stats[i, n].rows / s, stats[i, n].absmax / s)
-                out[names.linear_tensor(prefix, names.INPUT_SCALE)] = torch.tensor(
-                    [fp8_input_scale(rows, absmax)], dtype=torch.float32)
-            if n == "out" and layer.pre_scale_out is not None:
-                out[names.linear_tensor(prefix, names.PRE_SCALE)] = layer.pre_scale_out.float().contiguous()
+        out.update(quantize_layer(weights, i, spec, options, dtype, stats, grams))
         progress()
     return out
 
 
-MOE_ALGOS = ("int8_wo", "int4_wo")  # the weight-only algorithms a Mixture-of-Experts model takes so far
-
-
-def quantize_moe_layer(weights: dict[str, torch.Tensor], i: int, spec: ModelSpec, options: QuantOptions,
-                       dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """A Mixture-of-Experts layer's attention and every expert's linears, rounded to nearest
-    (int8 per channel, or int4 groups): the weight-only algorithms, which need no calibration;
-    its norms and router are in `out` already, as they are."""
-    if options.algo not in MOE_ALGOS:
-        raise ValueError(f"quantization.algo {options.algo} does not apply to Mixture-of-Experts models yet "
-                         f"({', '.join(MOE_ALGOS)} do)")
-    linears = [names.ATTN_QKV, names.ATTN_OUT] + [names.expert_tensor(e, n) for e in range(spec.num_experts)
-                                                  for n in ("gate_up.weight", "down.weight")]
-    out = {names.layer_tensor(i, n): weights[names.layer_tensor(i, n)].to(dtype).contiguous()
-           for n in (names.INPUT_NORM, names.POST_ATTENTION_NORM)}
-    for linear in linears:
-        w = weights[names.layer_tensor(i, linear)].float()
-        prefix = names.linear_prefix(names.layer_tensor(i, linear))
-        if options.kind in INT4_KINDS:
-            qweight, w_scales = round_int4(w, None, options.group_size, None)
-        else:
-            qweight, w_scales = quantize_int8(w)
-        out[names.linear_tensor(prefix, names.QWEIGHT)] = qweight
-        out[names.linear_tensor(prefix, names.WEIGHT_SCALES)] = w_scales
+def quantize_layer(weights: dict[str, torch.Tensor], i: int, spec: ModelSpec, options: QuantOptions,
+                   dtype: torch.dtype, stats: dict | None, grams: Callable[[int, str], torch.Tensor] | None
+                   ) -> dict[str, torch.Tensor]:
+    """Layer i's norms (with the scales folded in) and quantized linears: attention and the dense
+    MLP, or attention and every expert of a Mixture-of-Experts layer, each expert with the
+    statistics of the tokens routed to it (calibrate.settle_experts)."""
+    layer = LayerWeights.take(weights, i, spec)
+    keys = list(layer.linears)
+    seen = {key: stats[i, key] for key in keys} if options.needs_calibration else {}
+    clips: dict[str, torch.Tensor] = {}
+    scales: dict[str, torch.Tensor] = {}
+    if options.algo == "int8_sq":
+        scales = {k: smoothquant_scales(layer.linears[k], seen[k].absmax, options.alpha) for k in keys}
+        layer.apply_scales(scales)
+    elif options.algo in ("int4_awq", "w4a8_awq"):
+        scales = {k: awq_scales(layer.linears[k], seen[k].rows, seen[k].absmean, options.group_size) for k in keys}
+        layer.apply_scales(scales)
+        clips = {k: awq_clip(layer.linears[k], seen[k].rows / scales[k], options.group_size) for k in keys}
+        clips["qkv"][: spec.q_size + spec.kv_size] = 1.0
+        # (as in AWQ, query and key rows are not clipped: attention scores amplify their error)
+    out = {names.layer_tensor(i, names.INPUT_NORM): layer.input_norm.to(dtype).contiguous(),
+           names.layer_tensor(i, names.POST_ATTENTION_NORM): layer.post_attention_norm.to(dtype).contiguous()}
+    for key, weight_name in linear_weights(spec).items():
+        prefix = names.linear_prefix(names.layer_tensor(i, weight_name))
+        s = scales.get(key)
+        gram = None
+        if options.gptq and not seen[key].pooled:  # (an expert with too few tokens: no x^T x of its own)
+            gram = grams(i, key) if s is None else grams(i, key) / s[:, None] / s[None, :]  # that of x / s
+        inputs = None
+        if key in seen:  # what the linear sees once x / s is folded in
+            inputs = seen[key] if s is None else LinearStats(seen[key].absmax / s, seen[key].abssum / s,
+                                                             seen[key].count, rows=seen[key].rows / s)
+        parts = quantize_linear(layer.linears[key], options, inputs, gram, clips.get(key))
+        if key in layer.pre_scales:
+            parts[names.PRE_SCALE] = layer.pre_scales[key].float().contiguous()
+        out.update({names.linear_tensor(prefix, part): tensor for part, tensor in parts.items()})
     return out
+
+
+def quantize_linear(w: torch.Tensor, options: QuantOptions, inputs: LinearStats | None, gram: torch.Tensor | None,
+                    clip: torch.Tensor | None) -> dict[str, torch.Tensor]:
+    """One linear's weights (scales already applied) on the build's grid, GPTQ-rounded when x^T x
+    is given -> its stored parts (names.QWEIGHT, ...). inputs: statistics of what it sees."""
+    kind = options.kind
+    if kind in INT4_KINDS:
+        qweight, w_scales = round_int4(w, gram, options.group_size, clip)
+    elif kind == names.LINEAR_FP8:
+        w_scales = fp8_weight_scales(w, inputs.rows.pow(2).mean(dim=0), options.fp8_per_tensor)
+        qweight, w_scales = quantize_fp8(w if gram is None else gptq_fp8(w, gram, w_scales), scales=w_scales)
+    else:
+        qweight, w_scales = quantize_int8(*((w,) if gram is None else gptq_int8(w, gram)))
+        # (the grid's scales go with it: the rounded row's own absmax may be smaller)
+    parts = {names.QWEIGHT: qweight, names.WEIGHT_SCALES: w_scales}
+    if kind == names.LINEAR_W8A8:
+        parts[names.WEIGHT_SUM] = qweight.to(torch.int32).sum(dim=1, dtype=torch.int32)
+    if options.fp8_activations:
+        parts[names.INPUT_SCALE] = torch.tensor([fp8_input_scale(inputs.rows, inputs.absmax)], dtype=torch.float32)
+    return parts
 
 
 def quantization_meta(options: QuantOptions) -> dict:

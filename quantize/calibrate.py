@@ -20,7 +20,14 @@ every position, and its maximum over the tokens is kept too (k_hadamard_absmax).
 GPTQ rounding also needs each linear's x^T x over every token ([in, in] float32: 400 MB for
 SmolLM2, about 22 GB for a 7B Llama). Those sums are held for a chunk of consecutive layers
 within GRAM_BUDGET at a time: the first chunk's during the calibration pass, each later chunk's
-by another pass over the calibration text that stops after the chunk's last layer."""
+by another pass over the calibration text that stops after the chunk's last layer.
+
+Mixture-of-Experts layers: each expert's linears get statistics of the tokens routed to them.
+An expert that calibration routed fewer than MIN_EXPERT_TOKENS tokens to has too few for a
+search; it takes the statistics of every token instead (its gate/up projection sees the
+MLP input of all tokens; its down projection the activations its own gate/up weights make of
+them), is marked `pooled` (GPTQ rounds it to nearest: no x^T x of its own) and is listed in
+the layer's ExpertRouting, which the build reports."""
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -30,10 +37,12 @@ from dataclasses import dataclass, field
 import torch
 
 from kiln.plugins.formats import hadamard_matrix
-from kiln.runtime.model import LINEARS, KVPool, LlamaModel, StepContext
+from kiln.runtime.model import LINEARS, KVPool, Layer, LlamaModel, StepContext, expert_key
 
 GRAM_BUDGET = 2 << 30  # bytes of x^T x sums held at once
 HEAD_STATS = (-1, "lm_head")  # calibrate()'s key for the output projection's input (the final norm's output)
+EXPERTS = "experts"  # calibrate()'s key (layer index, EXPERTS) for a Mixture-of-Experts layer's ExpertRouting
+MIN_EXPERT_TOKENS = 32  # an expert routed fewer calibration tokens takes every token's statistics
 
 
 @dataclass
@@ -44,10 +53,22 @@ class LinearStats:
     parts: list[torch.Tensor] = field(default_factory=list)  # sampled rows, call by call
     rows: torch.Tensor | None = None  # [<= rows, in]: the sample, once calibration is done
     gram: torch.Tensor | None = None  # [in, in]: sum of x^T x over every token (GPTQ), when asked for
+    pooled: bool = False  # an expert's, from every token rather than those routed to it (module docstring)
 
     @property
     def absmean(self) -> torch.Tensor:
         return self.abssum / max(self.count, 1)
+
+
+@dataclass
+class ExpertRouting:
+    """How calibration routed a Mixture-of-Experts layer's tokens."""
+
+    tokens: list[int]  # calibration tokens each expert ran on
+    pooled: list[int]  # the experts under MIN_EXPERT_TOKENS, whose statistics are every token's
+
+    def to_json(self) -> dict:
+        return {"tokens": self.tokens, "pooled": self.pooled}
 
 
 @dataclass
@@ -111,21 +132,27 @@ def kv_observer(stats: KVStats, q_size: int, kv_size: int, head_dim: int):
 
 @contextmanager
 def observing(model: LlamaModel, observers: dict[tuple[int, str], object]):
-    """(layer index, linear name) -> a callable standing in for that linear while the block runs
-    (HEAD_STATS: for the output projection); the linears are put back however it ends."""
-    def owner(index: int):
-        return model if index == HEAD_STATS[0] else model.layers[index]
+    """(layer index, linear key as Layer.linears() names it) -> a callable standing in for that
+    linear while the block runs (HEAD_STATS: for the output projection); the linears are put
+    back however it ends."""
+    def put(index: int, key: str, linear) -> None:
+        if index == HEAD_STATS[0]:
+            model.lm_head = linear
+        else:
+            model.layers[index].set_linear(key, linear)
 
-    originals = {(index, name): getattr(owner(index), name) for index, name in observers}
-    for (index, name), observer in observers.items():
-        setattr(owner(index), name, observer)
-    fused, model.fused_decode = model.fused_decode, False  # the observers run only in the Python loop
+    originals = {(index, key): model.lm_head if index == HEAD_STATS[0] else model.layers[index].linears()[key]
+                 for index, key in observers}
+    for (index, key), observer in observers.items():
+        put(index, key, observer)
+    # the observers run only in the Python loop
+    fused, model.fused_decode, experts, model.fused_experts = model.fused_decode, False, model.fused_experts, False
     try:
         yield
     finally:
-        model.fused_decode = fused
-        for (index, name), inner in originals.items():
-            setattr(owner(index), name, inner)
+        model.fused_decode, model.fused_experts = fused, experts
+        for (index, key), inner in originals.items():
+            put(index, key, inner)
 
 
 def run_sequence(model: LlamaModel, ids: list[int], block_size: int, all_rows: bool = False) -> None:
@@ -147,10 +174,7 @@ def calibrate(model: LlamaModel, sequences: list[list[int]], rows: int = 256, bl
     stats: dict[tuple[int, str], LinearStats] = {}
     observers = {}
     for index, layer in enumerate(model.layers):
-        for name in LINEARS:
-            inner = getattr(layer, name)
-            if inner is None:  # a Mixture-of-Experts layer's dense MLP: it has experts instead
-                continue
+        for name, inner in layer.linears().items():
             in_features = inner.weight.shape[1]
             stats[index, name] = LinearStats(torch.zeros(in_features), torch.zeros(in_features),
                                              gram=torch.zeros(in_features, in_features) if index in gram_layers
@@ -172,8 +196,38 @@ def calibrate(model: LlamaModel, sequences: list[list[int]], rows: int = 256, bl
             progress()
     for s in stats.values():
         if isinstance(s, LinearStats):
-            s.rows, s.parts = torch.cat(s.parts)[:rows], []
+            s.rows, s.parts = (torch.cat(s.parts)[:rows] if s.parts else None), []
+    for index, layer in enumerate(model.layers):
+        if layer.experts:
+            routing, settled = settle_experts(model, layer, {key: value for (i, key), value in stats.items()
+                                                             if i == index}, rows, generator)
+            stats[index, EXPERTS] = routing
+            stats.update({(index, key): value for key, value in settled.items()})
     return stats
+
+
+def settle_experts(model: LlamaModel, layer: Layer, stats: dict[str, LinearStats], rows: int,
+                   generator: torch.Generator) -> tuple[ExpertRouting, dict[str, LinearStats]]:
+    """A Mixture-of-Experts layer's routing, and every-token statistics by linear key for the
+    experts calibration routed fewer than MIN_EXPERT_TOKENS tokens to (module docstring)."""
+    entry = [stats[expert_key(e, "gate_up")] for e in range(len(layer.experts))]
+    routing = ExpertRouting([s.count for s in entry], [e for e, s in enumerate(entry) if s.count < MIN_EXPERT_TOKENS])
+    settled: dict[str, LinearStats] = {}
+    if not routing.pooled:
+        return routing, settled
+    # each token runs top-k experts: their inputs together are every token's, each k times
+    every = torch.cat([s.rows for s in entry if s.rows is not None])
+    picked = torch.randperm(every.shape[0], generator=generator)[:rows]
+    absmax = torch.stack([s.absmax for s in entry]).amax(dim=0)
+    abssum, count = sum(s.abssum for s in entry), sum(s.count for s in entry)
+    for e in routing.pooled:
+        hidden = model.activation(layer.experts[e].gate_up(every)).float()  # what its down projection would see
+        a = hidden.abs()
+        settled[expert_key(e, "gate_up")] = LinearStats(absmax.clone(), abssum.clone(), count, rows=every[picked],
+                                                        pooled=True)
+        settled[expert_key(e, "down")] = LinearStats(a.amax(dim=0), a.sum(dim=0), hidden.shape[0],
+                                                     rows=hidden[picked], pooled=True)
+    return routing, settled
 
 
 def gram_chunks(model: LlamaModel, budget: int = GRAM_BUDGET) -> list[range]:
@@ -181,7 +235,7 @@ def gram_chunks(model: LlamaModel, budget: int = GRAM_BUDGET) -> list[range]:
     that alone is over it is a chunk of its own)."""
     chunks, start, held = [], 0, 0
     for index, layer in enumerate(model.layers):
-        size = sum(getattr(layer, name).weight.shape[1] ** 2 * 4 for name in LINEARS)
+        size = sum(linear.weight.shape[1] ** 2 * 4 for linear in layer.linears().values())
         if index > start and held + size > budget:
             chunks.append(range(start, index))
             start, held = index, 0
@@ -195,32 +249,34 @@ class _ChunkDone(Exception):
 
 
 class GramObserver:
-    """Stands in for a linear layer: adds x^T x to `gram`, calls it, and ends the forward pass
-    after the chunk's last linear (`last`)."""
+    """Stands in for a linear layer: adds x^T x to `gram`, then calls it."""
 
-    def __init__(self, inner, gram: torch.Tensor, last: bool):
-        self.inner, self.gram, self.last = inner, gram, last
+    def __init__(self, inner, gram: torch.Tensor):
+        self.inner, self.gram = inner, gram
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         xf = x.float()
         self.gram.addmm_(xf.T, xf)
-        if self.last:
-            raise _ChunkDone
         return self.inner(x)
+
+
+def _stop(x: torch.Tensor) -> torch.Tensor:
+    """Stands in for the first linear after a chunk of layers: the forward pass ends there."""
+    raise _ChunkDone
 
 
 def gram_sums(model: LlamaModel, sequences: list[list[int]], layers: range,
               block_size: int = 32) -> dict[tuple[int, str], torch.Tensor]:
     """x^T x of every linear's input in `layers`, over the calibration sequences (one forward
-    pass each, stopped after the last of those layers)."""
+    pass each, stopped at the next layer's first linear)."""
     grams: dict[tuple[int, str], torch.Tensor] = {}
     observers = {}
     for index in layers:
-        for name in LINEARS:
-            inner = getattr(model.layers[index], name)
-            grams[index, name] = torch.zeros(inner.weight.shape[1], inner.weight.shape[1])
-            last = index == layers[-1] and name == LINEARS[-1]
-            observers[index, name] = GramObserver(inner, grams[index, name], last)
+        for key, inner in model.layers[index].linears().items():
+            grams[index, key] = torch.zeros(inner.weight.shape[1], inner.weight.shape[1])
+            observers[index, key] = GramObserver(inner, grams[index, key])
+    if layers[-1] + 1 < len(model.layers):
+        observers[layers[-1] + 1, LINEARS[0]] = _stop
     with observing(model, observers):
         for ids in sequences:
             try:

@@ -23,6 +23,12 @@ from kiln.runtime.spec import ModelSpec
 
 LINEARS = ("qkv", "out", "gate_up", "down")  # Layer fields that are linear layers
 KV_DTYPES = {names.KV_CACHE_INT8: torch.int8, names.KV_CACHE_FP8: torch.float8_e4m3fn}  # else the model dtype
+EXPERT_LINEARS = ("gate_up", "down")  # Expert fields that are linear layers
+
+
+def expert_key(expert: int, linear: str) -> str:
+    """A layer's key for an expert's linear (one of EXPERT_LINEARS), beside LINEARS' names."""
+    return f"experts.{expert}.{linear}"
 
 
 @dataclass
@@ -51,6 +57,22 @@ class Layer:
     router: torch.Tensor | None = None  # Mixture-of-Experts: [experts, hidden]
     experts: list[Expert] | None = None
     expert_plan: tuple | None = None  # ops.expert_plan of the experts and the activation's code, made on first use
+
+    def linears(self) -> dict[str, object]:
+        """The layer's linear layers by key: LINEARS' names it has (a Mixture-of-Experts layer: qkv
+        and out), then each expert's by expert_key."""
+        found = {name: getattr(self, name) for name in LINEARS if getattr(self, name) is not None}
+        for e, expert in enumerate(self.experts or ()):
+            found.update({expert_key(e, name): getattr(expert, name) for name in EXPERT_LINEARS})
+        return found
+
+    def set_linear(self, key: str, linear) -> None:
+        """Put `linear` in the place linears() names `key`."""
+        if key.startswith("experts."):
+            _, expert, name = key.split(".")
+            setattr(self.experts[int(expert)], name, linear)
+        else:
+            setattr(self, key, linear)
 
 
 @dataclass

@@ -82,11 +82,11 @@ if "fp8_mse" in sys.argv:
     def qw(weights, spec, options, dtype, stats, progress=lambda: None):
         out = A.__dict__["_orig_qw"](weights, spec, options, dtype, stats, progress)
         for i in range(spec.num_layers):
-            layer = A.LayerWeights.take(weights, i)
+            layer = A.LayerWeights.take(weights, i, spec)
             for n, wn in A.LINEAR_WEIGHTS.items():
                 prefix = names.linear_prefix(names.layer_tensor(i, wn))
                 x2 = stats[i, n].rows.pow(2).mean(dim=0)
-                q, s = fp8_mse_quant(getattr(layer, n), x2)
+                q, s = fp8_mse_quant(layer.linears[n], x2)
                 out[prefix + ".qweight"], out[prefix + ".scales"] = q, s
         return out
     A._orig_qw = A.quantize_weights

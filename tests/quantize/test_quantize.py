@@ -10,7 +10,7 @@ from kiln import constants as names
 from kiln.builder.cli import main as build_main
 from kiln.quantize.algorithms import (
     LayerWeights, awq_scales, gptq, gptq_fp8, gptq_int4, gptq_int8, pick_group_size, smoothquant_scales)
-from kiln.quantize.formats import fake_quant_fp8, fake_quant_int4, int4_scales, quantize_int8
+from kiln.quantize.formats import fake_quant_fp8, fake_quant_int4, int4_scales, quantize_int4, quantize_int8
 from kiln.runtime.engine import Engine
 from kiln.runtime.spec import ModelSpec
 from tests.helpers import SMOLLM2_CHECKPOINT, build_engine, forward_logits, generator, write_config
@@ -18,11 +18,6 @@ from tests.helpers import SMOLLM2_CHECKPOINT, build_engine, forward_logits, gene
 SMALL_CALIBRATION = {"samples": 8, "seq_len": 64}
 SMALL_ACCURACY = {"tokens": 512, "window": 128}
 PROMPT = [1, 17, 250, 33, 99, 5, 201, 64, 300, 12]
-
-
-def packed_float_weights(tiny_engines):
-    engine = Engine(tiny_engines("llama"))
-    return engine, {k: v.clone() for k, v in _weights(engine).items()}
 
 
 def _weights(engine):
@@ -36,23 +31,31 @@ class PreScaled:
         self.weight, self.pre_scale = weight, pre_scale
 
     def __call__(self, x):
-        return F.linear(x * self.pre_scale, self.weight)
+        return F.linear(x if self.pre_scale is None else x * self.pre_scale, self.weight)
 
 
-def test_smoothquant_folding_keeps_the_float_model(tiny_engines):
-    """x / s folded into the norms, the up rows and a pre-scale; W * s: same logits before rounding."""
-    engine, weights = packed_float_weights(tiny_engines)
+@pytest.mark.parametrize("arch", ["llama", "mixtral"])
+def test_smoothquant_folding_keeps_the_float_model(arch, tiny_engines):
+    """x / s folded into the norms, the up rows (an expert's own) and pre-scales (out, each
+    expert's gate_up); W * s: same logits before rounding."""
+    engine = Engine(tiny_engines(arch))
+    weights = {k: v.clone() for k, v in _weights(engine).items()}
+    model = engine.model
+    model.fused_decode = model.fused_experts = False  # the linears below run in the Python loop
     want = forward_logits(engine, PROMPT)
     g = torch.Generator().manual_seed(0)
-    for i, layer in enumerate(engine.model.layers):
-        lw = LayerWeights.take(weights, i)
-        scales = {n: smoothquant_scales(getattr(lw, n), torch.rand(getattr(lw, n).shape[1], generator=g) * 10 + 0.1,
-                                        0.5) for n in ("qkv", "gate_up", "down", "out")}
+    for i, layer in enumerate(model.layers):
+        lw = LayerWeights.take(weights, i, engine.spec)
+        assert set(lw.linears) == set(layer.linears())
+        scales = {k: smoothquant_scales(w, torch.rand(w.shape[1], generator=g) * 10 + 0.1, 0.5)
+                  for k, w in lw.linears.items()}
         assert all((s - 1).abs().max() > 0.1 for s in scales.values())  # the scales do something
         lw.apply_scales(scales)
+        want_pre_scaled = {"out"} | {k for k in lw.linears if k.startswith("experts.") and k.endswith("gate_up")}
+        assert set(lw.pre_scales) == want_pre_scaled
         layer.input_norm, layer.post_attention_norm = lw.input_norm, lw.post_attention_norm
-        layer.qkv.weight, layer.gate_up.weight, layer.down.weight = lw.qkv, lw.gate_up, lw.down
-        layer.out = PreScaled(lw.out, lw.pre_scale_out)
+        for key, w in lw.linears.items():
+            layer.set_linear(key, PreScaled(w, lw.pre_scales.get(key)))
     got = forward_logits(engine, PROMPT)
     assert (got - want).abs().max() < 1e-4
 
@@ -287,12 +290,109 @@ def test_mixture_of_experts_weight_only_builds_quantize_every_expert(arch, algo,
     assert [len(o.token_ids) for o in out] == [6, 6]
 
 
-@pytest.mark.parametrize("algo", ["int4_awq", "int8_sq", "fp8"])
-def test_calibrated_quantization_of_a_mixture_of_experts_is_refused(algo, tiny_models, tmp_path):
-    from kiln.errors import ConfigError
+@pytest.mark.parametrize("arch, algo, options, kind", [
+    ("mixtral", "int4_awq", {"group_size": 32}, names.LINEAR_INT4),
+    ("qwen3_moe", "int8_sq", {}, names.LINEAR_W8A8),
+    ("mixtral", "fp8", {}, names.LINEAR_FP8),
+    ("qwen3_moe", "w4a8_awq", {"group_size": 32, "w4a8_activations": "fp8"}, names.LINEAR_W4A8_FP8)])
+def test_calibrated_quantization_of_a_mixture_of_experts(arch, algo, options, kind, tiny_models, tmp_path, llm_for):
+    """Each expert is calibrated on the tokens routed to it: engine.json counts them (every
+    calibration token reaches top-k experts); AWQ / SmoothQuant scales of an expert's gate/up
+    projection are its own pre-scale (its input norm feeds the router and the other experts),
+    those of its down projection fold into its own up rows; the build reports its accuracy and runs."""
+    engine_dir = build_engine(tmp_path / algo, tiny_models[arch], "bfloat16", quantization={
+        "algo": algo, **options, "calibration": SMALL_CALIBRATION, "accuracy": SMALL_ACCURACY,
+        "accuracy_gate": None})
+    meta = json.loads((engine_dir / names.ENGINE_JSON).read_text())
+    spec, quant = meta["model"], meta["quantization"]
+    assert quant["linear"] == kind and quant["weight_rounding"] == "gptq"
+    routing = quant["calibration"]["experts"]
+    assert sorted(routing) == [str(i) for i in range(spec["num_layers"])]
+    for layer in routing.values():
+        assert len(layer["tokens"]) == spec["num_experts"] and layer["pooled"] == []
+        assert sum(layer["tokens"]) == SMALL_CALIBRATION["samples"] * SMALL_CALIBRATION["seq_len"] * spec[
+            "experts_per_token"]
+    report = quant["accuracy"]
+    assert report["tokens"] > 300 and report["ppl_quantized"] > 0 and report["kl"] >= 0
+    tensors = _weights(Engine(engine_dir))
+    scaled = algo != "fp8"  # AWQ and SmoothQuant rescale inputs; FP8 does not
+    for e in range(spec["num_experts"]):
+        gate_up, down = (names.layer_tensor(1, names.expert_tensor(e, n)) for n in ("gate_up", "down"))
+        assert (names.linear_tensor(gate_up, names.PRE_SCALE) in tensors) == scaled
+        assert names.linear_tensor(down, names.PRE_SCALE) not in tensors
+        assert (names.linear_tensor(down, names.INPUT_SCALE) in tensors) == (kind in (names.LINEAR_FP8,
+                                                                                   names.LINEAR_W4A8_FP8))
+    assert tensors[names.layer_tensor(1, names.MLP_ROUTER)].dtype == torch.bfloat16
+    out = llm_for(engine_dir).generate([PROMPT, PROMPT[:5]], max_tokens=6, ignore_eos=True)
+    assert [len(o.token_ids) for o in out] == [6, 6]
 
-    with pytest.raises(ConfigError, match=f"algo {algo} on a Mixture-of-Experts model .* not supported yet"):
-        build_engine(tmp_path / "e", tiny_models["mixtral"], "bfloat16", quantization={"algo": algo})
+
+@pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe"])
+def test_awq_on_experts_beats_round_to_nearest(arch, tiny_models, tmp_path):
+    """Per-expert AWQ scales and clipping with GPTQ rounding lose less than rounding every expert to
+    nearest at the same group size (KL on held-out text, both reports from the same build path)."""
+    kl = {}
+    for algo in ("int4_wo", "int4_awq"):
+        engine_dir = build_engine(tmp_path / algo, tiny_models[arch], "bfloat16", quantization={
+            "algo": algo, "group_size": 32, "calibration": SMALL_CALIBRATION, "accuracy": SMALL_ACCURACY,
+            "accuracy_gate": None})
+        kl[algo] = json.loads((engine_dir / names.ENGINE_JSON).read_text())["quantization"]["accuracy"]["kl"]
+    assert kl["int4_awq"] < 0.9 * kl["int4_wo"], kl
+
+
+def test_experts_calibration_never_routes_to_are_quantized_from_every_token(tiny_models, tmp_path, llm_for, capsys):
+    """A Qwen3-MoE whose routers never pick experts 4 and 5 (their logits are 0, while of the rows
+    r, -r, s, -s at least two are positive for every input): the build names them, quantizes
+    them from every token's statistics (AWQ scales searched on them, rounded to nearest), and
+    each such expert's output on random inputs is as close to the original as rounding it to
+    nearest would be."""
+    from safetensors.torch import load_file, save_file
+    import shutil
+
+    folder = tmp_path / "unrouted"
+    shutil.copytree(tiny_models["qwen3_moe"], folder)
+    checkpoint = load_file(folder / "model.safetensors")
+    routers = [k for k in checkpoint if k.endswith("mlp.gate.weight")]
+    for key in routers:
+        r, s = checkpoint[key][0], checkpoint[key][1]
+        checkpoint[key] = torch.stack([r, -r, s, -s, torch.zeros_like(r), torch.zeros_like(r)])
+    save_file(checkpoint, folder / "model.safetensors", metadata={"format": "pt"})
+    engine_dir = build_engine(tmp_path / "e", folder, "bfloat16", quantization={
+        "algo": "int4_awq", "group_size": 32, "calibration": SMALL_CALIBRATION, "accuracy": SMALL_ACCURACY,
+        "accuracy_gate": None})
+    printed = " ".join(capsys.readouterr().err.split())  # (rich wraps long lines)
+    assert "quantized from every token's statistics" in printed and "layer 1 experts 4 (0), 5 (0)" in printed
+    routing = json.loads((engine_dir / names.ENGINE_JSON).read_text())["quantization"]["calibration"]["experts"]
+    assert len(routers) == len(routing) == 2
+    for layer in routing.values():
+        assert layer["pooled"] == [4, 5] and layer["tokens"][4:] == [0, 0] and min(layer["tokens"][:4]) > 0
+    from kiln.plugins.formats import dequantize_int4
+
+    tensors = _weights(Engine(engine_dir))
+
+    def stored(e: int, n: str) -> torch.Tensor:
+        prefix = names.layer_tensor(1, names.expert_tensor(e, n))
+        return dequantize_int4(tensors[names.linear_tensor(prefix, names.QWEIGHT)],
+                               tensors[names.linear_tensor(prefix, names.WEIGHT_SCALES)], 32)
+
+    def mlp(x, gate_up, down):
+        gate, up = (x @ gate_up.T).chunk(2, dim=1)
+        return (F.silu(gate) * up) @ down.T
+
+    x = torch.randn(64, 64, generator=torch.Generator().manual_seed(3))
+    for e in (4, 5):
+        original = {c: checkpoint[f"model.layers.1.mlp.experts.{e}.{c}_proj.weight"].float() for c in ("gate", "up", "down")}
+        want = mlp(x, torch.cat([original["gate"], original["up"]]), original["down"])
+        pre_scale = tensors[names.linear_tensor(names.layer_tensor(1, names.expert_tensor(e, "gate_up")),
+                                                names.PRE_SCALE)]
+        # (its AWQ scale, searched on every token's statistics: the grid may pick 1 for all)
+        got = mlp(x * pre_scale, stored(e, "gate_up"), stored(e, "down"))
+        nearest = mlp(x, *(dequantize_int4(*quantize_int4(w, 32), 32) for w in (
+            torch.cat([original["gate"], original["up"]]), original["down"])))
+        # on inputs unlike the calibration text's, no worse than rounding to nearest
+        assert (got - want).norm() < 1.1 * (nearest - want).norm()
+    out = llm_for(engine_dir).generate([PROMPT, PROMPT[:5]], max_tokens=6, ignore_eos=True)
+    assert [len(o.token_ids) for o in out] == [6, 6]
 
 
 @pytest.mark.parametrize("arch, quantization", [("mixtral", {"algo": "int4_wo", "group_size": 32, "kv_cache": "int8"}),
