@@ -11,6 +11,7 @@ import torch
 
 from kiln import constants as names
 from kiln.builder.checkpoint import PACKED_PARTS, Checkpoint
+from kiln.errors import CheckpointError
 
 
 def pack_weights(
@@ -49,8 +50,11 @@ def pack_weights(
                 [layer("attention.q.bias"), layer("attention.k.bias"), layer("attention.v.bias")]
             )
         if spec.head_norms:
-            for packed_name, canonical in zip(names.HEAD_NORMS, names.CKPT_HEAD_NORMS):
+            for packed_name, canonical, size in zip(names.HEAD_NORMS, names.CKPT_HEAD_NORMS, spec.head_norm_sizes):
                 out[packed_name] = layer(canonical)
+                if out[packed_name].shape != (size,):
+                    raise CheckpointError(f"{names.layer_tensor(i, canonical)} has shape {tuple(out[packed_name].shape)}; "
+                                          f"norms over each {spec.head_norms_span} of this model take [{size}]")
         if spec.output_norms:
             for packed_name, canonical in zip(names.OUTPUT_NORMS, names.CKPT_OUTPUT_NORMS):
                 out[packed_name] = layer(canonical)

@@ -8,7 +8,8 @@ ENGINE_FORMAT_VERSION = 9  # 2: paged attention; 3: fused rope/norm/SwiGLU; 4: G
 # 6: quantized linears (int8 / int4 weights, W8A8); 7: FP8 linears, input_scale, int8 / FP8 KV cache;
 # 8: the KV cache's key rotation (quantization.key_rotation); 9: sliding-window attention (engines
 # may hold a window shorter than max_seq_len), Gemma 3's options (spec fields, output norms),
-# LongRoPE and partial rotary, Mixture-of-Experts layers (router, experts).
+# LongRoPE and partial rotary, Mixture-of-Experts layers (router, experts; experts' pre-scales),
+# head norms over the whole projection (OLMoE: the spec's head_norms_span).
 # (Qwen3's head norms were new tensors and a new spec field that older engines simply lack: no new
 # version.)
 ENGINE_JSON = "engine.json"

@@ -48,8 +48,8 @@ class Layer:
     gate_up: object  # the dense MLP (None in a Mixture-of-Experts layer)
     down: object
     kv_scales: torch.Tensor | None = None  # [2, kv_size] for an int8 / FP8 KV cache
-    q_norm: torch.Tensor | None = None  # [head_dim]: Qwen3's RMSNorm over each query head
-    k_norm: torch.Tensor | None = None  # ... and over each key head
+    q_norm: torch.Tensor | None = None  # [head_dim]: Qwen3's RMSNorm over each query head (OLMoE: [q_size], all heads)
+    k_norm: torch.Tensor | None = None  # ... and over each key head ([kv_size])
     attn_out_norm: torch.Tensor | None = None  # Gemma: RMSNorm of the attention's output before the residual add
     mlp_out_norm: torch.Tensor | None = None  # ... and of the MLP's
     window: int = 0  # sliding window (0: none)
@@ -215,11 +215,12 @@ class LlamaModel:
         )
 
     def norm_heads(self, qkv: torch.Tensor, layer: Layer) -> torch.Tensor:
-        """Qwen3: qkv with each query head and each key head RMS-normalized (before RoPE)."""
+        """qkv with the queries and keys RMS-normalized (before RoPE): each head (Qwen3, Gemma 3),
+        or each row's whole query and key projections (OLMoE), as the norms' lengths say."""
         spec = self.spec
         rows, q, kv = qkv.shape[0], spec.q_size, spec.kv_size
-        queries = ops.rms_norm(qkv[:, :q].reshape(-1, spec.head_dim), layer.q_norm, spec.norm_eps)
-        keys = ops.rms_norm(qkv[:, q:q + kv].reshape(-1, spec.head_dim), layer.k_norm, spec.norm_eps)
+        queries = ops.rms_norm(qkv[:, :q].reshape(-1, layer.q_norm.shape[0]), layer.q_norm, spec.norm_eps)
+        keys = ops.rms_norm(qkv[:, q:q + kv].reshape(-1, layer.k_norm.shape[0]), layer.k_norm, spec.norm_eps)
         return torch.cat([queries.view(rows, q), keys.view(rows, kv), qkv[:, q + kv:]], dim=1)
 
     def mixture(self, x: torch.Tensor, layer: Layer) -> torch.Tensor:

@@ -5,7 +5,10 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma3", "mixtral", "qwen3_moe")
+ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma3", "mixtral", "qwen3_moe", "olmoe")
+# what head_norms normalize: each query / key head (Qwen3, Gemma 3), or the whole query and key
+# projections, all heads together (OLMoE)
+HEAD_NORM_SPANS = ("head", "projection")
 ACTIVATIONS = ("silu", "gelu_tanh")  # the MLP's gated activation: SwiGLU, or GeGLU with tanh-GELU (Gemma)
 
 
@@ -52,7 +55,8 @@ class ModelSpec:
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
     qkv_bias: bool = False
-    head_norms: bool = False  # Qwen3, Gemma 3: RMSNorm over each query and key head before RoPE
+    head_norms: bool = False  # Qwen3, Gemma 3, OLMoE: RMSNorm of the queries and keys before RoPE
+    head_norms_span: str = "head"  # one of HEAD_NORM_SPANS: over each head, or over all heads at once
     bos_id: int | None = None
     eos_ids: tuple[int, ...] = field(default_factory=tuple)
     pad_id: int | None = None
@@ -86,6 +90,8 @@ class ModelSpec:
             raise ValueError(
                 f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}"
             )
+        if self.head_norms_span not in HEAD_NORM_SPANS:
+            raise ValueError(f"head_norms_span {self.head_norms_span!r} is not one of {HEAD_NORM_SPANS}")
         if self.activation not in ACTIVATIONS:
             raise ValueError(f"activation {self.activation!r} is not one of {ACTIVATIONS}")
         if self.sliding_window is not None and self.sliding_window < 1:
@@ -109,6 +115,13 @@ class ModelSpec:
     def scale(self) -> float:
         """The attention scores' scale."""
         return self.query_scale if self.query_scale is not None else self.head_dim**-0.5
+
+    @property
+    def head_norm_sizes(self) -> tuple[int, int]:
+        """The lengths of the query and key norms' weights."""
+        if self.head_norms_span == "projection":
+            return self.q_size, self.kv_size
+        return self.head_dim, self.head_dim
 
     @property
     def q_size(self) -> int:

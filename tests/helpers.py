@@ -67,7 +67,7 @@ def make_sentencepiece(path: Path, vocab_size: int, space_prefix: bool = True) -
 
 
 def make_tiny_model(folder: Path, architecture: str, seed: int = 0, **overrides) -> Path:
-    """A tiny random Llama / Mistral / Qwen2 / Qwen3 / Phi-3 / Gemma 3 / Mixtral / Qwen3-MoE saved as a
+    """A tiny random Llama / Mistral / Qwen2 / Qwen3 / Phi-3 / Gemma 3 / Mixtral / Qwen3-MoE / OLMoE saved as a
     Hugging Face folder (safetensors)."""
     import torch
     import transformers
@@ -123,6 +123,11 @@ def make_tiny_model(folder: Path, architecture: str, seed: int = 0, **overrides)
         config = transformers.Qwen3MoeConfig(head_dim=32, num_experts=6, num_experts_per_tok=2, moe_intermediate_size=48,
                                              **shapes)
         model = transformers.Qwen3MoeForCausalLM(config)
+    elif architecture == "olmoe":  # 4 experts, 2 a token; q / k norms over all heads of the projection
+        shapes.setdefault("num_key_value_heads", 2)
+        config = transformers.OlmoeConfig(num_experts=4, num_experts_per_tok=2, pad_token_id=0,
+                                          **{**shapes, "intermediate_size": 48})
+        model = transformers.OlmoeForCausalLM(config)
     elif architecture == "gemma3-multimodal":  # Gemma 3 4B and up: a language model beside a vision tower
         shapes.setdefault("num_key_value_heads", 2)
         text = dict(shapes, head_dim=32, query_pre_attn_scalar=24, pad_token_id=0, sliding_window=6,

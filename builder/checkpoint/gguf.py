@@ -1,4 +1,4 @@
-"""GGUF files (llama (Mixtral: llama with experts), qwen2, qwen3, qwen3moe, phi3 and gemma3
+"""GGUF files (llama (Mixtral: llama with experts), qwen2, qwen3, qwen3moe, olmoe, phi3 and gemma3
 architectures, as llama.cpp's convert_hf_to_gguf.py writes them): dequantized with the `gguf` package, tokenizer rebuilt for
 `tokenizers` (byte-level BPE or SentencePiece BPE). Phi-3's fused attn_qkv and ffn_up (gate and
 up rows) are split into the canonical tensors; Gemma 3's norms arrive as their multipliers
@@ -39,7 +39,7 @@ _LAYER_NAMES = {
     "attn_q_norm.weight": "attention.q_norm.weight",  # qwen3, gemma3
     "attn_k_norm.weight": "attention.k_norm.weight",
 }
-# Mixture-of-Experts (Mixtral as llama.cpp's `llama` with experts, `qwen3moe`): the router, and
+# Mixture-of-Experts (Mixtral as llama.cpp's `llama` with experts, `qwen3moe`, `olmoe`): the router, and
 # each projection of every expert stacked in one [experts, out, in] tensor
 _ROUTER = "ffn_gate_inp.weight"
 _STACKED_EXPERTS = {"ffn_gate_exps.weight": "gate.weight", "ffn_up_exps.weight": "up.weight",
@@ -60,8 +60,9 @@ _FUSED = {
 }
 # general.architecture -> whether llama.cpp permuted the q / k rows (its Llama converter interleaves
 # the rotary pairs; its Qwen and Phi-3 converters keep Hugging Face's rotate-half order)
-ARCHITECTURES = {"llama": True, "qwen2": False, "qwen3": False, "phi3": False, "gemma3": False, "qwen3moe": False}
-MOE_ARCHITECTURES = ("llama", "qwen3moe")  # (a `llama` GGUF with experts is a Mixtral)
+ARCHITECTURES = {"llama": True, "qwen2": False, "qwen3": False, "phi3": False, "gemma3": False, "qwen3moe": False,
+                 "olmoe": False}
+MOE_ARCHITECTURES = ("llama", "qwen3moe", "olmoe")  # (a `llama` GGUF with experts is a Mixtral)
 FUSED_ARCHITECTURES = ("phi3",)
 # tensors of Phi-3's long-context RoPE scaling (LongRoPE): its long and short divisors
 _LONGROPE_TENSORS = ("rope_factors_long.weight", "rope_factors_short.weight")
@@ -296,12 +297,14 @@ def load_gguf(path: Path) -> Checkpoint:
     options = dict(qkv_bias=arch == "qwen2", head_norms=arch == "qwen3", rope_linear_factor=linear,
                    rotary_dim=int(rotary) if rotary is not None and int(rotary) != head_dim else None)
     experts = int(_field(reader, f"{arch}.expert_count", 0) or 0)
-    if experts:  # as transformers' Mixtral (renormalized top-k) and Qwen3-MoE (the weights rounded to the dtype)
+    if experts:  # as transformers' Mixtral (renormalized top-k), Qwen3-MoE and OLMoE (the weights rounded
+        # to the dtype; OLMoE's q / k norms span all heads, and its top-k is not renormalized unless stated)
         options.update(num_experts=experts, experts_per_token=int(meta("expert_used_count")),
                        expert_intermediate_size=int(_field(reader, f"{arch}.expert_feed_forward_length", 0)
                                                     or meta("feed_forward_length")),
-                       normalize_expert_weights=bool(_field(reader, f"{arch}.expert_weights_norm", True)),
-                       round_expert_weights=arch == "qwen3moe", head_norms=arch == "qwen3moe")
+                       normalize_expert_weights=bool(_field(reader, f"{arch}.expert_weights_norm", arch != "olmoe")),
+                       round_expert_weights=arch in ("qwen3moe", "olmoe"), head_norms=arch in ("qwen3moe", "olmoe"),
+                       head_norms_span="projection" if arch == "olmoe" else "head")
     if longrope:  # as llama.cpp runs Phi-3's LongRoPE: divisors from the tensors, the factor from the metadata
         if set(longrope) != set(_LONGROPE_TENSORS):
             raise CheckpointError(f"{path}: GGUF phi3 has {sorted(longrope)} without the other LongRoPE tensor")
@@ -315,7 +318,7 @@ def load_gguf(path: Path) -> Checkpoint:
                        query_scale=float(query) ** -0.5, local_rope_theta=GEMMA3_LOCAL_THETA,
                        full_attention_layers=tuple(i for i in range(layers) if i % GEMMA3_PATTERN == GEMMA3_PATTERN - 1))
     spec = ModelSpec(
-        architecture={"qwen3moe": "qwen3_moe"}.get(arch, "mixtral" if experts else arch),
+        architecture="mixtral" if arch == "llama" and experts else {"qwen3moe": "qwen3_moe"}.get(arch, arch),
         vocab_size=int(meta("vocab_size", len(tokens))),
         hidden_size=int(hidden),
         num_layers=layers,

@@ -23,13 +23,14 @@ ARCHITECTURES = {
     "Gemma3ForConditionalGeneration": "gemma3",  # 4B and up: the language model of the multimodal checkpoint
     "MixtralForCausalLM": "mixtral",
     "Qwen3MoeForCausalLM": "qwen3_moe",
+    "OlmoeForCausalLM": "olmoe",
 }
 # Mixture-of-Experts layers: the router, and each expert's projections (Mixtral's w1 / w3 / w2 are
 # the gate / up / down projections)
 _EXPERT = re.compile(r"^(?:block_sparse_moe|mlp)\.experts\.(\d+)\.(w1|w3|w2|gate_proj|up_proj|down_proj)\.weight$")
 _EXPERT_NAMES = {"w1": "gate.weight", "w3": "up.weight", "w2": "down.weight", "gate_proj": "gate.weight",
                  "up_proj": "up.weight", "down_proj": "down.weight"}
-_ROUTERS = {"mixtral": "block_sparse_moe.gate.weight", "qwen3_moe": "mlp.gate.weight"}
+_ROUTERS = {"mixtral": "block_sparse_moe.gate.weight", "qwen3_moe": "mlp.gate.weight", "olmoe": "mlp.gate.weight"}
 # transformers' Gemma3TextConfig defaults: configs on the Hub leave out what equals them
 GEMMA3_DEFAULTS = {
     "vocab_size": 262_208, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26,
@@ -223,9 +224,15 @@ def _gemma3_options(config: dict, source: Path) -> dict:
 
 
 def _moe_options(config: dict, source: Path, arch: str) -> dict:
-    """ModelSpec fields of Mixtral and Qwen3-MoE (every layer's MLP a set of experts; what kiln
-    does not implement is refused by name)."""
-    if arch == "qwen3_moe":
+    """ModelSpec fields of Mixtral, Qwen3-MoE and OLMoE (every layer's MLP a set of experts; what
+    kiln does not implement is refused by name)."""
+    span = "head"
+    if arch == "olmoe":  # routed as Qwen3-MoE; its q / k norms span every head of the projection
+        if config.get("clip_qkv") is not None:
+            raise CheckpointError(f"{source}: clip_qkv {config['clip_qkv']} (clamped q / k / v) is not supported")
+        experts, width = int(config["num_experts"]), int(config["intermediate_size"])
+        normalize, rounded, span = bool(config.get("norm_topk_prob", False)), True, "projection"
+    elif arch == "qwen3_moe":
         if config.get("mlp_only_layers") or int(config.get("decoder_sparse_step", 1)) != 1:
             raise CheckpointError(f"{source}: dense layers among the experts' (mlp_only_layers "
                                   f"{config.get('mlp_only_layers')}, decoder_sparse_step "
@@ -237,7 +244,7 @@ def _moe_options(config: dict, source: Path, arch: str) -> dict:
     else:
         experts, width, normalize, rounded = int(config["num_local_experts"]), int(config["intermediate_size"]), True, False
     sliding = config.get("sliding_window") if config.get("use_sliding_window", arch == "mixtral") else None
-    return dict(**_rope(config, source, arch), head_norms=arch == "qwen3_moe",
+    return dict(**_rope(config, source, arch), head_norms=arch in ("qwen3_moe", "olmoe"), head_norms_span=span,
                 sliding_window=int(sliding) if sliding else None,
                 tie_embeddings=bool(config.get("tie_word_embeddings", False)),
                 num_experts=experts, experts_per_token=int(config["num_experts_per_tok"]),
@@ -257,7 +264,7 @@ def spec_from_config(config: dict, generation: dict, source: Path) -> ModelSpec:
         config = {**{k: v for k, v in (config.get("text_config") or {}).items() if v is not None}, **top}
     if arch == "gemma3":
         config = {**GEMMA3_DEFAULTS, **config}
-    if config.get("mlp_bias") or (arch in ("llama", "qwen3", "gemma3", "qwen3_moe") and config.get("attention_bias")):
+    if config.get("mlp_bias") or (arch in ("llama", "qwen3", "gemma3", "qwen3_moe", "olmoe") and config.get("attention_bias")):
         raise CheckpointError(f"{source}: attention_bias / mlp_bias Llama variants are not supported")
     rope = config.get("rope_parameters") or {}
     partial = float(rope.get("partial_rotary_factor", config.get("partial_rotary_factor")) or 1.0)

@@ -103,6 +103,28 @@ def test_gemma3_variants_kiln_cannot_run_are_refused(change, message, tiny_model
         load_checkpoint(folder)
 
 
+def test_olmoe_variants_kiln_cannot_run_are_refused(tiny_models, tmp_path):
+    """clip_qkv (queries, keys and values clamped) is refused by name; a q norm of the per-head
+    length on OLMoE (whose norms span every head) by the tensor's name and shape."""
+    from safetensors.torch import load_file, save_file
+
+    from kiln.builder.compile import pack_weights
+
+    folder = shutil.copytree(tiny_models["olmoe"], tmp_path / "olmoe")
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "clip_qkv": 8.0}))
+    with pytest.raises(CheckpointError, match="clip_qkv 8.0"):
+        load_checkpoint(folder)
+    (folder / "config.json").write_text(json.dumps(config))
+    tensors = load_file(folder / "model.safetensors")
+    key = "model.layers.1.self_attn.q_norm.weight"
+    tensors[key] = tensors[key][:16].clone()  # one head's worth
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=r"layers.1.attention.q_norm.weight has shape \(16,\); norms over "
+                                              r"each projection of this model take \[64\]"):
+        pack_weights(load_checkpoint(folder), torch.float32)
+
+
 def test_gemma3_configs_of_older_transformers_read_alike(tiny_models, tmp_path):
     """Gemma 3 configs on the Hub (transformers 4.5x) state RoPE as rope_theta, rope_local_base_freq
     and rope_scaling, and the layer pattern as sliding_window_pattern: the same spec as the

@@ -81,8 +81,12 @@ def test_fused_decode_equals_the_python_loop(arch, dtype, quantization, tiny_mod
     ("float32", {"algo": "none"}),
     ("bfloat16", {"algo": "int4_wo", "group_size": 32}),
     ("bfloat16", {"algo": "int8_wo", "kv_cache": "fp8"}),
+    ("bfloat16", {"algo": "int4_awq", "group_size": 32}),  # experts' gate/up with pre-scales
+    ("bfloat16", {"algo": "int8_sq", "kv_cache": "int8"}),
+    ("bfloat16", {"algo": "fp8"}),
+    ("bfloat16", {"algo": "w4a8_awq", "group_size": 32}),
 ])
-@pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe"])
+@pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe", "olmoe"])
 def test_fused_decode_routes_experts_as_the_python_loop(arch, dtype, quantization, tiny_models, tmp_path):
     """Mixture-of-Experts layers inside decode_layers (router, top-k, the chosen experts' linears)
     give the Python loop's logits and KV cache, bit for bit."""

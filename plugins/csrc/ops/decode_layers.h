@@ -61,13 +61,18 @@ static at::Tensor planned_linear(const at::Tensor& x, const OptionalTensors& ten
   TORCH_CHECK(false, "kiln::decode_layers: unknown linear kind ", kind);
 }
 
-// Qwen3: qkv with each query head and each key head RMS-normalized (the same kernel and the same
-// steps as runtime/model.py's norm_heads, so the fused step stays bit for bit the Python loop).
+// qkv with the queries and keys RMS-normalized: each head (Qwen3, Gemma 3: norms of head_dim), or
+// each row's whole query and key projections (OLMoE: norms of q_size and kv_size). The same kernel
+// and the same steps as runtime/model.py's norm_heads, so the fused step stays bit for bit the
+// Python loop.
 at::Tensor norm_heads(const at::Tensor& qkv, const at::Tensor& q_norm, const at::Tensor& k_norm, int64_t heads,
-                      double eps) {
-  const int64_t d = q_norm.size(0), rows = qkv.size(0), q = heads * d, kv = (qkv.size(1) - q) / 2;
-  const at::Tensor queries = rms_norm(qkv.narrow(1, 0, q).reshape({-1, d}), q_norm, eps).view({rows, q});
-  const at::Tensor keys = rms_norm(qkv.narrow(1, q, kv).reshape({-1, d}), k_norm, eps).view({rows, kv});
+                      int64_t head_dim, double eps) {
+  const int64_t rows = qkv.size(0), q = heads * head_dim, kv = (qkv.size(1) - q) / 2;
+  const int64_t dq = q_norm.size(0), dk = k_norm.size(0);
+  TORCH_CHECK(q % dq == 0 && kv % dk == 0, "kiln::decode_layers: head norms of ", dq, " and ", dk,
+              " do not divide the query and key projections of ", q, " and ", kv);
+  const at::Tensor queries = rms_norm(qkv.narrow(1, 0, q).reshape({-1, dq}), q_norm, eps).view({rows, q});
+  const at::Tensor keys = rms_norm(qkv.narrow(1, q, kv).reshape({-1, dk}), k_norm, eps).view({rows, kv});
   return at::cat({queries, keys, qkv.narrow(1, q + kv, kv)}, 1);
 }
 
@@ -130,7 +135,8 @@ at::Tensor decode_layers(at::Tensor& h, const at::Tensor& x0, const OptionalTens
                 "'s activation ", activation, " is not one of the library's ", kActivations);
     const at::Tensor& rope_cos = layer_cos ? *layer_cos : cos;
     const at::Tensor& rope_sin = layer_sin ? *layer_sin : sin;
-    const at::Tensor qkv_out = head_q ? norm_heads(run(x, qkv), *head_q, *head_k, heads, eps) : run(x, qkv);
+    const at::Tensor qkv_out =
+        head_q ? norm_heads(run(x, qkv), *head_q, *head_k, heads, kv.size(-1), eps) : run(x, qkv);
     if (i == 0)  // the step's metadata and shapes, checked once: every layer's pool is alike
       shape = check_paged(qkv_out, kv.select(0, 0).select(0, 0), kv.select(0, 0).select(0, 1), block_tables,
                           query_start, context_lens, cos, sin, heads, kv_scales, key_hadamard, 0, token_seq);
