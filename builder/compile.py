@@ -41,6 +41,8 @@ def pack_weights(
                 out[fused] = torch.cat([layer(part) for part in parts])
         if spec.num_experts:  # the router as it is; each expert's gate and up fused as a dense MLP's
             out[names.MLP_ROUTER] = layer(names.CKPT_ROUTER)
+            if spec.shared_expert_gated:  # (the shared expert itself is packed as the dense MLP above)
+                out[names.MLP_SHARED_GATE] = layer(names.CKPT_SHARED_GATE)
             for e in range(spec.num_experts):
                 gate, up, down = (layer(names.expert_tensor(e, n)) for n in names.CKPT_EXPERT)
                 out[names.expert_tensor(e, "gate_up.weight")] = torch.cat([gate, up])

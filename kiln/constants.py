@@ -9,7 +9,8 @@ ENGINE_FORMAT_VERSION = 9  # 2: paged attention; 3: fused rope/norm/SwiGLU; 4: G
 # 8: the KV cache's key rotation (quantization.key_rotation); 9: sliding-window attention (engines
 # may hold a window shorter than max_seq_len), Gemma 3's options (spec fields, output norms),
 # LongRoPE and partial rotary, Mixture-of-Experts layers (router, experts; experts' pre-scales),
-# head norms over the whole projection (OLMoE: the spec's head_norms_span).
+# head norms over the whole projection (OLMoE: the spec's head_norms_span), shared experts
+# (Qwen2-MoE: a MoE layer's mlp.gate_up / mlp.down and mlp.shared_gate).
 # (Qwen3's head norms were new tensors and a new spec field that older engines simply lack: no new
 # version.)
 ENGINE_JSON = "engine.json"
@@ -39,6 +40,9 @@ ATTN_OUT_NORM = "attention.out_norm.weight"  # Gemma: an RMSNorm of the attentio
 MLP_OUT_NORM = "mlp.out_norm.weight"  # ... and of the MLP's
 OUTPUT_NORMS = (ATTN_OUT_NORM, MLP_OUT_NORM)
 MLP_ROUTER = "mlp.router.weight"  # Mixture-of-Experts: [experts, hidden], the router's logits (kept unquantized)
+# a Mixture-of-Experts layer's shared expert (Qwen2-MoE) is its mlp.gate_up / mlp.down, which every
+# token runs, its output times sigmoid(x @ shared_gate.T) where the family gates it
+MLP_SHARED_GATE = "mlp.shared_gate.weight"  # [1, hidden] (kept unquantized)
 
 
 def expert_tensor(expert: int, name: str) -> str:
@@ -229,6 +233,7 @@ CKPT_HEAD_NORMS = ("attention.q_norm.weight", "attention.k_norm.weight")  # Qwen
 CKPT_OUTPUT_NORMS = ("attention.out_norm.weight", "mlp.out_norm.weight")  # Gemma 3 (spec.output_norms)
 CKPT_DENSE_MLP = ("mlp.gate.weight", "mlp.up.weight", "mlp.down.weight")  # (a Mixture-of-Experts layer instead has:)
 CKPT_ROUTER = "mlp.router.weight"
+CKPT_SHARED_GATE = "mlp.shared_gate.weight"  # (and CKPT_DENSE_MLP: its shared expert, where it has one)
 CKPT_EXPERT = ("gate.weight", "up.weight", "down.weight")  # each as expert_tensor(e, name)
 
 # engine model custom metrics (Triton metrics endpoint, Prometheus text format)

@@ -179,11 +179,13 @@ def decode_layers(h, x, tensors, ints, floats, kv, block_tables, query_start, co
 
 
 @op
-def moe_mlp(x, router, tensors, ints, floats, top_k, normalize, round_weights, activation):
+def moe_mlp(x, router, tensors, ints, floats, top_k, normalize, round_weights, activation, shared_gate=None):
     """A Mixture-of-Experts MLP for a few rows: softmax of x @ router.T in float32, each row's
     top_k experts (their weights rescaled to sum to 1 if normalize, rounded to x's dtype if
     round_weights), each chosen expert once over its rows (activation: a code of the library's
-    activations), weighted and added in expert order. (tensors, ints, floats): expert_plan's."""
+    activations), weighted and added in expert order. (tensors, ints, floats): expert_plan's, of
+    the router's experts and, where the plan has one more, a shared expert run on every row, its
+    output (times sigmoid(x @ shared_gate.T) where given) added last."""
     return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 

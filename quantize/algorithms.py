@@ -66,7 +66,8 @@ def pick_group_size(setting, spec: ModelSpec) -> int:
     if setting != "auto":
         return int(setting)
     in_features = (spec.hidden_size, spec.q_size,
-                   spec.expert_intermediate_size if spec.num_experts else spec.intermediate_size)
+                   spec.expert_intermediate_size if spec.num_experts else spec.intermediate_size,
+                   spec.shared_expert_intermediate_size or spec.hidden_size)
     for size in (128, 64, 32):
         if all(k % size == 0 for k in in_features):
             return size
@@ -128,12 +129,14 @@ def kv_cache_scales(stats: KVStats, kv_cache: str, key_rotation: str = names.KEY
 
 def linear_weights(spec: ModelSpec) -> dict[str, str]:
     """A layer's linears by key (runtime.model.Layer.linears) -> the packed tensor each is stored
-    as: LINEAR_WEIGHTS, or on a Mixture-of-Experts model qkv, out and each expert's two."""
+    as: LINEAR_WEIGHTS, or on a Mixture-of-Experts model qkv, out, the shared expert's gate_up
+    and down where it has one, and each expert's two."""
     if not spec.num_experts:
         return dict(LINEAR_WEIGHTS)
     experts = {expert_key(e, n): names.expert_tensor(e, f"{n}.weight") for e in range(spec.num_experts)
                for n in EXPERT_LINEARS}
-    return {"qkv": names.ATTN_QKV, "out": names.ATTN_OUT, **experts}
+    shared = {"gate_up": names.MLP_GATE_UP, "down": names.MLP_DOWN} if spec.shared_expert_intermediate_size else {}
+    return {"qkv": names.ATTN_QKV, "out": names.ATTN_OUT, **shared, **experts}
 
 
 @dataclass
@@ -143,6 +146,7 @@ class LayerWeights:
     input_norm: torch.Tensor
     post_attention_norm: torch.Tensor
     linears: dict[str, torch.Tensor]  # by key, as linear_weights() names them
+    routed: bool = False  # a Mixture-of-Experts layer: the norm before its MLP feeds the router too
     pre_scales: dict[str, torch.Tensor] = field(default_factory=dict)  # inputs' scales not folded elsewhere
 
     @classmethod
@@ -151,19 +155,20 @@ class LayerWeights:
             return weights[names.layer_tensor(i, name)].float().clone()
 
         return cls(get(names.INPUT_NORM), get(names.POST_ATTENTION_NORM),
-                   {key: get(weight) for key, weight in linear_weights(spec).items()})
+                   {key: get(weight) for key, weight in linear_weights(spec).items()}, spec.num_experts > 0)
 
     def apply_scales(self, s: dict[str, torch.Tensor]) -> None:
         """x / s, W * s for each linear with a scale; the float model's output is unchanged. x / s
-        goes into the norm before qkv and the dense gate_up, into the up rows before a down
+        goes into the norm before qkv and a dense layer's gate_up, into the up rows before a down
         projection (an expert's: its own), and elsewhere into a pre-scale the runtime multiplies
-        in: `out` (with grouped-query attention it cannot be folded into the value rows) and an
-        expert's gate_up (its input norm feeds the router and every other expert too)."""
+        in: `out` (with grouped-query attention it cannot be folded into the value rows), and in a
+        Mixture-of-Experts layer each expert's gate_up and the shared expert's (the norm before
+        them feeds the router and every expert)."""
         for key, scale in s.items():
             self.linears[key] *= scale
             if key == "qkv":
                 self.input_norm /= scale
-            elif key == "gate_up":
+            elif key == "gate_up" and not self.routed:
                 self.post_attention_norm /= scale
             elif key.endswith("down"):
                 gate_up = self.linears[key.removesuffix("down") + "gate_up"]
@@ -347,7 +352,8 @@ def quantize_weights(weights: dict[str, torch.Tensor], spec: ModelSpec, options:
         return out
     for name, tensor in weights.items():
         if not name.startswith("layers.") or name.endswith((names.ATTN_QKV_BIAS, *names.HEAD_NORMS,
-                                                            *names.OUTPUT_NORMS, names.MLP_ROUTER)):
+                                                            *names.OUTPUT_NORMS, names.MLP_ROUTER,
+                                                            names.MLP_SHARED_GATE)):
             out[name] = tensor.to(dtype).contiguous()
     if options.lm_head in ("int8", "int4"):
         head = weights[names.EMBED if spec.tie_embeddings else names.LM_HEAD]

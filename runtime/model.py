@@ -45,7 +45,7 @@ class Layer:
     qkv: object  # runtime.linear objects: callables x -> x @ W.T (+ bias)
     out: object
     post_attention_norm: torch.Tensor
-    gate_up: object  # the dense MLP (None in a Mixture-of-Experts layer)
+    gate_up: object  # the dense MLP (in a Mixture-of-Experts layer: its shared expert, or None)
     down: object
     kv_scales: torch.Tensor | None = None  # [2, kv_size] for an int8 / FP8 KV cache
     q_norm: torch.Tensor | None = None  # [head_dim]: Qwen3's RMSNorm over each query head (OLMoE: [q_size], all heads)
@@ -56,11 +56,12 @@ class Layer:
     local_rope: bool = False  # rotary tables of its own (Gemma 3's sliding-window layers)
     router: torch.Tensor | None = None  # Mixture-of-Experts: [experts, hidden]
     experts: list[Expert] | None = None
+    shared_gate: torch.Tensor | None = None  # [1, hidden]: the shared expert's output times sigmoid(x @ it.T)
     expert_plan: tuple | None = None  # ops.expert_plan of the experts and the activation's code, made on first use
 
     def linears(self) -> dict[str, object]:
         """The layer's linear layers by key: LINEARS' names it has (a Mixture-of-Experts layer: qkv
-        and out), then each expert's by expert_key."""
+        and out, and gate_up / down where it has a shared expert), then each expert's by expert_key."""
         found = {name: getattr(self, name) for name in LINEARS if getattr(self, name) is not None}
         for e, expert in enumerate(self.experts or ()):
             found.update({expert_key(e, name): getattr(expert, name) for name in EXPERT_LINEARS})
@@ -170,6 +171,8 @@ class LlamaModel:
             record.update(cos=self.local_cos, sin=self.local_sin)
         if layer.experts:
             spec = self.spec
+            if layer.shared_gate is not None:
+                record.update(shared_gate=layer.shared_gate)
             record.update(router=layer.router, experts=len(layer.experts), top_k=spec.experts_per_token,
                           normalize_experts=int(spec.normalize_expert_weights),
                           round_expert_weights=int(spec.round_expert_weights),
@@ -195,14 +198,16 @@ class LlamaModel:
             kv_scales = kv_scales.float().contiguous()
 
         moe = self.spec.num_experts > 0
+        dense_mlp = not moe or self.spec.shared_expert_intermediate_size > 0  # (a shared expert is one)
         return Layer(
             input_norm=get(names.INPUT_NORM),
             qkv=linear(names.ATTN_QKV, weights.get(names.layer_tensor(i, names.ATTN_QKV_BIAS))),
             out=linear(names.ATTN_OUT),
             post_attention_norm=get(names.POST_ATTENTION_NORM),
-            gate_up=None if moe else linear(names.MLP_GATE_UP),
-            down=None if moe else linear(names.MLP_DOWN),
+            gate_up=linear(names.MLP_GATE_UP) if dense_mlp else None,
+            down=linear(names.MLP_DOWN) if dense_mlp else None,
             router=get(names.MLP_ROUTER) if moe else None,
+            shared_gate=get(names.MLP_SHARED_GATE) if moe and self.spec.shared_expert_gated else None,
             experts=[Expert(linear(names.expert_tensor(e, "gate_up.weight")), linear(names.expert_tensor(e, "down.weight")))
                      for e in range(self.spec.num_experts)] if moe else None,
             kv_scales=kv_scales,
@@ -228,15 +233,19 @@ class LlamaModel:
         softmax in float32, each token's top experts_per_token weights (rescaled to sum to 1 where
         the family does), then each chosen expert once over the rows routed to it, in expert
         order, its output times the row's weight added into the result. Only the chosen experts'
-        weights are read. A few rows (decode) run it in one plugin call, bit for bit."""
+        weights are read. A shared expert (Qwen2-MoE: the layer's gate_up / down) runs on every
+        row, its output (times sigmoid(x @ shared_gate.T) where gated) added last. A few rows
+        (decode) run it in one plugin call, bit for bit."""
         spec = self.spec
+        shared = layer.gate_up is not None
         if self.fused_experts and x.shape[0] <= SKINNY_ROWS:  # the same, in one plugin call
             if layer.expert_plan is None:  # (the plan's lists, then the activation's code)
-                layer.expert_plan = (*ops.expert_plan([(e.gate_up.plan(), e.down.plan()) for e in layer.experts]),
+                pairs = [(e.gate_up, e.down) for e in layer.experts] + ([(layer.gate_up, layer.down)] if shared else [])
+                layer.expert_plan = (*ops.expert_plan([(gate_up.plan(), down.plan()) for gate_up, down in pairs]),
                                      ops.activation_codes()[spec.activation])
             *plan, activation = layer.expert_plan
             return ops.moe_mlp(x, layer.router, *plan, spec.experts_per_token, spec.normalize_expert_weights,
-                               spec.round_expert_weights, activation)
+                               spec.round_expert_weights, activation, layer.shared_gate)
         probs = F.linear(x, layer.router).float().softmax(dim=-1)
         weights, chosen = probs.topk(spec.experts_per_token, dim=-1)
         if spec.normalize_expert_weights:
@@ -249,6 +258,9 @@ class LlamaModel:
             expert = layer.experts[e]
             y = expert.down(self.activation(expert.gate_up(x[rows])))
             out.index_add_(0, rows, (y * weights[rows, slot, None]).to(x.dtype))
+        if shared:
+            y = layer.down(self.activation(layer.gate_up(x)))
+            out = out + (y if layer.shared_gate is None else torch.sigmoid(F.linear(x, layer.shared_gate)) * y)
         return out
 
     @torch.inference_mode()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma3", "mixtral", "qwen3_moe", "olmoe")
+ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma3", "mixtral", "qwen3_moe", "olmoe", "qwen2_moe")
 # what head_norms normalize: each query / key head (Qwen3, Gemma 3), or the whole query and key
 # projections, all heads together (OLMoE)
 HEAD_NORM_SPANS = ("head", "projection")
@@ -82,6 +82,10 @@ class ModelSpec:
     expert_intermediate_size: int = 0
     normalize_expert_weights: bool = True  # the top-k softmax weights rescaled to sum to 1
     round_expert_weights: bool = False  # the weights rounded to the model dtype before use (Qwen3-MoE)
+    # a shared expert every token runs beside the routed ones (Qwen2-MoE), a gated MLP of this width
+    # (0: none), its output times sigmoid(x @ shared_gate.T) if shared_expert_gated
+    shared_expert_intermediate_size: int = 0
+    shared_expert_gated: bool = False
 
     def __post_init__(self):
         if self.architecture not in ARCHITECTURES:

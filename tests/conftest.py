@@ -25,7 +25,8 @@ def tiny_models(tmp_path_factory):
     """architecture -> Hugging Face folder of a tiny random model."""
     root = tmp_path_factory.mktemp("tiny_models")
     return {arch: make_tiny_model(root / arch, arch)
-            for arch in ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma3", "mixtral", "qwen3_moe", "olmoe")}
+            for arch in ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma3", "mixtral", "qwen3_moe", "olmoe",
+                         "qwen2_moe")}
 
 
 @pytest.fixture(scope="session")

@@ -67,7 +67,8 @@ def make_sentencepiece(path: Path, vocab_size: int, space_prefix: bool = True) -
 
 
 def make_tiny_model(folder: Path, architecture: str, seed: int = 0, **overrides) -> Path:
-    """A tiny random Llama / Mistral / Qwen2 / Qwen3 / Phi-3 / Gemma 3 / Mixtral / Qwen3-MoE / OLMoE saved as a
+    """A tiny random Llama / Mistral / Qwen2 / Qwen3 / Phi-3 / Gemma 3 / Mixtral / Qwen3-MoE / OLMoE /
+    Qwen2-MoE saved as a
     Hugging Face folder (safetensors)."""
     import torch
     import transformers
@@ -128,6 +129,15 @@ def make_tiny_model(folder: Path, architecture: str, seed: int = 0, **overrides)
         config = transformers.OlmoeConfig(num_experts=4, num_experts_per_tok=2, pad_token_id=0,
                                           **{**shapes, "intermediate_size": 48})
         model = transformers.OlmoeForCausalLM(config)
+    elif architecture == "qwen2_moe":  # 4 experts, 2 a token, and a shared expert behind a sigmoid gate
+        shapes.setdefault("num_key_value_heads", 2)
+        config = transformers.Qwen2MoeConfig(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
+                                             shared_expert_intermediate_size=96, pad_token_id=0, **shapes)
+        model = transformers.Qwen2MoeForCausalLM(config)
+        with torch.no_grad():  # random init leaves biases at zero; make them matter
+            for layer in model.model.layers:
+                for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                    proj.bias.normal_(0, 0.5)
     elif architecture == "gemma3-multimodal":  # Gemma 3 4B and up: a language model beside a vision tower
         shapes.setdefault("num_key_value_heads", 2)
         text = dict(shapes, head_dim=32, query_pre_attn_scalar=24, pad_token_id=0, sliding_window=6,

@@ -31,9 +31,10 @@ class Checkpoint:
         per_layer = (names.CKPT_LAYER_TENSORS + (names.CKPT_QKV_BIASES if spec.qkv_bias else ())
                      + (names.CKPT_HEAD_NORMS if spec.head_norms else ())
                      + (names.CKPT_OUTPUT_NORMS if spec.output_norms else ()))
-        if spec.num_experts:  # the router and every expert instead of one MLP
-            per_layer = tuple(n for n in per_layer if n not in names.CKPT_DENSE_MLP) + (names.CKPT_ROUTER,) + tuple(
-                names.expert_tensor(e, n) for e in range(spec.num_experts) for n in names.CKPT_EXPERT)
+        if spec.num_experts:  # the router and every expert instead of one MLP (or beside it: a shared expert)
+            per_layer = (tuple(n for n in per_layer if n not in names.CKPT_DENSE_MLP or spec.shared_expert_intermediate_size)
+                         + (names.CKPT_ROUTER,) + ((names.CKPT_SHARED_GATE,) if spec.shared_expert_gated else ())
+                         + tuple(names.expert_tensor(e, n) for e in range(spec.num_experts) for n in names.CKPT_EXPERT))
         for i in range(spec.num_layers):
             expected += [names.layer_tensor(i, n) for n in per_layer
                          if names.layer_tensor(i, n) not in self.prequantized_parts()]

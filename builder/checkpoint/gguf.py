@@ -1,4 +1,4 @@
-"""GGUF files (llama (Mixtral: llama with experts), qwen2, qwen3, qwen3moe, olmoe, phi3 and gemma3
+"""GGUF files (llama (Mixtral: llama with experts), qwen2, qwen3, qwen3moe, qwen2moe, olmoe, phi3 and gemma3
 architectures, as llama.cpp's convert_hf_to_gguf.py writes them): dequantized with the `gguf` package, tokenizer rebuilt for
 `tokenizers` (byte-level BPE or SentencePiece BPE). Phi-3's fused attn_qkv and ffn_up (gate and
 up rows) are split into the canonical tensors; Gemma 3's norms arrive as their multipliers
@@ -61,8 +61,11 @@ _FUSED = {
 # general.architecture -> whether llama.cpp permuted the q / k rows (its Llama converter interleaves
 # the rotary pairs; its Qwen and Phi-3 converters keep Hugging Face's rotate-half order)
 ARCHITECTURES = {"llama": True, "qwen2": False, "qwen3": False, "phi3": False, "gemma3": False, "qwen3moe": False,
-                 "olmoe": False}
-MOE_ARCHITECTURES = ("llama", "qwen3moe", "olmoe")  # (a `llama` GGUF with experts is a Mixtral)
+                 "olmoe": False, "qwen2moe": False}
+MOE_ARCHITECTURES = ("llama", "qwen3moe", "olmoe", "qwen2moe")  # (a `llama` GGUF with experts is a Mixtral)
+# Qwen2-MoE's shared expert (the canonical dense MLP beside the experts) and its gate, [1, hidden]
+_SHARED_EXPERT = {"ffn_gate_shexp.weight": "mlp.gate.weight", "ffn_up_shexp.weight": "mlp.up.weight",
+                  "ffn_down_shexp.weight": "mlp.down.weight", "ffn_gate_inp_shexp.weight": names.CKPT_SHARED_GATE}
 FUSED_ARCHITECTURES = ("phi3",)
 # tensors of Phi-3's long-context RoPE scaling (LongRoPE): its long and short divisors
 _LONGROPE_TENSORS = ("rope_factors_long.weight", "rope_factors_short.weight")
@@ -273,6 +276,8 @@ def load_gguf(path: Path) -> Checkpoint:
             name = names.layer_tensor(int(match.group(1)), layer_names[match.group(2)])
         elif match and arch in MOE_ARCHITECTURES and match.group(2) == _ROUTER:
             name = names.layer_tensor(int(match.group(1)), names.CKPT_ROUTER)
+        elif match and arch == "qwen2moe" and match.group(2) in _SHARED_EXPERT:
+            name = names.layer_tensor(int(match.group(1)), _SHARED_EXPERT[match.group(2)])
         elif match and arch in MOE_ARCHITECTURES and match.group(2) in _STACKED_EXPERTS:
             for e, expert in enumerate(_dequantized(t)):
                 tensors[names.layer_tensor(int(match.group(1)), names.expert_tensor(
@@ -285,6 +290,8 @@ def load_gguf(path: Path) -> Checkpoint:
         if fused_key is not None:
             fused[fused_key] = weight
             continue
+        if name.endswith(names.CKPT_SHARED_GATE):
+            weight = weight.reshape(1, -1)  # (a vector in the file)
         if ARCHITECTURES[arch] and name.endswith("attention.q.weight"):
             weight = _unpermute(weight, heads)
         elif ARCHITECTURES[arch] and name.endswith("attention.k.weight"):
@@ -294,7 +301,7 @@ def load_gguf(path: Path) -> Checkpoint:
     eos = _field(reader, "tokenizer.ggml.eos_token_id")
     layers = int(meta("block_count"))
     linear = float(meta("rope.scaling.factor")) if scaling == "linear" else None
-    options = dict(qkv_bias=arch == "qwen2", head_norms=arch == "qwen3", rope_linear_factor=linear,
+    options = dict(qkv_bias=arch in ("qwen2", "qwen2moe"), head_norms=arch == "qwen3", rope_linear_factor=linear,
                    rotary_dim=int(rotary) if rotary is not None and int(rotary) != head_dim else None)
     experts = int(_field(reader, f"{arch}.expert_count", 0) or 0)
     if experts:  # as transformers' Mixtral (renormalized top-k), Qwen3-MoE and OLMoE (the weights rounded
@@ -302,9 +309,13 @@ def load_gguf(path: Path) -> Checkpoint:
         options.update(num_experts=experts, experts_per_token=int(meta("expert_used_count")),
                        expert_intermediate_size=int(_field(reader, f"{arch}.expert_feed_forward_length", 0)
                                                     or meta("feed_forward_length")),
-                       normalize_expert_weights=bool(_field(reader, f"{arch}.expert_weights_norm", arch != "olmoe")),
-                       round_expert_weights=arch in ("qwen3moe", "olmoe"), head_norms=arch in ("qwen3moe", "olmoe"),
-                       head_norms_span="projection" if arch == "olmoe" else "head")
+                       normalize_expert_weights=bool(_field(reader, f"{arch}.expert_weights_norm",
+                                                                      arch not in ("olmoe", "qwen2moe"))),
+                       round_expert_weights=arch in ("qwen3moe", "olmoe", "qwen2moe"),
+                       head_norms=arch in ("qwen3moe", "olmoe"), head_norms_span="projection" if arch == "olmoe" else "head")
+        if arch == "qwen2moe":  # its shared expert, gated
+            options.update(shared_expert_intermediate_size=int(meta("expert_shared_feed_forward_length")),
+                           shared_expert_gated=True)
     if longrope:  # as llama.cpp runs Phi-3's LongRoPE: divisors from the tensors, the factor from the metadata
         if set(longrope) != set(_LONGROPE_TENSORS):
             raise CheckpointError(f"{path}: GGUF phi3 has {sorted(longrope)} without the other LongRoPE tensor")
@@ -318,7 +329,8 @@ def load_gguf(path: Path) -> Checkpoint:
                        query_scale=float(query) ** -0.5, local_rope_theta=GEMMA3_LOCAL_THETA,
                        full_attention_layers=tuple(i for i in range(layers) if i % GEMMA3_PATTERN == GEMMA3_PATTERN - 1))
     spec = ModelSpec(
-        architecture="mixtral" if arch == "llama" and experts else {"qwen3moe": "qwen3_moe"}.get(arch, arch),
+        architecture="mixtral" if arch == "llama" and experts else {"qwen3moe": "qwen3_moe", "qwen2moe": "qwen2_moe"}.get(
+            arch, arch),
         vocab_size=int(meta("vocab_size", len(tokens))),
         hidden_size=int(hidden),
         num_layers=layers,

@@ -24,13 +24,20 @@ ARCHITECTURES = {
     "MixtralForCausalLM": "mixtral",
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "OlmoeForCausalLM": "olmoe",
+    "Qwen2MoeForCausalLM": "qwen2_moe",
 }
 # Mixture-of-Experts layers: the router, and each expert's projections (Mixtral's w1 / w3 / w2 are
 # the gate / up / down projections)
 _EXPERT = re.compile(r"^(?:block_sparse_moe|mlp)\.experts\.(\d+)\.(w1|w3|w2|gate_proj|up_proj|down_proj)\.weight$")
 _EXPERT_NAMES = {"w1": "gate.weight", "w3": "up.weight", "w2": "down.weight", "gate_proj": "gate.weight",
                  "up_proj": "up.weight", "down_proj": "down.weight"}
-_ROUTERS = {"mixtral": "block_sparse_moe.gate.weight", "qwen3_moe": "mlp.gate.weight", "olmoe": "mlp.gate.weight"}
+_ROUTERS = {"mixtral": "block_sparse_moe.gate.weight", "qwen3_moe": "mlp.gate.weight", "olmoe": "mlp.gate.weight",
+            "qwen2_moe": "mlp.gate.weight"}
+# Qwen2-MoE's shared expert: the canonical dense MLP beside the router and experts, and its gate
+_SHARED_EXPERT_NAMES = {"mlp.shared_expert.gate_proj.weight": "mlp.gate.weight",
+                        "mlp.shared_expert.up_proj.weight": "mlp.up.weight",
+                        "mlp.shared_expert.down_proj.weight": "mlp.down.weight",
+                        "mlp.shared_expert_gate.weight": names.CKPT_SHARED_GATE}
 # transformers' Gemma3TextConfig defaults: configs on the Hub leave out what equals them
 GEMMA3_DEFAULTS = {
     "vocab_size": 262_208, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26,
@@ -94,6 +101,8 @@ def canonical_name(hf_name: str, architecture: str) -> str | None:
     match = _LAYER.match(hf_name)
     if match and match.group(2) in layer_names:
         return names.layer_tensor(int(match.group(1)), layer_names[match.group(2)])
+    if match and architecture == "qwen2_moe" and match.group(2) in _SHARED_EXPERT_NAMES:
+        return names.layer_tensor(int(match.group(1)), _SHARED_EXPERT_NAMES[match.group(2)])
     if match and architecture in _ROUTERS:
         if match.group(2) == _ROUTERS[architecture]:
             return names.layer_tensor(int(match.group(1)), names.CKPT_ROUTER)
@@ -224,15 +233,15 @@ def _gemma3_options(config: dict, source: Path) -> dict:
 
 
 def _moe_options(config: dict, source: Path, arch: str) -> dict:
-    """ModelSpec fields of Mixtral, Qwen3-MoE and OLMoE (every layer's MLP a set of experts; what
-    kiln does not implement is refused by name)."""
-    span = "head"
+    """ModelSpec fields of Mixtral, Qwen3-MoE, Qwen2-MoE and OLMoE (every layer's MLP a set of
+    experts; what kiln does not implement is refused by name)."""
+    span, shared = "head", {}
     if arch == "olmoe":  # routed as Qwen3-MoE; its q / k norms span every head of the projection
         if config.get("clip_qkv") is not None:
             raise CheckpointError(f"{source}: clip_qkv {config['clip_qkv']} (clamped q / k / v) is not supported")
         experts, width = int(config["num_experts"]), int(config["intermediate_size"])
         normalize, rounded, span = bool(config.get("norm_topk_prob", False)), True, "projection"
-    elif arch == "qwen3_moe":
+    elif arch in ("qwen3_moe", "qwen2_moe"):
         if config.get("mlp_only_layers") or int(config.get("decoder_sparse_step", 1)) != 1:
             raise CheckpointError(f"{source}: dense layers among the experts' (mlp_only_layers "
                                   f"{config.get('mlp_only_layers')}, decoder_sparse_step "
@@ -241,10 +250,14 @@ def _moe_options(config: dict, source: Path, arch: str) -> dict:
         experts = int(config["num_experts"] if "num_experts" in config else config["num_local_experts"])
         width = int(config["moe_intermediate_size"])
         normalize, rounded = bool(config.get("norm_topk_prob", False)), True
+        if arch == "qwen2_moe":  # a shared expert beside the routed ones, gated by a sigmoid
+            shared = dict(shared_expert_intermediate_size=int(config["shared_expert_intermediate_size"]),
+                          shared_expert_gated=True)
     else:
         experts, width, normalize, rounded = int(config["num_local_experts"]), int(config["intermediate_size"]), True, False
     sliding = config.get("sliding_window") if config.get("use_sliding_window", arch == "mixtral") else None
     return dict(**_rope(config, source, arch), head_norms=arch in ("qwen3_moe", "olmoe"), head_norms_span=span,
+                qkv_bias=arch == "qwen2_moe" and bool(config.get("qkv_bias", True)), **shared,
                 sliding_window=int(sliding) if sliding else None,
                 tie_embeddings=bool(config.get("tie_word_embeddings", False)),
                 num_experts=experts, experts_per_token=int(config["num_experts_per_tok"]),

@@ -19,7 +19,7 @@
      "float scale, float eps, int key_hadamard=0) -> Tensor")                                                   \
   OP(moe_mlp,                                                                                                   \
      "(Tensor x, Tensor router, Tensor?[] tensors, int[] ints, float[] floats, int top_k, bool normalize, "     \
-     "bool round_weights, int activation) -> Tensor")                                                           \
+     "bool round_weights, int activation, Tensor? shared_gate=None) -> Tensor")                                                           \
   OP(linear_w8, "(Tensor x, Tensor qweight, Tensor scales, Tensor? bias=None) -> Tensor")                       \
   OP(linear_w8_tiled, "(Tensor x, Tensor qweight, Tensor scales, Tensor? bias=None) -> Tensor")                 \
   OP(dequantize_int8_tiled, "(Tensor qweight, Tensor scales, ScalarType dtype=float) -> Tensor")                \

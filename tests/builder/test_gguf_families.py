@@ -212,17 +212,20 @@ def test_a_phi3_gguf_with_longrope_and_partial_rotary_matches_transformers(max_s
     assert_matches_transformers(folder, llm, prompt, greedy_tokens=0)
 
 
-@pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe", "olmoe"])
+@pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe", "olmoe", "qwen2_moe"])
 def test_a_mixture_of_experts_gguf_matches_transformers(arch, tmp_path, llm_for):
     """Mixtral (llama.cpp's `llama` with experts), Qwen3-MoE (`qwen3moe`; its Hub models
     renormalize the top-k weights, as llama.cpp does) and OLMoE (`olmoe`: q / k norms over all
-    heads, top-k not renormalized) as the converter writes them: the router as ffn_gate_inp, each
-    projection of all experts stacked in one tensor."""
+    heads, top-k not renormalized) and Qwen2-MoE (`qwen2moe`: a gated shared expert as the *_shexp
+    tensors) as the converter writes them: the router as ffn_gate_inp, each projection of all
+    experts stacked in one tensor."""
     folder = make_tiny_model(tmp_path / arch, arch, vocab_size=400,
                              **({"norm_topk_prob": True} if arch == "qwen3_moe" else {}))
     gguf_file = llama_cpp_gguf(folder, tmp_path / f"{arch}.gguf")
     spec = load_checkpoint(gguf_file).spec
-    assert (spec.architecture, spec.experts_per_token, spec.normalize_expert_weights) == (arch, 2, arch != "olmoe")
+    assert (spec.architecture, spec.experts_per_token, spec.normalize_expert_weights) == (
+        arch, 2, arch not in ("olmoe", "qwen2_moe"))
+    assert spec.shared_expert_intermediate_size == (96 if arch == "qwen2_moe" else 0)
     assert spec.head_norms_span == ("projection" if arch == "olmoe" else "head")
     assert_matches_transformers(folder, llm_for(build_engine(tmp_path / "engine", gguf_file, "float32")))
 

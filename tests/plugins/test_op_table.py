@@ -38,13 +38,16 @@ def decode_layers_sample(g):
             torch.tensor([0], dtype=torch.int32), angles.cos(), angles.sin(), heads, 0.25, 1e-5)
 
 
-def moe_mlp_sample(g):
-    """Four dense float32 experts of width 24 over hidden 16, two a row, for 3 rows."""
+def moe_mlp_sample(g, shared: bool = False):
+    """Four dense float32 experts of width 24 over hidden 16, two a row, for 3 rows (shared: and a
+    fifth every row runs, behind a sigmoid gate)."""
     def w(out, inp):
         return torch.randn(out, inp, generator=g) * 0.3
 
-    experts = [({"kind": "dense", "weight": w(48, 16)}, {"kind": "dense", "weight": w(16, 24)}) for _ in range(4)]
-    return (torch.randn(3, 16, generator=g), w(4, 16), *ops.expert_plan(experts), 2, True, False, 0)
+    experts = [({"kind": "dense", "weight": w(48, 16)}, {"kind": "dense", "weight": w(16, 24)})
+               for _ in range(5 if shared else 4)]
+    return (torch.randn(3, 16, generator=g), w(4, 16), *ops.expert_plan(experts), 2, True, False, 0,
+            w(1, 16) if shared else None)
 
 
 def paged_attention_sample(g, pool_dtype):
@@ -82,7 +85,7 @@ def samples():
         "paged_attention": [(paged_attention_sample(g, torch.float32), None),
                             (paged_attention_sample(g, torch.int8), None)],
         "decode_layers": [(decode_layers_sample(g), None)],
-        "moe_mlp": [(moe_mlp_sample(g), None)],
+        "moe_mlp": [(moe_mlp_sample(g), None), (moe_mlp_sample(g, shared=True), None)],
         "linear_w8": [((x, q, s, None), None)],
         "linear_w8_tiled": [((x, tiled8, s16, None), None)],
         "dequantize_int8_tiled": [((tiled8, s16, torch.bfloat16), None)],

@@ -27,17 +27,17 @@ def _weights(engine):
 
 
 class PreScaled:
-    def __init__(self, weight, pre_scale):
-        self.weight, self.pre_scale = weight, pre_scale
+    def __init__(self, weight, pre_scale, bias=None):
+        self.weight, self.pre_scale, self.bias = weight, pre_scale, bias
 
     def __call__(self, x):
-        return F.linear(x if self.pre_scale is None else x * self.pre_scale, self.weight)
+        return F.linear(x if self.pre_scale is None else x * self.pre_scale, self.weight, self.bias)
 
 
-@pytest.mark.parametrize("arch", ["llama", "mixtral"])
+@pytest.mark.parametrize("arch", ["llama", "mixtral", "qwen2_moe"])
 def test_smoothquant_folding_keeps_the_float_model(arch, tiny_engines):
     """x / s folded into the norms, the up rows (an expert's own) and pre-scales (out, each
-    expert's gate_up); W * s: same logits before rounding."""
+    expert's gate_up, a shared expert's gate_up); W * s: same logits before rounding."""
     engine = Engine(tiny_engines(arch))
     weights = {k: v.clone() for k, v in _weights(engine).items()}
     model = engine.model
@@ -51,11 +51,11 @@ def test_smoothquant_folding_keeps_the_float_model(arch, tiny_engines):
                   for k, w in lw.linears.items()}
         assert all((s - 1).abs().max() > 0.1 for s in scales.values())  # the scales do something
         lw.apply_scales(scales)
-        want_pre_scaled = {"out"} | {k for k in lw.linears if k.startswith("experts.") and k.endswith("gate_up")}
+        want_pre_scaled = {"out"} | {k for k in lw.linears if k.endswith("gate_up") and engine.spec.num_experts}
         assert set(lw.pre_scales) == want_pre_scaled
         layer.input_norm, layer.post_attention_norm = lw.input_norm, lw.post_attention_norm
-        for key, w in lw.linears.items():
-            layer.set_linear(key, PreScaled(w, lw.pre_scales.get(key)))
+        for key, w in lw.linears.items():  # (biases as they were: scales act on the inputs)
+            layer.set_linear(key, PreScaled(w, lw.pre_scales.get(key), layer.linears()[key].bias))
     got = forward_logits(engine, PROMPT)
     assert (got - want).abs().max() < 1e-4
 
@@ -294,7 +294,8 @@ def test_mixture_of_experts_weight_only_builds_quantize_every_expert(arch, algo,
     ("mixtral", "int4_awq", {"group_size": 32}, names.LINEAR_INT4),
     ("qwen3_moe", "int8_sq", {}, names.LINEAR_W8A8),
     ("mixtral", "fp8", {}, names.LINEAR_FP8),
-    ("qwen3_moe", "w4a8_awq", {"group_size": 32, "w4a8_activations": "fp8"}, names.LINEAR_W4A8_FP8)])
+    ("qwen3_moe", "w4a8_awq", {"group_size": 32, "w4a8_activations": "fp8"}, names.LINEAR_W4A8_FP8),
+    ("qwen2_moe", "int4_awq", {"group_size": 32}, names.LINEAR_INT4)])
 def test_calibrated_quantization_of_a_mixture_of_experts(arch, algo, options, kind, tiny_models, tmp_path, llm_for):
     """Each expert is calibrated on the tokens routed to it: engine.json counts them (every
     calibration token reaches top-k experts); AWQ / SmoothQuant scales of an expert's gate/up
@@ -309,7 +310,8 @@ def test_calibrated_quantization_of_a_mixture_of_experts(arch, algo, options, ki
     routing = quant["calibration"]["experts"]
     assert sorted(routing) == [str(i) for i in range(spec["num_layers"])]
     for layer in routing.values():
-        assert len(layer["tokens"]) == spec["num_experts"] and layer["pooled"] == []
+        assert len(layer["tokens"]) == spec["num_experts"]
+        assert layer["pooled"] == [e for e, tokens in enumerate(layer["tokens"]) if tokens < 32]
         assert sum(layer["tokens"]) == SMALL_CALIBRATION["samples"] * SMALL_CALIBRATION["seq_len"] * spec[
             "experts_per_token"]
     report = quant["accuracy"]
@@ -323,6 +325,10 @@ def test_calibrated_quantization_of_a_mixture_of_experts(arch, algo, options, ki
         assert (names.linear_tensor(down, names.INPUT_SCALE) in tensors) == (kind in (names.LINEAR_FP8,
                                                                                    names.LINEAR_W4A8_FP8))
     assert tensors[names.layer_tensor(1, names.MLP_ROUTER)].dtype == torch.bfloat16
+    if spec["shared_expert_intermediate_size"]:  # Qwen2-MoE's shared expert: pre-scaled as the experts are
+        shared = names.linear_prefix(names.layer_tensor(1, names.MLP_GATE_UP))
+        assert names.linear_tensor(shared, names.PRE_SCALE) in tensors
+        assert tensors[names.layer_tensor(1, names.MLP_SHARED_GATE)].dtype == torch.bfloat16
     out = llm_for(engine_dir).generate([PROMPT, PROMPT[:5]], max_tokens=6, ignore_eos=True)
     assert [len(o.token_ids) for o in out] == [6, 6]
 

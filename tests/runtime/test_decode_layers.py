@@ -86,7 +86,7 @@ def test_fused_decode_equals_the_python_loop(arch, dtype, quantization, tiny_mod
     ("bfloat16", {"algo": "fp8"}),
     ("bfloat16", {"algo": "w4a8_awq", "group_size": 32}),
 ])
-@pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe", "olmoe"])
+@pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe", "olmoe", "qwen2_moe"])
 def test_fused_decode_routes_experts_as_the_python_loop(arch, dtype, quantization, tiny_models, tmp_path):
     """Mixture-of-Experts layers inside decode_layers (router, top-k, the chosen experts' linears)
     give the Python loop's logits and KV cache, bit for bit."""

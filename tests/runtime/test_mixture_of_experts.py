@@ -10,7 +10,8 @@ PROMPT = [1, 17, 250, 33, 99, 5, 201, 64, 300, 12, 7, 380, 45]
 
 
 def dense_reference(model, layer, x):
-    """Every expert on every row, weighted by the router's top-k weights (zero elsewhere)."""
+    """Every expert on every row, weighted by the router's top-k weights (zero elsewhere), and a
+    shared expert where the layer has one."""
     spec = model.spec
     probs = (x.float() @ layer.router.float().T).softmax(dim=-1)
     top, chosen = probs.topk(spec.experts_per_token, dim=-1)
@@ -20,11 +21,13 @@ def dense_reference(model, layer, x):
     out = torch.zeros(x.shape, dtype=torch.float32)
     for e, expert in enumerate(layer.experts):
         out += weights[:, e:e + 1] * expert.down(model.activation(expert.gate_up(x))).float()
+    if layer.gate_up is not None:  # Qwen2-MoE's shared expert, on every row, behind its sigmoid gate
+        out += (x.float() @ layer.shared_gate.float().T).sigmoid() * layer.down(model.activation(layer.gate_up(x))).float()
     return out
 
 
 @pytest.mark.parametrize("rows", [1, 3, 37])  # a few rows: the plugin op (moe_mlp); more: the Python loop
-@pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe", "olmoe"])
+@pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe", "olmoe", "qwen2_moe"])
 def test_routing_matches_a_dense_reference(arch, rows, tiny_engines):
     model = Engine(tiny_engines(arch)).model
     x = torch.randn(rows, model.spec.hidden_size, generator=generator(arch, rows))
@@ -38,7 +41,7 @@ SMALL = {"accuracy": {"tokens": 512, "window": 128}, "accuracy_gate": None}
 @pytest.mark.parametrize("dtype, quantization", [("float32", None), ("bfloat16", None),
                                                  ("bfloat16", {"algo": "int4_wo", "group_size": 32, **SMALL}),
                                                  ("bfloat16", {"algo": "int8_wo", **SMALL})])
-@pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe", "olmoe"])
+@pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe", "olmoe", "qwen2_moe"])
 def test_the_fused_experts_equal_the_python_loop(arch, dtype, quantization, tiny_models, tmp_path):
     """moe_mlp (the experts of a few rows in one plugin call) gives the Python loop's bits, for
     every kind of linear an expert can be."""
@@ -55,7 +58,7 @@ def test_the_fused_experts_equal_the_python_loop(arch, dtype, quantization, tiny
             assert torch.equal(fused, loop)
 
 
-@pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe", "olmoe"])
+@pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe", "olmoe", "qwen2_moe"])
 def test_a_step_runs_only_the_experts_its_tokens_chose(arch, tiny_engines):
     """One token: experts_per_token experts a layer, one row each; a prefill: each expert at most
     once a layer, the rows adding up to tokens x experts_per_token."""

@@ -1,13 +1,13 @@
 """kiln engines against Hugging Face transformers on tiny random Llama, Mistral, Qwen2, Qwen3, Phi-3,
 Gemma 3 (a sliding-window layer of window 6 and a global one: every prompt here is longer) and the
-Mixture-of-Experts Mixtral, Qwen3-MoE and OLMoE (2 of 4 / 6 / 4 experts a token; OLMoE's q / k
-norms span every head)."""
+Mixture-of-Experts Mixtral, Qwen3-MoE, OLMoE and Qwen2-MoE (2 of 4 / 6 / 4 / 4 experts a token;
+OLMoE's q / k norms span every head; Qwen2-MoE adds a gated shared expert)."""
 import pytest
 import torch
 
 from tests.helpers import build_engine, forward_logits
 
-ARCHS = ["llama", "mistral", "qwen2", "qwen3", "phi3", "gemma3", "mixtral", "qwen3_moe", "olmoe"]
+ARCHS = ["llama", "mistral", "qwen2", "qwen3", "phi3", "gemma3", "mixtral", "qwen3_moe", "olmoe", "qwen2_moe"]
 PROMPT = [1, 17, 250, 33, 99, 5, 201, 64, 300, 12, 7, 380, 45]
 
 

@@ -86,6 +86,8 @@ static at::Tensor route_experts(const at::Tensor& x, const at::Tensor& router, c
                                 int64_t t_first, const int64_t* ints, const double* floats, int64_t top_k,
                                 bool normalize, bool round_weights, int64_t activation);
 static void check_router(const at::Tensor& x, const at::Tensor& router, int64_t top_k, int64_t activation);
+static at::Tensor add_shared_expert(const at::Tensor& routed, const at::Tensor& x, const at::Tensor& shared,
+                                    const c10::optional<at::Tensor>& gate);
 
 at::Tensor decode_layers(at::Tensor& h, const at::Tensor& x0, const OptionalTensors& tensors, at::IntArrayRef ints,
                          at::ArrayRef<double> floats, at::Tensor& kv, const at::Tensor& block_tables,
@@ -168,6 +170,8 @@ at::Tensor decode_layers(at::Tensor& h, const at::Tensor& x0, const OptionalTens
       mlp = route_experts(x, *layer_router, tensors, t_expert, ints.data() + i_expert, floats.data() + f_expert, top_k,
                           layer_int(i, plan::normalize_experts) != 0, layer_int(i, plan::round_expert_weights) != 0,
                           activation);
+      if (tensors.get(t0 + gate_up * kLinearTensors + plan::weight).has_value())  // a shared expert (Qwen2-MoE)
+        mlp = add_shared_expert(mlp, x, run(activate(run(x, gate_up), activation), down), own(plan::shared_gate));
       t_expert += 2 * experts * kLinearTensors;
       i_expert += 2 * experts * kLinearInts;
       f_expert += 2 * experts * kLinearFloats;

@@ -18,15 +18,16 @@
 // RMSNorms over each query and key head, Gemma's norms of the attention's and the MLP's outputs
 // before each joins the residual, and the layer's own rotary tables where they differ from the
 // step's (Gemma 3's local layers); absent (None) where a model has no such thing
-// (and a Mixture-of-Experts layer's router, [experts, hidden])
+// (and a Mixture-of-Experts layer's router, [experts, hidden], and its shared expert's gate, [1, hidden])
 #define KILN_LAYER_TENSORS(X)                                                                               \
   X(post_attention_norm) X(next_norm) X(kv_scales) X(q_norm) X(k_norm) X(attn_out_norm) X(mlp_out_norm) X(cos) \
-  X(sin) X(router)
+  X(sin) X(router) X(shared_gate)
 // the layer's sliding window (0: none), its MLP's gated activation (a name of KILN_ACTIVATIONS), and
 // for a Mixture-of-Experts layer its number of experts (0: a dense MLP), how many a token takes, and
 // whether their weights are rescaled to sum to 1 / rounded to the model dtype. A Mixture-of-Experts
-// layer's gate_up and down records are empty; its experts' linear records (gate_up, down, for each
-// expert) follow all the layers' records, layer by layer, in the plan's three lists.
+// layer's gate_up and down records are its shared expert's (Qwen2-MoE), or empty; its experts' linear
+// records (gate_up, down, for each expert) follow all the layers' records, layer by layer, in the
+// plan's three lists.
 #define KILN_LAYER_INTS(X) X(window) X(activation) X(experts) X(top_k) X(normalize_experts) X(round_expert_weights)
 #define KILN_ACTIVATIONS(X) X(silu) X(gelu_tanh)
 

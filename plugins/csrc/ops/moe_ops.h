@@ -4,7 +4,7 @@
 // with the same ATen ops and the same linear kernels in the same order, so the same bits, without
 // the interpreter between the ~30 calls a layer makes. The experts come as a plan of linear
 // records (decode_plan.h), expert e's gate/up projection at record 2e and its down projection at
-// record 2e + 1.
+// record 2e + 1; a shared expert's (Qwen2-MoE) after them.
 
 // The experts' records start at tensors[t_first], ints[0], floats[0] (gate_up of expert e at record 2e)
 static at::Tensor route_experts(const at::Tensor& x, const at::Tensor& router, const OptionalTensors& tensors,
@@ -39,6 +39,17 @@ static at::Tensor route_experts(const at::Tensor& x, const at::Tensor& router, c
   return out;
 }
 
+// The routed experts' output plus a shared expert's, `shared` (the expert on every row), times
+// sigmoid(x @ gate.T) where the family gates it: the order and the ops of runtime/model.py's mixture
+static at::Tensor add_shared_expert(const at::Tensor& routed, const at::Tensor& x, const at::Tensor& shared,
+                                    const c10::optional<at::Tensor>& gate) {
+  if (!gate) return routed + shared;
+  TORCH_CHECK(gate->dim() == 2 && gate->size(0) == 1 && gate->size(1) == x.size(1) &&
+                  gate->scalar_type() == x.scalar_type(),
+              "kiln::moe_mlp: a shared expert's gate must be [1, ", x.size(1), "] of x's dtype, got ", gate->sizes());
+  return routed + at::sigmoid(at::linear(x, *gate)) * shared;
+}
+
 static void check_router(const at::Tensor& x, const at::Tensor& router, int64_t top_k, int64_t activation) {
   TORCH_CHECK(x.dim() == 2 && router.dim() == 2 && router.size(1) == x.size(1) &&
                   router.scalar_type() == x.scalar_type(),
@@ -51,17 +62,27 @@ static void check_router(const at::Tensor& x, const at::Tensor& router, int64_t 
 }
 
 at::Tensor moe_mlp(const at::Tensor& x, const at::Tensor& router, const OptionalTensors& tensors, at::IntArrayRef ints,
-                   at::ArrayRef<double> floats, int64_t top_k, bool normalize, bool round_weights,
-                   int64_t activation) {
+                   at::ArrayRef<double> floats, int64_t top_k, bool normalize, bool round_weights, int64_t activation,
+                   const c10::optional<at::Tensor>& shared_gate) {
   using namespace plan;
   check_float_or_bf16(x, "x");
   check_router(x, router, top_k, activation);
   const int64_t experts = router.size(0);
-  TORCH_CHECK(static_cast<int64_t>(tensors.size()) == 2 * experts * kLinearTensors &&
-                  static_cast<int64_t>(ints.size()) == 2 * experts * kLinearInts &&
-                  static_cast<int64_t>(floats.size()) == 2 * experts * kLinearFloats,
+  const int64_t records = static_cast<int64_t>(tensors.size()) / kLinearTensors;  // 2 an expert, the shared one's too
+  const bool shared = records == 2 * (experts + 1);
+  TORCH_CHECK((records == 2 * experts || shared) && static_cast<int64_t>(tensors.size()) == records * kLinearTensors &&
+                  static_cast<int64_t>(ints.size()) == records * kLinearInts &&
+                  static_cast<int64_t>(floats.size()) == records * kLinearFloats,
               "kiln::moe_mlp: the plan has ", tensors.size(), " tensors, ", ints.size(), " ints and ", floats.size(),
               " floats; ", experts, " experts need ", 2 * experts * kLinearTensors, ", ",
-              2 * experts * kLinearInts, " and ", 2 * experts * kLinearFloats);
-  return route_experts(x, router, tensors, 0, ints.data(), floats.data(), top_k, normalize, round_weights, activation);
+              2 * experts * kLinearInts, " and ", 2 * experts * kLinearFloats, " (and a shared expert 2 records more)");
+  TORCH_CHECK(shared || !shared_gate.has_value(), "kiln::moe_mlp: a shared_gate without a shared expert in the plan");
+  const at::Tensor routed =
+      route_experts(x, router, tensors, 0, ints.data(), floats.data(), top_k, normalize, round_weights, activation);
+  if (!shared) return routed;
+  auto run = [&](const at::Tensor& in, int64_t record) {
+    return planned_linear(in, tensors, record * kLinearTensors, ints.data() + record * kLinearInts,
+                          floats.data() + record * kLinearFloats);
+  };
+  return add_shared_expert(routed, x, run(activate(run(x, 2 * experts), activation), 2 * experts + 1), shared_gate);
 }
