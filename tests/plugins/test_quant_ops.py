@@ -85,6 +85,22 @@ def test_linear_w8a8_matches_exact_integer_reference(isa, dtype, rows, k, n):
         torch.testing.assert_close(got.float(), want.float(), rtol=1e-2, atol=0.07)
 
 
+@pytest.mark.parametrize("rows, k, n", [(7, 576, 12), (2, 130, 9), (9, 100, 64), (33, 576, 96)])
+def test_linear_w8a8_rows_are_the_bits_of_each_row_alone(isa, rows, k, n):
+    """Several rows (two at a time against four weight rows, odd rows and a partial tile of
+    weight rows on their own; more than 8 through oneDNN's int8 GEMM on the VNNI levels) give
+    each row the bits it gets alone: the dot products are exact integers, then the same float
+    rescale."""
+    g = generator(isa, rows, k, n, "alone")
+    x = rand(g, rows, k, scale=4).to(torch.bfloat16)
+    q, s = quantize_int8(rand(g, n, k, scale=0.05))
+    weight_sum = q.to(torch.int32).sum(dim=1, dtype=torch.int32)
+    bias = rand(g, n).to(torch.bfloat16)
+    together = ops.linear_w8a8(x, q, s, weight_sum, bias)
+    alone = torch.cat([ops.linear_w8a8(x[i:i + 1], q, s, weight_sum, bias) for i in range(rows)])
+    assert torch.equal(together, alone)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows, k, n", SHAPES[:5])
 def test_linear_w8a8_with_a_static_input_scale(isa, dtype, rows, k, n):

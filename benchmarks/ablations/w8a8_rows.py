@@ -1,0 +1,106 @@
+"""SmoothQuant's W8A8 kernel (`kiln::linear_w8a8`, which int8_sq engines run at every row count,
+prefill included) at 1 to 128 rows of SmolLM2's linear shapes, for two builds of the plugin
+library side by side: each round runs every library in a process of its own, in turn, so a
+noisy neighbour slows them alike. Prints the median over rounds of each library's median time
+and the second library's speed against the first's; writes JSON. No timing is asserted anywhere.
+
+    python benchmarks/ablations/w8a8_rows.py --libraries OLD.so NEW.so --isa avx2 avx512bf16 \\
+        --threads 1 --json out/w8a8-rows.json
+
+(A library is a built kiln_plugins.so: build_plugins() prints the path of the current sources'
+one; an older commit's stays in the build cache.)"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+SMOLLM2_SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # (out, in): qkv, o_proj, gate_up, down
+ROWS = [1, 8, 32, 128]
+
+
+def measure(library: str, isas: list[str], threads: int, calls: int, row_counts: list[int]) -> list[dict]:
+    """Median microseconds of each (isa, rows, shape) in this process, on `library`."""
+    from kiln.plugins import ops
+
+    ops.load_library(library)
+    torch.set_num_threads(threads)
+    g = torch.Generator().manual_seed(20261202)
+    out = []
+    for isa in isas:
+        ops.select_isa(isa)
+        for rows in row_counts:
+            for n, k in SMOLLM2_SHAPES:
+                w = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=g)
+                s = torch.rand(n, generator=g) + 0.5
+                wsum = w.to(torch.int32).sum(dim=1, dtype=torch.int32)
+                x = torch.randn(rows, k, generator=g).bfloat16()
+                for _ in range(3):
+                    ops.linear_w8a8(x, w, s, wsum)
+                times = []
+                for _ in range(calls):
+                    t0 = time.perf_counter()
+                    ops.linear_w8a8(x, w, s, wsum)
+                    times.append(time.perf_counter() - t0)
+                out.append({"isa": isa, "rows": rows, "shape": f"{n}x{k}", "median_us": 1e6 * statistics.median(times)})
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--libraries", nargs=2, required=True, metavar=("A", "B"))
+    parser.add_argument("--isa", nargs="+", default=["avx2", "avx512bf16"])
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--calls", type=int, default=50)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rows", type=int, nargs="+", default=ROWS)
+    parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--measure", default=None, help=argparse.SUPPRESS)  # (one library, in a subprocess)
+    args = parser.parse_args()
+    if args.measure:
+        print(json.dumps(measure(args.measure, args.isa, args.threads, args.calls, args.rows)))
+        return
+
+    runs: dict[str, list[list[dict]]] = {lib: [] for lib in args.libraries}
+    for _ in range(args.rounds):
+        for lib in args.libraries:
+            done = subprocess.run([sys.executable, __file__, "--libraries", *args.libraries, "--measure", lib,
+                                   "--isa", *args.isa, "--threads", str(args.threads), "--calls", str(args.calls),
+                                   "--rows", *map(str, args.rows)],
+                                  check=True, capture_output=True, text=True)
+            runs[lib].append(json.loads(done.stdout.strip().splitlines()[-1]))
+    a, b = args.libraries
+    rows = []
+    for i, entry in enumerate(runs[a][0]):
+        ta = statistics.median(r[i]["median_us"] for r in runs[a])
+        tb = statistics.median(r[i]["median_us"] for r in runs[b])
+        rows.append({**{k: entry[k] for k in ("isa", "rows", "shape")}, "a_us": ta, "b_us": tb, "b_speedup": ta / tb})
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"linear_w8a8, bf16 rows, {args.threads} thread(s), median of {args.rounds} rounds x "
+                        f"{args.calls} calls; A = {Path(a).parent.name}, B = {Path(b).parent.name}")
+    for column in ("isa", "rows", "shape", "A µs", "B µs", "A / B"):
+        table.add_column(column, justify="right")
+    for r in rows:
+        table.add_row(r["isa"], str(r["rows"]), r["shape"], f"{r['a_us']:.1f}", f"{r['b_us']:.1f}",
+                      f"{r['b_speedup']:.2f}x")
+    Console(width=160).print(table)
+    if args.json:
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+        from host import host_info
+
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        meta = {**host_info(), "threads": args.threads, "calls": args.calls, "rounds": args.rounds,
+                "libraries": args.libraries}
+        args.json.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
