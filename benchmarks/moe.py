@@ -7,6 +7,7 @@ and its routers, against the active parameters' bytes (attention, routers, head,
 experts_per_token experts a layer). Counted, not measured with hardware counters.
 
     cd benchmarks && PYTHONPATH=.. python moe.py --algo none int4_wo --json ../out/moe.json
+    cd benchmarks && PYTHONPATH=.. python moe.py --moe-only --algo int4_wo int4_awq --json ../out/moe-awq.json
 
 Prints a table of medians and writes JSON. No timing is asserted anywhere."""
 from __future__ import annotations
@@ -87,8 +88,10 @@ def build(folder: Path, out: Path, algo: str) -> Path:
     from kiln.builder.cli import build as run_build
 
     quantization = {"algo": algo, "accuracy_gate": None, "accuracy": {"tokens": 512, "window": 128}}
-    if algo == "int4_wo":
+    if algo in ("int4_wo", "int4_awq", "w4a8_awq"):
         quantization["group_size"] = 128
+    if algo in ("int4_awq", "w4a8_awq", "int8_sq", "fp8"):  # random weights: the text only has to route tokens
+        quantization["calibration"] = {"samples": 16, "seq_len": 128}
     config = {"model": {"checkpoint": str(folder), "dtype": "bfloat16"},
               "build": {"max_batch_size": 1, "max_input_len": 256, "max_seq_len": 512, "max_num_tokens": 256},
               "quantization": quantization}
@@ -142,7 +145,9 @@ def step_bytes(engine_dir: Path) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--algo", nargs="+", default=["none", "int4_wo"], help="none (bf16), int8_wo, int4_wo")
+    parser.add_argument("--algo", nargs="+", default=["none", "int4_wo"],
+                        help="none (bf16), int8_wo, int4_wo, or a calibrated one (int4_awq: experts' pre-scales)")
+    parser.add_argument("--moe-only", action="store_true", help="only the MoE (to compare algorithms on it)")
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--decode-tokens", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=5)
@@ -154,6 +159,8 @@ def main() -> None:
     models = {"MoE 8x2816, top-2": write_model(work / "moe", True, EXPERT_WIDTH, 1),
               f"dense {TOP_K}x2816 (active size)": write_model(work / "dense-active", False, TOP_K * EXPERT_WIDTH, 2),
               f"dense {EXPERTS}x2816 (all experts)": write_model(work / "dense-all", False, EXPERTS * EXPERT_WIDTH, 3)}
+    if args.moe_only:
+        models = dict(list(models.items())[:1])
     engines = {(name, algo): build(folder, work / f"{folder.name}-{algo}", algo)
                for algo in args.algo for name, folder in models.items()}
     bytes_read = {algo: step_bytes(engines["MoE 8x2816, top-2", algo]) for algo in args.algo}
