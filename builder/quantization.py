@@ -89,7 +89,7 @@ def routing_summary(routing: dict) -> str:
     from kiln.quantize.calibrate import MIN_EXPERT_TOKENS
 
     tokens = [t for r in routing.values() for t in r.tokens]
-    line = (f"Experts: {min(tokens)}-{max(tokens)} calibration tokens each over {len(routing)} layers")
+    line = f"Experts: {min(tokens)}-{max(tokens)} calibration tokens each over {len(routing)} layers"
     pooled = [f"layer {index} expert{'s' if len(r.pooled) > 1 else ''} "
               + ", ".join(f"{e} ({r.tokens[e]})" for e in r.pooled) for index, r in routing.items() if r.pooled]
     if not pooled:

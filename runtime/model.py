@@ -1,12 +1,13 @@
 """kiln's decoder model: one definition for calibration, tests and serving.
 
 The Llama family, and the differences of the other families as declared options of the same
-model (ModelSpec): Qwen3's head norms; Gemma 3's output norms, GeGLU, scaled embeddings, query
-scale and interleaved sliding-window / global layers with their own RoPE bases. Linear layers
-are runtime.linear objects (dense, or quantized with kiln's kernels); RMSNorm, the gated
-activations and attention (with its KV-cache write) are the plugin ops. Weights arrive already
-packed by the builder (QKV fused, gate/up fused; Gemma's (1 + w) norms stored as their
-multipliers)."""
+model (ModelSpec): Qwen3's head norms (OLMoE's over all heads); Gemma 3's output norms, GeGLU,
+scaled embeddings, query scale and interleaved sliding-window / global layers with their own RoPE
+bases; Mixture-of-Experts layers (Mixtral, Qwen3-MoE, OLMoE), with a gated shared expert
+(Qwen2-MoE). Linear layers are runtime.linear objects (dense, or quantized with kiln's kernels);
+RMSNorm, the gated activations and attention (with its KV-cache write) are the plugin ops.
+Weights arrive already packed by the builder (QKV fused, gate/up fused; Gemma's (1 + w) norms
+stored as their multipliers)."""
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -1,5 +1,6 @@
 """ModelSpec: the architecture constants of a model of kiln's one decoder definition (the Llama
-family and the options that make Qwen3, Phi-3 and Gemma 3 of it), as stored in engine.json."""
+family and the options that make Qwen3, Phi-3, Gemma 3 and the Mixture-of-Experts families of
+it), as stored in engine.json."""
 from __future__ import annotations
 
 import dataclasses
