@@ -84,20 +84,21 @@ class Executor:
         self.limits = engine.limits
         self.options = options
         block_size = self.limits.kv_block_size
-        per_block = KVPool.bytes_per_block(engine.spec, block_size, engine.model.kv_dtype)
+        spec = engine.spec
+        # layers of one sliding window share block tables: a window's blocks are released as it moves
+        per_block = KVPool.bytes_per_block(spec, block_size, engine.model.kv_dtype, grouped=True)
         num_blocks = options.kv_cache_bytes() // per_block
-        needed = -(-self.limits.max_seq_len // block_size)
+        self.kv = KVCacheManager(num_blocks, block_size, options.enable_prefix_reuse,
+                                 KVPool.layout_for(spec, grouped=True).windows)
+        needed = self.kv.peak_blocks(self.limits.max_seq_len, self.limits.max_num_tokens)
         if num_blocks < needed:
             raise ConfigError(
                 f"runtime.kv_cache_memory {options.kv_cache_memory!r} holds {num_blocks} blocks of "
                 f"{block_size} tokens, fewer than one max_seq_len ({self.limits.max_seq_len}) "
                 f"sequence needs ({needed}, {needed * per_block} bytes); give it more memory"
             )
-        self.kv = KVCacheManager(num_blocks, block_size, options.enable_prefix_reuse)
-        spec = engine.spec
-        # every layer within a sliding window: blocks that fell out of it are released as it moves
-        self.window = spec.sliding_window if spec.sliding_window and not spec.full_attention_layers else 0
-        self.pool = KVPool(engine.spec, num_blocks, block_size, engine.model.kv_dtype)
+        self.pool = KVPool(spec, num_blocks, block_size, engine.model.kv_dtype, grouped=True)
+        log.info("KV cache: %d blocks of %d tokens, %s", num_blocks, block_size, self.pool.layout.describe())
         self.scheduler = Scheduler(self.kv, self.limits.max_batch_size, self.limits.max_num_tokens,
                                    options.scheduler)
         self.runner = ModelRunner(engine.model, self.pool)
@@ -196,7 +197,7 @@ class Executor:
             return {**self.kv.stats(), **self._counters, "running": len(running),
                     "tokens_cached": sum(s.num_computed for s in running), "queued": self._queued,
                     "preemptions": self.scheduler.num_preemptions,
-                    "kv_bytes_per_token": self.pool.storage.nbytes // (self.kv.num_blocks * self.kv.block_size)}
+                    "kv_bytes_per_token": self.pool.bytes_per_token}
 
     def reset_peak_stats(self) -> None:
         """Start a new high-water mark for blocks_used_peak (e.g. per benchmark level)."""
@@ -274,8 +275,8 @@ class Executor:
             for seq, count in batch:
                 seq.num_computed += count
                 self.kv.register_full_blocks(seq)
-                if self.window:
-                    self.kv.release_behind_window(seq, self.window)
+                if self.kv.releases_behind_window:
+                    self.kv.release_behind_window(seq)
                 self._counters["tokens_computed"] += count
             for sample in sampled:
                 self._on_token(sample)

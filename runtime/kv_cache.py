@@ -1,10 +1,13 @@
 """KVCacheManager: the block pool's accounting (which block holds what, who uses it).
 
-A fixed pool of blocks of `block_size` tokens. Each sequence has a block table; blocks carry
-reference counts so full blocks can be shared between sequences with the same prefix. A full
-block is identified by a chained hash (its tokens and the hash of the block before it, as in
-vLLM and nano-vllm); released hashed blocks stay findable until their space is needed
-(least recently released first). The tensors themselves live in model.KVPool."""
+A fixed pool of blocks of `block_size` tokens. Each sequence has a block table per group of
+layers (kv_layout: layers of one sliding window share a table; most models have one group);
+every table covers the same positions and draws from the one pool. Blocks carry reference counts
+so full blocks can be shared between sequences with the same prefix. A full block is identified
+by its group and a chained hash (its tokens and the hash of the block before it, as in vLLM and
+nano-vllm); released hashed blocks stay findable until their space is needed (least recently
+released first). A sliding-window group releases the blocks that fell out of its window as the
+sequence moves on. The tensors themselves live in model.KVPool."""
 from __future__ import annotations
 
 from collections import OrderedDict, deque
@@ -26,15 +29,18 @@ class Block:
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_reuse: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_reuse: bool = True,
+                 windows: tuple[int, ...] = (0,)):
+        """windows: each group's sliding window (0: its layers attend to the whole sequence)."""
         self.block_size = block_size
         self.enable_prefix_reuse = enable_prefix_reuse
+        self.windows = tuple(windows)
         self.blocks = [Block(i) for i in range(num_blocks)]
         # unreferenced, no content worth keeping; taken last-freed first, so a pool whose blocks
         # are not kept for prefix reuse touches (and keeps resident) only the blocks a load needs
         self.free: deque[int] = deque(reversed(range(num_blocks)))
         self.evictable: OrderedDict[int, None] = OrderedDict()  # unreferenced, hashed (LRU order)
-        self.by_hash: dict[int, int] = {}
+        self.by_hash: dict[tuple[int, int], int] = {}  # (group, chain hash) -> block
         self.queried_tokens = 0
         self.hit_tokens = 0
         self.reused_blocks = 0
@@ -48,8 +54,29 @@ class KVCacheManager:
     def num_free_blocks(self) -> int:
         return len(self.free) + len(self.evictable)
 
+    @property
+    def releases_behind_window(self) -> bool:
+        return any(self.windows)
+
     def blocks_for(self, tokens: int) -> int:
         return -(-tokens // self.block_size)
+
+    def peak_blocks(self, tokens: int, step_tokens: int) -> int:
+        """The most blocks a sequence of `tokens` tokens holds at once, over every group, when a
+        step computes at most `step_tokens` of them: a sliding-window group holds the blocks its
+        window reaches back from a step's first token, and the step's."""
+        full = self.blocks_for(tokens)
+        return sum(min(full, self.blocks_for(window - 1 + step_tokens) + 1) if window else full
+                   for window in self.windows)
+
+    @staticmethod
+    def held_blocks(seq: Sequence) -> int:
+        return sum(len(table) - released for table, released in zip(seq.block_tables, seq.released_blocks))
+
+    def _start(self, seq: Sequence) -> None:
+        if not seq.block_tables:
+            seq.block_tables = [[] for _ in self.windows]
+            seq.released_blocks = [0] * len(self.windows)
 
     def _take(self) -> int:
         if self.free:
@@ -63,44 +90,73 @@ class KVCacheManager:
         self.blocks[block_id].ref_count = 1
         return block_id
 
+    def _cached(self, group: int, key: int, chunk: tuple[int, ...]) -> int | None:
+        block_id = self.by_hash.get((group, key))
+        return block_id if block_id is not None and self.blocks[block_id].tokens == chunk else None
+
+    def _first_needed(self, group: int, tokens: int) -> int:
+        """The first block of `group` that the token after `tokens` cached ones attends to."""
+        window = self.windows[group]
+        return max(0, tokens - window + 1) // self.block_size if window else 0
+
     def match_prefix(self, seq: Sequence) -> int:
         """Give a sequence without blocks the cached blocks of its longest known prefix; returns
         the tokens it need not compute. The last token is always computed (its logits are
-        needed), so only blocks before it are reused."""
-        assert not seq.block_table
+        needed), so only blocks before it are reused. A global group needs every block of the
+        prefix; a sliding-window group only those its window still reaches (the others' table
+        entries are placeholders, never read)."""
+        assert not seq.block_tables
         if not self.enable_prefix_reuse:
             return 0
         tokens = seq.token_ids
         eligible = (len(tokens) - 1) // self.block_size
         self.queried_tokens += eligible * self.block_size
+        keys: list[int] = []
+        found: list[list[int | None]] = [[] for _ in self.windows]
         previous = None
         for i in range(eligible):
             chunk = tuple(tokens[i * self.block_size : (i + 1) * self.block_size])
-            key = chain_hash(previous, chunk)
-            block_id = self.by_hash.get(key)
-            if block_id is None or self.blocks[block_id].tokens != chunk:
+            previous = chain_hash(previous, chunk)
+            ids = [self._cached(g, previous, chunk) for g in range(len(self.windows))]
+            if any(block_id is None for block_id, window in zip(ids, self.windows) if not window):
                 break
-            block = self.blocks[block_id]
-            if block.ref_count == 0:
-                del self.evictable[block_id]
-            block.ref_count += 1
-            seq.block_table.append(block_id)
-            seq.block_hashes.append(key)
-            previous = key
-        reused = len(seq.block_table)
-        self.reused_blocks += reused
-        self.hit_tokens += reused * self.block_size
-        seq.num_computed = reused * self.block_size
+            keys.append(previous)
+            for g, block_id in enumerate(ids):
+                found[g].append(block_id)
+        matched = len(keys)
+        while matched and any(None in found[g][self._first_needed(g, matched * self.block_size) : matched]
+                              for g, window in enumerate(self.windows) if window):
+            matched -= 1
+        if matched == 0:
+            return 0
+        self._start(seq)
+        for g, table in enumerate(seq.block_tables):
+            first = self._first_needed(g, matched * self.block_size)
+            for i in range(matched):
+                block_id = found[g][i] if i >= first else 0
+                if i >= first:
+                    block = self.blocks[block_id]
+                    if block.ref_count == 0:
+                        del self.evictable[block_id]
+                    block.ref_count += 1
+                    self.reused_blocks += 1
+                table.append(block_id)
+            seq.released_blocks[g] = first
+        seq.block_hashes = keys[:matched]
+        self.hit_tokens += matched * self.block_size
+        seq.num_computed = matched * self.block_size
         return seq.num_computed
 
     def allocate(self, seq: Sequence, total_tokens: int) -> bool:
-        """Grow the sequence's table to hold `total_tokens`; False (and nothing taken) if the
+        """Grow the sequence's tables to hold `total_tokens`; False (and nothing taken) if the
         pool cannot."""
-        needed = self.blocks_for(total_tokens) - len(seq.block_table)
-        if needed > self.num_free_blocks:
+        self._start(seq)
+        per_table = self.blocks_for(total_tokens) - len(seq.block_tables[0])
+        if per_table * len(self.windows) > self.num_free_blocks:
             return False
-        for _ in range(needed):
-            seq.block_table.append(self._take())
+        for table in seq.block_tables:
+            for _ in range(per_table):
+                table.append(self._take())
         self.peak_used = max(self.peak_used, self.num_blocks - self.num_free_blocks)
         return True
 
@@ -115,10 +171,13 @@ class KVCacheManager:
             chunk = tuple(tokens[i * self.block_size : (i + 1) * self.block_size])
             key = chain_hash(seq.block_hashes[-1] if seq.block_hashes else None, chunk)
             seq.block_hashes.append(key)
-            if self.enable_prefix_reuse and key not in self.by_hash:
-                block = self.blocks[seq.block_table[i]]
-                block.hash, block.tokens = key, chunk
-                self.by_hash[key] = block.id
+            if not self.enable_prefix_reuse:
+                continue
+            for g, table in enumerate(seq.block_tables):
+                if (g, key) not in self.by_hash:
+                    block = self.blocks[table[i]]
+                    block.hash, block.tokens = (g, key), chunk
+                    self.by_hash[(g, key)] = block.id
 
     def _drop(self, block_id: int) -> None:
         block = self.blocks[block_id]
@@ -132,24 +191,27 @@ class KVCacheManager:
     def release(self, seq: Sequence) -> None:
         """Drop the sequence's references; hashed blocks stay findable until evicted. The tail
         goes first so it is evicted before the more shareable head."""
-        for block_id in reversed(seq.block_table[seq.released_blocks:]):
-            self._drop(block_id)
-        seq.block_table.clear()
+        for table, released in zip(seq.block_tables, seq.released_blocks):
+            for block_id in reversed(table[released:]):
+                self._drop(block_id)
+        seq.block_tables = []
+        seq.released_blocks = []
         seq.block_hashes.clear()
         seq.num_computed = 0
-        seq.released_blocks = 0
 
-    def release_behind_window(self, seq: Sequence, window: int) -> None:
-        """A model whose every layer attends within a sliding window: release the sequence's
-        blocks that no later token can attend to. The next token sits at position num_computed
-        and attends from num_computed - window + 1 on, so every block wholly before that goes
-        (as blocks of finished sequences go: hashed ones stay findable). Their ids stay in the
-        table, which attention never reads again."""
-        first_needed = max(0, seq.num_computed - window + 1) // self.block_size
-        end = min(first_needed, len(seq.block_table))
-        for i in range(seq.released_blocks, end):
-            self._drop(seq.block_table[i])
-        seq.released_blocks = max(seq.released_blocks, end)
+    def release_behind_window(self, seq: Sequence) -> None:
+        """Release the blocks of the sequence's sliding-window groups that no later token can
+        attend to. The next token sits at position num_computed and attends from
+        num_computed - window + 1 on, so every block wholly before that goes (as blocks of
+        finished sequences go: hashed ones stay findable). Their ids stay in the table, which
+        attention never reads again."""
+        for g, window in enumerate(self.windows):
+            if window:
+                table = seq.block_tables[g]
+                end = min(self._first_needed(g, seq.num_computed), len(table))
+                for i in range(seq.released_blocks[g], end):
+                    self._drop(table[i])
+                seq.released_blocks[g] = max(seq.released_blocks[g], end)
 
     def stats(self) -> dict:
         return {

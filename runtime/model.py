@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from kiln import constants as names
 from kiln.plugins import ops
 from kiln.runtime.key_rotation import key_hadamard
+from kiln.runtime.kv_layout import KVLayout
 from kiln.runtime.linear import SKINNY_ROWS, DenseLinear, load_linear
 from kiln.runtime.rope import cos_sin_tables
 from kiln.runtime.spec import ModelSpec
@@ -86,7 +87,9 @@ class StepContext:
     positions: torch.Tensor  # [tokens] int64
     query_start: torch.Tensor  # [seqs + 1] int32
     context_lens: torch.Tensor  # [seqs] int32
-    block_tables: torch.Tensor  # [seqs, max_blocks] int32
+    # [groups, seqs, max_blocks] int32: a table per group of the pool's layout (KVPool.layout); a
+    # pool of one group also takes [seqs, max_blocks]
+    block_tables: torch.Tensor
     logits_rows: torch.Tensor  # [rows] int64
 
     @classmethod
@@ -103,22 +106,43 @@ class StepContext:
 
 
 class KVPool:
-    """The key/value blocks: per layer [num_blocks, block_size, kv_heads, head_dim]. One
-    allocation, left uninitialized: attention reads only slots written before, and pages the
-    pool never touches cost no memory."""
+    """The key/value blocks: [slots, 2, num_blocks, block_size, kv_heads, head_dim], each layer
+    at its slot of the layout (kv_layout). grouped=False (a private pool, e.g. one sequence's): one
+    group, every layer a slot of its own, one block table. grouped=True (the executor's): layers of
+    one sliding window share a table, so a window's blocks can be released as it moves. One
+    allocation, left uninitialized: attention reads only slots written before, and pages the pool
+    never touches cost no memory."""
 
-    def __init__(self, spec: ModelSpec, num_blocks: int, block_size: int, dtype: torch.dtype):
-        self.storage = torch.empty(spec.num_layers, 2, num_blocks, block_size, spec.num_kv_heads,
+    def __init__(self, spec: ModelSpec, num_blocks: int, block_size: int, dtype: torch.dtype,
+                 grouped: bool = False):
+        self.layout = self.layout_for(spec, grouped)
+        self.storage = torch.empty(self.layout.slots, 2, num_blocks, block_size, spec.num_kv_heads,
                                    spec.head_dim, dtype=dtype)
-        self.keys = [self.storage[i, 0] for i in range(spec.num_layers)]
-        self.values = [self.storage[i, 1] for i in range(spec.num_layers)]
+        where = self.layout.slot_and_group()
+        self.keys = [self.storage[slot, 0] for slot, _ in where]
+        self.values = [self.storage[slot, 1] for slot, _ in where]
+        self.layer_group = [group for _, group in where]
+        self.kv_layers = torch.tensor(where, dtype=torch.int64)  # ops.decode_layers' (slot, group) a layer
         self.num_blocks = num_blocks
         self.block_size = block_size
+        self.bytes_per_token = spec.num_layers * 2 * spec.num_kv_heads * spec.head_dim * self.storage.element_size()
 
     @staticmethod
-    def bytes_per_block(spec: ModelSpec, block_size: int, dtype: torch.dtype) -> int:
+    def layout_for(spec: ModelSpec, grouped: bool) -> KVLayout:
+        return KVLayout.of([spec.window(i) for i in range(spec.num_layers)], grouped)
+
+    @classmethod
+    def bytes_per_block(cls, spec: ModelSpec, block_size: int, dtype: torch.dtype, grouped: bool = False) -> int:
         element = torch.empty(0, dtype=dtype).element_size()
-        return spec.num_layers * 2 * block_size * spec.num_kv_heads * spec.head_dim * element
+        return cls.layout_for(spec, grouped).slots * 2 * block_size * spec.num_kv_heads * spec.head_dim * element
+
+    def tables(self, block_tables: torch.Tensor) -> torch.Tensor:
+        """A step's block tables as [groups, seqs, max_blocks]."""
+        tables = block_tables.unsqueeze(0) if block_tables.dim() == 2 else block_tables
+        if tables.dim() != 3 or tables.shape[0] != len(self.layout.groups):
+            raise ValueError(f"block tables {tuple(block_tables.shape)} do not fit a pool of "
+                             f"{len(self.layout.groups)} groups ({self.layout.describe()})")
+        return tables
 
 
 class LlamaModel:
@@ -279,10 +303,11 @@ class LlamaModel:
         if self.embed_scale is not None:
             h = h * self.embed_scale
         x = ops.rms_norm(h, self.layers[0].input_norm, eps)
+        tables = pool.tables(ctx.block_tables)
         if self.fused_decode and tokens.shape[0] <= SKINNY_ROWS:  # the same kernels, without Python between
             if self._plan is None:
                 self._plan = self.decode_plan()
-            x = ops.decode_layers(h, x, *self._plan, pool.storage, ctx.block_tables, ctx.query_start,
+            x = ops.decode_layers(h, x, *self._plan, pool.storage, pool.kv_layers, tables, ctx.query_start,
                                   ctx.context_lens, self.cos, self.sin, spec.num_heads, self.scale, eps,
                                   self.key_hadamard)
             return self.lm_head(x[ctx.logits_rows]).float()
@@ -291,8 +316,8 @@ class LlamaModel:
             if layer.q_norm is not None:
                 qkv = self.norm_heads(qkv, layer)
             cos, sin = (self.local_cos, self.local_sin) if layer.local_rope else (self.cos, self.sin)
-            attn = ops.paged_attention(qkv, pool.keys[index], pool.values[index], ctx.block_tables,
-                                       ctx.query_start, ctx.context_lens, cos, sin, spec.num_heads, self.scale,
+            attn = ops.paged_attention(qkv, pool.keys[index], pool.values[index],
+                                       tables[pool.layer_group[index]], ctx.query_start, ctx.context_lens, cos, sin, spec.num_heads, self.scale,
                                        layer.kv_scales, self.key_hadamard, layer.window)
             attn = layer.out(attn)
             if layer.attn_out_norm is not None:

@@ -54,10 +54,10 @@ class ModelRunner:
                 if not rows or rows[-1] != last:
                     rows.append(last)
                 sampling.append((seq, len(rows) - 1))
-        width = max(len(seq.block_table) for seq, _ in batch)
-        tables = torch.zeros(len(batch), width, dtype=torch.int32)
+        width = max(len(seq.block_tables[0]) for seq, _ in batch)
+        tables = torch.zeros(len(batch[0][0].block_tables), len(batch), width, dtype=torch.int32)
         for i, (seq, _) in enumerate(batch):
-            tables[i, : len(seq.block_table)] = torch.tensor(seq.block_table, dtype=torch.int32)
+            tables[:, i, : len(seq.block_tables[0])] = torch.tensor(seq.block_tables, dtype=torch.int32)
         ctx = StepContext(
             positions=torch.tensor(positions),
             query_start=torch.tensor(query_start, dtype=torch.int32),

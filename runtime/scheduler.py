@@ -4,8 +4,9 @@ Every step packs decode tokens of running sequences and prefill chunks of waitin
 one batch, without padding, under max_num_tokens and max_batch_size. Long prompts spread over
 steps (chunked prefill). First come, first served. When the pool runs out of blocks the newest
 running sequence is preempted: its blocks are released and it is recomputed later
-(`max_utilization`); `guaranteed_no_evict` admits a request only when blocks for its whole
-length (prompt + max_tokens) are left over for it, so nothing is ever preempted."""
+(`max_utilization`); `guaranteed_no_evict` admits a request only when the most blocks it can
+hold at once (its whole length, prompt + max_tokens; a sliding-window group only its window's) are
+left over for it after every running sequence's, so nothing is ever preempted."""
 from __future__ import annotations
 
 from collections import deque
@@ -55,7 +56,7 @@ class Scheduler:
                 budget -= count
         while self.waiting and budget > 0 and len(self.running) < self.max_batch_size:
             seq = self.waiting[0]
-            if not seq.block_table and not seq.params.return_context_logits:  # those need every row
+            if not seq.block_tables and not seq.params.return_context_logits:  # those need every row
                 self.kv.match_prefix(seq)
             count = min(seq.remaining, budget)
             if not self._admissible(seq) or not self.kv.allocate(seq, seq.num_computed + count):
@@ -71,9 +72,9 @@ class Scheduler:
     def _admissible(self, seq: Sequence) -> bool:
         if self.policy != "guaranteed_no_evict":
             return True
-        kv = self.kv
-        reserved = sum(max(kv.blocks_for(s.max_total_len) - len(s.block_table), 0) for s in self.running)
-        needed = kv.blocks_for(seq.max_total_len) - len(seq.block_table)
+        kv, step = self.kv, self.max_num_tokens
+        reserved = sum(max(kv.peak_blocks(s.max_total_len, step) - kv.held_blocks(s), 0) for s in self.running)
+        needed = kv.peak_blocks(seq.max_total_len, step) - kv.held_blocks(seq)
         return needed <= kv.num_free_blocks - reserved
 
     def preempt(self, seq: Sequence) -> None:

@@ -24,11 +24,12 @@ class Sequence:
     token_ids: list[int] = field(init=False)  # prompt, then generated tokens
     status: Status = Status.WAITING
     num_computed: int = 0  # tokens whose keys/values are in the cache
-    block_table: list[int] = field(default_factory=list)
+    # one block table per group of layers (kv_layout), all of one length; empty without blocks
+    block_tables: list[list[int]] = field(default_factory=list)
     block_hashes: list[int] = field(default_factory=list)  # of the full blocks, in order
-    # sliding-window models: the first this many blocks of the table fell out of every window and
-    # were released (their ids stay in the table, never read again: attention skips them)
-    released_blocks: int = 0
+    # per group: its first this many blocks fell out of the group's sliding window and were
+    # released (their ids stay in the table, never read again: attention skips them)
+    released_blocks: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     context_logits: torch.Tensor | None = None  # [prompt, vocab], when the request asks for them
     deadline: float | None = None  # time.monotonic() at which it ends ("timeout") if still live

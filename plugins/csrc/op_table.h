@@ -14,7 +14,7 @@
      "Tensor context_lens, Tensor cos, Tensor sin, int heads, float scale, Tensor? kv_scales=None, "            \
      "int key_hadamard=0, int window=0) -> Tensor")                                                             \
   OP(decode_layers,                                                                                             \
-     "(Tensor(a!) h, Tensor x, Tensor?[] tensors, int[] ints, float[] floats, Tensor(b!) kv, "                  \
+     "(Tensor(a!) h, Tensor x, Tensor?[] tensors, int[] ints, float[] floats, Tensor(b!) kv, Tensor kv_layers, " \
      "Tensor block_tables, Tensor query_start, Tensor context_lens, Tensor cos, Tensor sin, int heads, "        \
      "float scale, float eps, int key_hadamard=0) -> Tensor")                                                   \
   OP(moe_mlp,                                                                                                   \

@@ -17,7 +17,8 @@ NO_SCHEMA_TEST = ("test_faketensor", "test_autograd_registration")  # torch lack
 
 
 def decode_layers_sample(g):
-    """Two dense float32 layers of hidden 32 (2 heads, 1 KV head of 16) over a 2-token prefill."""
+    """Two dense float32 layers of hidden 32 (2 heads, 1 KV head of 16) over a 2-token prefill, in two
+    groups of the KV pool."""
     hidden, heads, kv_heads, head_dim, inter, block = 32, 2, 1, 16, 48, 4
 
     def w(out, inp):
@@ -33,8 +34,9 @@ def decode_layers_sample(g):
     tensors, ints, floats = ops.decode_plan(layers)
     angles = torch.rand(16, head_dim, generator=g) * 6.3
     h = torch.randn(2, hidden, generator=g)
-    return (h, h.clone(), tensors, ints, floats, torch.zeros(2, 2, 4, block, kv_heads, head_dim),
-            torch.tensor([[2, 0, 1, 3]], dtype=torch.int32), torch.tensor([0, 2], dtype=torch.int32),
+    # the two layers share one slot of the pool, each with a block table of its own (two groups)
+    return (h, h.clone(), tensors, ints, floats, torch.zeros(1, 2, 4, block, kv_heads, head_dim),
+            torch.tensor([[0, 0], [0, 1]]), torch.tensor([[[2, 0, 1, 3]], [[1, 3, 0, 2]]], dtype=torch.int32), torch.tensor([0, 2], dtype=torch.int32),
             torch.tensor([0], dtype=torch.int32), angles.cos(), angles.sin(), heads, 0.25, 1e-5)
 
 

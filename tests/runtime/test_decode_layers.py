@@ -14,23 +14,28 @@ SMALL = {"calibration": {"samples": 8, "seq_len": 64}, "accuracy": {"tokens": 51
 PROMPT = [1, 17, 250, 33, 99, 5, 201, 64, 300, 12]
 
 
-def decode(model, spec, fused: bool, steps: int, rows: int):
+def decode(model, spec, fused: bool, steps: int, rows: int, grouped: bool = False):
     """A prompt per sequence, then `steps` decode steps of `rows` sequences at once; the logits
-    of every step and the pool."""
+    of every step and the pool. grouped: the executor's pool (a block table per group of layers)."""
     model.fused_decode = fused
     block = 8
     blocks = -(-(len(PROMPT) + steps) // block)
-    pool = KVPool(spec, rows * blocks, block, model.kv_dtype)
+    groups = len(KVPool.layout_for(spec, grouped).groups)
+    pool = KVPool(spec, groups * rows * blocks, block, model.kv_dtype, grouped)
     pool.storage.view(torch.uint8).zero_()  # (the pool is left uninitialized: compare written slots only)
-    tables = [list(range(r * blocks, (r + 1) * blocks)) for r in range(rows)]
+    # a run of blocks for each row and group, the groups' interleaved
+    tables = torch.tensor([[list(range((r * groups + g) * blocks, (r * groups + g + 1) * blocks)) for r in range(rows)]
+                           for g in range(groups)], dtype=torch.int32)
     for r in range(rows):
-        model.forward(torch.tensor(PROMPT[r:]), StepContext.single(0, len(PROMPT) - r, tables[r]), pool)
+        ctx = StepContext.single(0, len(PROMPT) - r, [])
+        ctx.block_tables = tables[:, r : r + 1].contiguous()
+        model.forward(torch.tensor(PROMPT[r:]), ctx, pool)
     out = []
     for i in range(steps):
         lens = [len(PROMPT) - r + i for r in range(rows)]
         ctx = StepContext(positions=torch.tensor(lens), query_start=torch.arange(rows + 1, dtype=torch.int32),
-                          context_lens=torch.tensor(lens, dtype=torch.int32),
-                          block_tables=torch.tensor(tables, dtype=torch.int32), logits_rows=torch.arange(rows))
+                          context_lens=torch.tensor(lens, dtype=torch.int32), block_tables=tables,
+                          logits_rows=torch.arange(rows))
         out.append(model.forward(torch.tensor([40 + i] * rows), ctx, pool))
     model.fused_decode = True
     return torch.stack(out), pool.storage
@@ -94,6 +99,20 @@ def test_fused_decode_routes_experts_as_the_python_loop(arch, dtype, quantizatio
     assert_fused_equals_loop(engine.model, engine.spec)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_block_table_per_layer_group_gives_the_same_numbers(dtype, tiny_models, tmp_path):
+    """Gemma 3's sliding-window and global layers keep their keys in block tables of their own
+    (the executor's pool, kv_layout) and share the pool's slots: the fused step and the Python
+    loop give the logits of one table for every layer, bit for bit."""
+    engine = Engine(build_engine(tmp_path / "e", tiny_models["gemma3"], dtype))
+    layout = KVPool.layout_for(engine.spec, grouped=True)
+    assert layout.windows == (6, 0) and layout.slots == 1
+    want, _ = decode(engine.model, engine.spec, True, 4, 3)
+    for fused in (True, False):
+        got, _ = decode(engine.model, engine.spec, fused, 4, 3, grouped=True)
+        assert torch.equal(got, want), f"fused={fused}"
+
+
 def test_decode_layers_refuses_a_plan_of_the_wrong_size(tiny_engines):
     engine = Engine(tiny_engines("llama", "bfloat16"))
     model = engine.model
@@ -102,9 +121,9 @@ def test_decode_layers_refuses_a_plan_of_the_wrong_size(tiny_engines):
     h = torch.zeros(1, engine.spec.hidden_size, dtype=model.dtype)
     ctx = StepContext.single(0, 1, [0])
     with pytest.raises(RuntimeError, match="the plan has"):
-        ops.decode_layers(h, h.clone(), tensors[:-1], ints, floats, pool.storage, ctx.block_tables,
-                          ctx.query_start, ctx.context_lens, model.cos, model.sin, engine.spec.num_heads,
-                          model.scale, engine.spec.norm_eps)
+        ops.decode_layers(h, h.clone(), tensors[:-1], ints, floats, pool.storage, pool.kv_layers,
+                          pool.tables(ctx.block_tables), ctx.query_start, ctx.context_lens, model.cos, model.sin,
+                          engine.spec.num_heads, model.scale, engine.spec.norm_eps)
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])

@@ -20,10 +20,10 @@ def test_prefix_match_takes_only_full_blocks_before_the_last_token():
     kv.release(a)
     assert kv.num_free_blocks == 10
     b = seq(2, range(12))  # the same 12 tokens: the last block is recomputed, not shared
-    assert kv.match_prefix(b) == 8 and b.block_table == a_blocks_head(kv, 2)
+    assert kv.match_prefix(b) == 8 and b.block_tables == [a_blocks_head(kv, 2)]
     c = seq(3, list(range(6)) + [99] * 6)  # diverges inside the second block
     assert kv.match_prefix(c) == 4
-    assert kv.blocks[c.block_table[0]].ref_count == 2
+    assert kv.blocks[c.block_tables[0][0]].ref_count == 2
 
 
 def a_blocks_head(kv, count):
@@ -33,7 +33,7 @@ def a_blocks_head(kv, count):
     previous, out = None, []
     for i in range(count):
         previous = chain_hash(previous, tuple(range(i * 4, i * 4 + 4)))
-        out.append(kv.by_hash[previous])
+        out.append(kv.by_hash[(0, previous)])
     return out
 
 
@@ -47,7 +47,7 @@ def test_released_hashed_blocks_are_evicted_least_recent_first():
     head, tail = kv.by_hash.values()
     b = seq(2, [9] * 6)
     assert kv.allocate(b, 6)  # 2 free + 1 evicted
-    assert tail in b.block_table and head not in b.block_table
+    assert tail in b.block_tables[0] and head not in b.block_tables[0]
     assert list(kv.by_hash.values()) == [head]
 
 
@@ -87,7 +87,7 @@ def test_scheduler_preempts_the_newest_when_blocks_run_out():
         s.token_ids.append(1)
     batch = sched.schedule()  # a needs a third block: b (newest) is preempted
     assert [s.request_id for s, _ in batch] == [1]
-    assert b.status is Status.WAITING and b.block_table == [] and sched.num_preemptions == 1
+    assert b.status is Status.WAITING and b.block_tables == [] and sched.num_preemptions == 1
     assert sched.waiting[0] is b
 
 
@@ -103,3 +103,85 @@ def test_guaranteed_no_evict_reserves_whole_requests():
 def test_unknown_policy():
     with pytest.raises(ValueError, match="guaranteed_no_evict"):
         Scheduler(KVCacheManager(1, 1), 1, 1, policy="fastest")
+
+
+def run_steps(kv, s, steps):
+    """Decode `steps` tokens of a sequence whose prompt is computed, as the executor does."""
+    for _ in range(steps):
+        s.token_ids.append(7)
+        assert kv.allocate(s, len(s.token_ids))
+        s.num_computed = len(s.token_ids)
+        kv.register_full_blocks(s)
+        kv.release_behind_window(s)
+
+
+def test_a_sliding_window_group_holds_only_its_window():
+    """A global group and a window-5 group, blocks of 2: after 40 tokens the global table holds all
+    20 blocks, the window's only the blocks from position 36 on; the pool gets every one back."""
+    kv = KVCacheManager(40, 2, enable_prefix_reuse=False, windows=(0, 5))
+    s = seq(1, range(10))
+    assert kv.allocate(s, 10)
+    s.num_computed = 10
+    kv.release_behind_window(s)
+    run_steps(kv, s, 30)
+    assert [len(t) for t in s.block_tables] == [20, 20]
+    assert s.released_blocks == [0, 18]  # the next token (position 40) attends from 36: blocks 18, 19
+    assert kv.held_blocks(s) == 22 == kv.num_blocks - kv.num_free_blocks
+    assert kv.peak_used <= kv.peak_blocks(40, 1) == 20 + 4
+    kv.release(s)
+    assert kv.num_free_blocks == 40 and s.block_tables == [] and s.released_blocks == []
+
+
+def cached_then_squeezed(filler_tokens):
+    """A window-3 group beside a global one, blocks of 2: a 12-token sequence computed and released
+    (every block hashed), then `filler_tokens` other tokens allocated, which evicts the least
+    recently released blocks: the window group's oldest first."""
+    kv = KVCacheManager(16, 2, windows=(0, 3))
+    a = seq(1, range(12))
+    assert kv.allocate(a, 12)
+    a.num_computed = 12
+    kv.register_full_blocks(a)
+    kv.release_behind_window(a)
+    assert a.released_blocks == [0, 5]
+    kv.release(a)
+    assert kv.num_free_blocks == 16 and len(kv.by_hash) == 12
+    assert kv.allocate(seq(2, [99] * filler_tokens), filler_tokens)
+    return kv
+
+
+def test_prefix_reuse_needs_only_the_blocks_the_window_reaches():
+    """The window group's 4 oldest blocks were evicted: the prefix still matches, as the next
+    token (position 10: the last is recomputed) attends within the window from position 8 on,
+    block 4, which is cached; the global group shares all 5 blocks."""
+    kv = cached_then_squeezed(7)
+    assert sorted(group for group, _ in kv.by_hash) == [0] * 6 + [1] * 2  # the window's blocks 4, 5 left
+    b = seq(3, range(12))
+    assert kv.match_prefix(b) == 10
+    assert b.block_tables[0] == [kv.by_hash[(0, key)] for key in b.block_hashes]
+    assert b.released_blocks == [0, 4] and b.block_tables[1][4] == kv.by_hash[(1, b.block_hashes[4])]
+    assert kv.held_blocks(b) == 6 and all(kv.blocks[i].ref_count == 1 for i in b.block_tables[0])
+
+
+def test_prefix_reuse_stops_where_the_window_group_lost_a_block_it_needs():
+    kv = cached_then_squeezed(10)  # evicts the window group's blocks 0-4 (and the global block 5)
+    b = seq(3, range(12))
+    assert kv.match_prefix(b) == 0 and b.block_tables == []
+
+
+def test_guaranteed_no_evict_reserves_a_window_groups_window_only():
+    """Requests of 40 tokens, blocks of 2, steps of up to 16 tokens: 20 blocks in the global group,
+    at most 11 in a window-4 group (not 20), so two fit in 64 blocks, a third does not."""
+    kv = KVCacheManager(64, 2, windows=(0, 4))
+    sched = Scheduler(kv, max_batch_size=8, max_num_tokens=16, policy="guaranteed_no_evict")
+    assert kv.peak_blocks(40, 16) == 20 + 11
+    requests = [seq(i, range(8), max_tokens=32) for i in (1, 2, 3)]
+    for s in requests[:2]:
+        sched.add(s)
+    batch = sched.schedule()
+    assert [(s.request_id, n) for s, n in batch] == [(1, 8), (2, 8)]
+    for s, n in batch:
+        s.num_computed += n
+        s.token_ids.append(5)
+    sched.add(requests[2])
+    assert [(s.request_id, n) for s, n in sched.schedule()] == [(1, 1), (2, 1)]
+    assert requests[2].status is Status.WAITING

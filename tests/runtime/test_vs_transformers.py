@@ -165,7 +165,7 @@ def test_blocks_behind_the_window_are_released_and_reused(tmp_path, llm_for):
     folder = make_tiny_model(tmp_path / "mistral-window", "mistral", seed=5, sliding_window=5)
     engine = build_engine(tmp_path / "engine", folder, max_input_len=32, max_seq_len=64, kv_block_size=4)
     llm = llm_for(engine, kv_cache_memory="20KiB", enable_prefix_reuse=False)  # 1 KiB a block here
-    assert llm.executor.kv.num_blocks == 20 and llm.executor.window == 5
+    assert llm.executor.kv.num_blocks == 20 and llm.executor.kv.windows == (5,)
     model = hf_model(folder, torch.float32)
     prompts = [PROMPT, PROMPT[3:] + PROMPT[:3], PROMPT[::-1], PROMPT[5:] + PROMPT[:5]]
     llm.executor.kv.reset_peak()
@@ -175,3 +175,28 @@ def test_blocks_behind_the_window_are_released_and_reused(tmp_path, llm_for):
     assert llm.executor.kv.stats()["blocks_used_peak"] <= 4 * 4
     assert llm.executor.scheduler.num_preemptions == 0
     assert llm.executor.kv.stats()["blocks_used"] == 0  # and all of them come back
+
+
+def test_gemma3_local_layers_release_the_blocks_behind_their_window(tmp_path, tiny_models, llm_for):
+    """Gemma 3's sliding-window layer (window 6) and its global layer keep their keys in block
+    tables of their own (blocks of 4 tokens, a pool of 56): four sequences of 37 tokens decode at
+    once. Each holds its 10 blocks for the global layer and at most 3 for the local one, not 10
+    (20 each, 80 in all, without the second table: the pool would preempt), and every sequence gets
+    the greedy tokens transformers gives it alone."""
+    from kiln.runtime.model import KVPool
+
+    engine = build_engine(tmp_path / "engine", tiny_models["gemma3"], max_input_len=32, max_seq_len=64,
+                          kv_block_size=4)
+    llm = llm_for(engine)  # (only to read the spec and dtype the engine holds)
+    per_block = KVPool.bytes_per_block(llm.engine.spec, 4, llm.engine.model.kv_dtype, grouped=True)
+    llm = llm_for(engine, kv_cache_memory=f"{56 * per_block}B", enable_prefix_reuse=False)
+    executor = llm.executor
+    assert executor.kv.num_blocks == 56 and executor.kv.windows == (6, 0)
+    model = hf_model(tiny_models["gemma3"], torch.float32)
+    prompts = [PROMPT, PROMPT[3:] + PROMPT[:3], PROMPT[::-1], PROMPT[5:] + PROMPT[:5]]
+    executor.kv.reset_peak()
+    outs = llm.generate(prompts, max_tokens=24, ignore_eos=True)
+    assert [o.token_ids for o in outs] == [hf_greedy(model, p, 24) for p in prompts]
+    assert executor.scheduler.num_preemptions == 0
+    assert executor.kv.stats()["blocks_used_peak"] <= 4 * (10 + 3)
+    assert executor.kv.stats()["blocks_used"] == 0

@@ -90,14 +90,27 @@ static at::Tensor add_shared_expert(const at::Tensor& routed, const at::Tensor& 
                                     const c10::optional<at::Tensor>& gate);
 
 at::Tensor decode_layers(at::Tensor& h, const at::Tensor& x0, const OptionalTensors& tensors, at::IntArrayRef ints,
-                         at::ArrayRef<double> floats, at::Tensor& kv, const at::Tensor& block_tables,
-                         const at::Tensor& query_start, const at::Tensor& context_lens, const at::Tensor& cos,
-                         const at::Tensor& sin, int64_t heads, double scale, double eps, int64_t key_hadamard) {
+                         at::ArrayRef<double> floats, at::Tensor& kv, const at::Tensor& kv_layers,
+                         const at::Tensor& block_tables, const at::Tensor& query_start, const at::Tensor& context_lens,
+                         const at::Tensor& cos, const at::Tensor& sin, int64_t heads, double scale, double eps,
+                         int64_t key_hadamard) {
   using namespace plan;
-  const int64_t layers = kv.dim() == 6 ? kv.size(0) : -1;
-  TORCH_CHECK(layers > 0 && kv.size(1) == 2 && kv.is_contiguous(),
-              "kiln::decode_layers: kv must be the pool's contiguous [layers, 2, blocks, block_size, kv_heads, "
+  TORCH_CHECK(kv.dim() == 6 && kv.size(1) == 2 && kv.is_contiguous(),
+              "kiln::decode_layers: kv must be the pool's contiguous [slots, 2, blocks, block_size, kv_heads, "
               "head_dim] storage, got ", kv.sizes());
+  TORCH_CHECK(kv_layers.scalar_type() == at::kLong && kv_layers.dim() == 2 && kv_layers.size(1) == 2 &&
+                  kv_layers.size(0) > 0 && kv_layers.is_contiguous(),
+              "kiln::decode_layers: kv_layers must be a contiguous int64 [layers, 2] tensor (each layer's slot "
+              "of the pool and group of block tables), got ", kv_layers.scalar_type(), " ", kv_layers.sizes());
+  TORCH_CHECK(block_tables.dim() == 3, "kiln::decode_layers: block_tables must be [groups, sequences, blocks], got ",
+              block_tables.sizes());
+  const int64_t layers = kv_layers.size(0);
+  const int64_t* slot_group = kv_layers.data_ptr<int64_t>();
+  for (int64_t i = 0; i < layers; ++i)
+    TORCH_CHECK(slot_group[2 * i] >= 0 && slot_group[2 * i] < kv.size(0) && slot_group[2 * i + 1] >= 0 &&
+                    slot_group[2 * i + 1] < block_tables.size(0),
+                "kiln::decode_layers: layer ", i, "'s slot ", slot_group[2 * i], " and group ", slot_group[2 * i + 1],
+                " are outside the pool's ", kv.size(0), " slots and the ", block_tables.size(0), " block tables");
   auto layer_int = [&](int64_t i, LayerInt which) { return ints[i * kLayerInts + kLayerLinears * kLinearInts + which]; };
   int64_t expert_records = 0;  // the experts' linear records after the layers' (two an expert)
   if (static_cast<int64_t>(ints.size()) >= layers * kLayerInts)
@@ -140,8 +153,10 @@ at::Tensor decode_layers(at::Tensor& h, const at::Tensor& x0, const OptionalTens
     const at::Tensor qkv_out =
         head_q ? norm_heads(run(x, qkv), *head_q, *head_k, heads, kv.size(-1), eps) : run(x, qkv);
     if (i == 0)  // the step's metadata and shapes, checked once: every layer's pool is alike
-      shape = check_paged(qkv_out, kv.select(0, 0).select(0, 0), kv.select(0, 0).select(0, 1), block_tables,
-                          query_start, context_lens, cos, sin, heads, kv_scales, key_hadamard, 0, token_seq);
+      for (int64_t g = 0; g < block_tables.size(0); ++g)  // and every group's tables
+        shape = check_paged(qkv_out, kv.select(0, 0).select(0, 0), kv.select(0, 0).select(0, 1),
+                            block_tables.select(0, g), query_start, context_lens, cos, sin, heads, kv_scales,
+                            key_hadamard, 0, token_seq);
     TORCH_CHECK(kv_scales.has_value() == quantized &&
                     (!quantized || kv_scales->numel() == 2 * shape.kv_heads * shape.head_dim),
                 "kiln::decode_layers: layer ", i, "'s kv_scales do not match its pool");
@@ -154,9 +169,9 @@ at::Tensor decode_layers(at::Tensor& h, const at::Tensor& x0, const OptionalTens
     TORCH_CHECK(window >= 0, "kiln::decode_layers: layer ", i, "'s window ", window, " is negative");
     PagedShape layer_shape = shape;
     layer_shape.window = window;
-    char* k_pool = static_cast<char*>(kv.data_ptr()) + i * kv.stride(0) * kv.element_size();
+    char* k_pool = static_cast<char*>(kv.data_ptr()) + slot_group[2 * i] * kv.stride(0) * kv.element_size();
     const at::Tensor attn = run_paged(qkv_out, k_pool, k_pool + kv.stride(1) * kv.element_size(), kv.scalar_type(),
-                                      block_tables, query_start, context_lens, rope_cos, rope_sin, layer_shape,
+                                      block_tables.select(0, slot_group[2 * i + 1]), query_start, context_lens, rope_cos, rope_sin, layer_shape,
                                       token_seq, scale, kv_scales);
     const at::Tensor attn_o = run(attn, out);
     x = add_rms_norm(h, attn_norm ? rms_norm(attn_o, *attn_norm, eps) : attn_o, *post_norm, eps);
