@@ -19,7 +19,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from kiln import constants as names
-from kiln.builder.checkpoint.trtllm import LINEAR_MODULES, NORMS, module_tensor
+from kiln.builder.checkpoint.trtllm import NORMS, linear_modules, long_rope_attention_factor, module_tensor, swap_halves
 from kiln.errors import KilnError
 from kiln.plugins.formats import dequantize_int4, hadamard_block, unpack_int4
 from kiln.runtime.spec import ModelSpec
@@ -48,7 +48,20 @@ def _config(spec: ModelSpec, dtype: str, quant: dict | None) -> dict:
         rope = {"type": "llama3", "factor": s.factor, "low_freq_factor": s.low_freq_factor,
                 "high_freq_factor": s.high_freq_factor,
                 "original_max_position_embeddings": s.original_max_position_embeddings}
-    return {
+    extra = {}
+    if spec.architecture == "phi3":  # (TensorRT-LLM's Phi-3: one fused fc and a swiglu)
+        extra = {"hidden_act": "swiglu", "rotary_pct": (spec.rotary_dim or spec.head_dim) / spec.head_dim}
+        if spec.rope_longrope is not None:
+            extra.update(position_embedding_type=names.TRTLLM_LONG_ROPE,
+                         original_max_position_embeddings=spec.rope_longrope.original_max_position_embeddings,
+                         longrope_scaling_short_factors=list(spec.rope_longrope.short_factor),
+                         longrope_scaling_long_factors=list(spec.rope_longrope.long_factor))
+    moe = {}
+    if spec.num_experts:
+        normalization = {v: k for k, v in names.TRTLLM_MOE_NORMALIZATION.items()}[spec.normalize_expert_weights]
+        moe = {names.TRTLLM_MOE: {"num_experts": spec.num_experts, "top_k": spec.experts_per_token,
+                                  "normalization_mode": normalization}}
+    return moe | {
         "architecture": names.TRTLLM_ARCHITECTURES[spec.architecture],
         "dtype": dtype,
         "logits_dtype": "float32",
@@ -60,7 +73,7 @@ def _config(spec: ModelSpec, dtype: str, quant: dict | None) -> dict:
         "num_key_value_heads": spec.num_kv_heads,
         "head_size": spec.head_dim,
         "hidden_act": "silu",
-        "intermediate_size": spec.intermediate_size,
+        "intermediate_size": spec.expert_intermediate_size if spec.num_experts else spec.intermediate_size,
         "norm_epsilon": spec.norm_eps,
         "position_embedding_type": "rope_gpt_neox",
         "rotary_base": spec.rope_theta,
@@ -73,7 +86,7 @@ def _config(spec: ModelSpec, dtype: str, quant: dict | None) -> dict:
         "pad_token_id": spec.pad_id,
         "quantization": quant or {"quant_algo": None, "kv_cache_quant_algo": None},
         "mapping": {"world_size": 1, "tp_size": 1, "pp_size": 1},
-    }
+    } | extra
 
 
 def _export_linear(out: dict, layer: int, modules: tuple[str, ...], kind: str | None,
@@ -106,6 +119,22 @@ def _export_linear(out: dict, layer: int, modules: tuple[str, ...], kind: str | 
             out[module_tensor(layer, module, names.TRTLLM_BIAS)] = w["bias"][part].to(dtype).contiguous()
 
 
+def _export_experts(out: dict, weights: dict[str, torch.Tensor], spec: ModelSpec, layer: int, dtype: torch.dtype) -> None:
+    """A Mixture-of-Experts layer as TensorRT-LLM's MOE module holds it (names.TRTLLM_MLP_ROUTER):
+    the router in float32, the experts stacked, each expert's up rows before its gate rows."""
+    def expert(e: int, name: str) -> torch.Tensor:
+        return weights[names.layer_tensor(layer, names.expert_tensor(e, name))]
+
+    width = spec.expert_intermediate_size
+    gate_up = [expert(e, "gate_up.weight") for e in range(spec.num_experts)]
+    out[module_tensor(layer, names.TRTLLM_MLP_ROUTER, names.TRTLLM_WEIGHT)] = (
+        weights[names.layer_tensor(layer, names.MLP_ROUTER)].float().contiguous())
+    out[module_tensor(layer, names.TRTLLM_MLP_FC, names.TRTLLM_WEIGHT)] = torch.stack(
+        [torch.cat([w[width:], w[:width]]) for w in gate_up]).to(dtype).contiguous()
+    out[module_tensor(layer, names.TRTLLM_MLP_PROJ, names.TRTLLM_WEIGHT)] = torch.stack(
+        [expert(e, "down.weight") for e in range(spec.num_experts)]).to(dtype).contiguous()
+
+
 def _kv_scale(scales: torch.Tensor, quant: dict, spec: ModelSpec) -> torch.Tensor:
     """One layer's KV-cache scale for TensorRT-LLM: the largest of kiln's per-channel scales. Keys
     kiln stores rotated (quantization.key_rotation hadamard) are bounded as TensorRT-LLM stores
@@ -130,6 +159,12 @@ def export_checkpoint(engine_dir: Path, output: Path) -> Path:
     if spec.rope_freq_factors is not None:
         raise ExportError("this engine's rope frequencies come from a GGUF's rope_freqs.weight, which TensorRT-LLM's "
                           "checkpoint cannot state; build the engine from the Hugging Face folder to export it")
+    longrope = spec.rope_longrope
+    if longrope is not None and abs(longrope.attention_factor - long_rope_attention_factor(
+            spec.max_position_embeddings, longrope.original_max_position_embeddings)) > 1e-6:
+        raise ExportError(f"this engine's LongRoPE factor on cos and sin ({longrope.attention_factor}) is the "
+                          "checkpoint's own; TensorRT-LLM's checkpoint cannot state it (it derives the factor from "
+                          "max_position_embeddings), so the export would change the model")
     max_seq_len = int(meta.get("limits", {}).get("max_seq_len", 0))
     if spec.sliding_window is not None and max_seq_len > spec.sliding_window:
         raise ExportError(f"this engine attends within a sliding window of {spec.sliding_window} positions up to "
@@ -144,6 +179,11 @@ def export_checkpoint(engine_dir: Path, output: Path) -> Path:
         raise ExportError(f"a {quant.get('algo')} engine ({kind} linears) has no TensorRT-LLM checkpoint form "
                           f"kiln writes faithfully; exportable: unquantized, fp8 with per_tensor weight "
                           f"scales, int4_awq / int4_wo (W4A16_AWQ), with or without an int8 / fp8 KV cache")
+    moe = spec.num_experts > 0
+    if moe and kind is not None:
+        raise ExportError(f"a {quant.get('algo')} Mixture-of-Experts engine has no TensorRT-LLM checkpoint form kiln "
+                          "writes faithfully (its experts' quantized layout is TensorRT-LLM's own); export an "
+                          "unquantized build, with or without an int8 / fp8 KV cache")
     in_features = (spec.hidden_size, spec.q_size, spec.intermediate_size)
     if kind == names.LINEAR_INT4 and any(k % quant["group_size"] for k in in_features):
         raise ExportError(f"TensorRT-LLM needs the int4 group size ({quant['group_size']}) to divide every "
@@ -164,7 +204,9 @@ def export_checkpoint(engine_dir: Path, output: Path) -> Path:
     for i in range(spec.num_layers):
         for kiln_name, trt_name in NORMS.items():
             out[names.TRTLLM_LAYER.format(i) + trt_name] = weights[names.layer_tensor(i, kiln_name)].to(dtype)
-        for linear, modules in LINEAR_MODULES.items():
+        for linear, modules in linear_modules(spec.architecture).items():
+            if moe and linear in (names.MLP_GATE_UP, names.MLP_DOWN):  # the experts instead
+                continue
             weight_name = names.layer_tensor(i, linear)
             prefix = names.linear_prefix(weight_name)
             if kind is None:
@@ -175,7 +217,12 @@ def export_checkpoint(engine_dir: Path, output: Path) -> Path:
                      if names.linear_tensor(prefix, part) in weights}
             if linear == names.ATTN_QKV and spec.qkv_bias:
                 w["bias"] = weights[names.layer_tensor(i, names.ATTN_QKV_BIAS)]
+            if linear == names.MLP_GATE_UP and spec.architecture == "phi3":  # up rows first
+                w = {part: swap_halves(t) if part in ("weight", names.QWEIGHT, names.WEIGHT_SCALES) else t
+                     for part, t in w.items()}
             _export_linear(out, i, modules, kind, w, dtype)
+        if moe:
+            _export_experts(out, weights, spec, i, dtype)
         if quant.get("kv_cache", "none") != "none":
             scale = _kv_scale(weights[names.layer_tensor(i, names.ATTN_KV_SCALES)].float(), quant, spec)
             out[names.TRTLLM_LAYER.format(i) + names.TRTLLM_KV_SCALE] = scale.reshape(1)

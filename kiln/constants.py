@@ -266,7 +266,18 @@ TRTLLM_FP8 = "FP8"  # quantization.quant_algo
 TRTLLM_W4A16_AWQ = "W4A16_AWQ"
 TRTLLM_KV_INT8 = "INT8"  # quantization.kv_cache_quant_algo
 TRTLLM_KV_FP8 = "FP8"
-TRTLLM_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+TRTLLM_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                        "mixtral": "MixtralForCausalLM", "phi3": "Phi3ForCausalLM"}
+# Phi-3 (TensorRT-LLM's phi3 convert.py): gate_up is one module, mlp.fc, its up rows before its gate
+# rows; config.json "rotary_pct" (partial rotary) and, for LongRoPE, position_embedding_type long_rope
+TRTLLM_LONG_ROPE = "long_rope"
+# Mixture-of-Experts (TensorRT-LLM's MOE module, as its llama convert.py writes Mixtral): mlp.router
+# float32 [experts, hidden]; mlp.fc [experts, 2 x width, hidden], each expert's up rows (w3) before its
+# gate rows (w1); mlp.proj [experts, hidden, width]; config.json "moe": num_experts, top_k,
+# normalization_mode (TRTLLM_MOE_NORMALIZATION)
+TRTLLM_MLP_ROUTER = "mlp.router"
+TRTLLM_MOE = "moe"
+TRTLLM_MOE_NORMALIZATION = {0: False, 1: True}  # NONE / RENORMALIZE -> the top-k weights rescaled to sum to 1
 
 # --- NVIDIA Model Optimizer's Hugging Face export (read by model.format: hf) --------------
 MODELOPT_QUANT_CONFIG = "hf_quant_config.json"

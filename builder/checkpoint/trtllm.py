@@ -14,10 +14,18 @@ projection), mlp.proj}, transformer.ln_f, lm_head. Scales are dequantization fac
                weights_scaling_factor [out, in / group], prequant_scaling_factor [in]
     KV cache   attention.kv_cache_scaling_factor [1] per layer (INT8 or FP8)
 
+Phi-3 (Phi3ForCausalLM): mlp.fc is the whole gate_up, its up rows first (no mlp.gate); config
+rotary_pct and, for LongRoPE, position_embedding_type long_rope with original_max_position_embeddings
+and longrope_scaling_short_factors / _long_factors (the factor on cos and sin follows from
+max_position_embeddings, as TensorRT-LLM computes it).
+Mixtral (MixtralForCausalLM, unquantized): a "moe" config section and, instead of the dense MLP,
+mlp.router / mlp.fc / mlp.proj with the experts stacked (kiln/constants.py, TRTLLM_MLP_ROUTER).
+
 The names and packing here are shared with the exporter (builder/export.py)."""
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import torch
@@ -27,13 +35,31 @@ from kiln import constants as names
 from kiln.builder.checkpoint import Checkpoint, one_for_fused
 from kiln.errors import CheckpointError
 from kiln.plugins.formats import pack_int4
-from kiln.runtime.spec import ModelSpec, RopeScaling
+from kiln.runtime.spec import LongRope, ModelSpec, RopeScaling
 
 # kiln layer linear -> TensorRT-LLM module(s); gate_up is split into fc (gate) and gate (up)
 LINEAR_MODULES = {names.ATTN_QKV: (names.TRTLLM_QKV,), names.ATTN_OUT: (names.TRTLLM_DENSE,),
                   names.MLP_GATE_UP: (names.TRTLLM_MLP_FC, names.TRTLLM_MLP_GATE),
                   names.MLP_DOWN: (names.TRTLLM_MLP_PROJ,)}
 NORMS = {names.INPUT_NORM: names.TRTLLM_INPUT_NORM, names.POST_ATTENTION_NORM: names.TRTLLM_POST_NORM}
+# Phi-3 keeps gate_up as one module, its halves swapped (swap_halves): up rows, then gate rows
+PHI3_LINEAR_MODULES = {**LINEAR_MODULES, names.MLP_GATE_UP: (names.TRTLLM_MLP_FC,)}
+
+
+def linear_modules(architecture: str) -> dict[str, tuple[str, ...]]:
+    return PHI3_LINEAR_MODULES if architecture == "phi3" else LINEAR_MODULES
+
+
+def swap_halves(t: torch.Tensor) -> torch.Tensor:
+    """Rows [a; b] -> [b; a]: kiln's gate_up (gate, up) <-> Phi-3's mlp.fc in TensorRT-LLM (up, gate)."""
+    first, second = t.chunk(2)
+    return torch.cat([second, first]).contiguous()
+
+
+def long_rope_attention_factor(max_positions: int, original: int) -> float:
+    """LongRoPE's factor on cos and sin when the checkpoint states none (transformers' and TensorRT-LLM's)."""
+    scale = max_positions / original
+    return 1.0 if scale <= 1.0 else math.sqrt(1 + math.log(scale) / math.log(original))
 
 
 def module_tensor(layer: int, module: str, tensor: str) -> str:
@@ -75,12 +101,21 @@ def _spec(config: dict, source: Path) -> ModelSpec:
         scaling = RopeScaling(float(rope["factor"]), float(rope["low_freq_factor"]), float(rope["high_freq_factor"]),
                               int(rope["original_max_position_embeddings"]))
     heads = int(config["num_attention_heads"])
+    head_dim = int(config.get("head_size") or int(config["hidden_size"]) // heads)
     eos = config.get("eos_token_id")
-    return ModelSpec(
+    phi3 = _phi3_options(config, head_dim, source) if arch == "phi3" else {}
+    moe = {}
+    if (config.get(names.TRTLLM_MOE) or {}).get("num_experts", 0) > 1:
+        moe = _moe_options(config, arch, source)
+        arch = "mixtral"  # (TensorRT-LLM's Llama with experts: what kiln calls Mixtral)
+    elif arch == "mixtral":
+        raise CheckpointError(f"{source}: a {config['architecture']} checkpoint without a \"moe\" section "
+                              "(num_experts, top_k) in its config")
+    return ModelSpec(**moe, **phi3,
         architecture=arch, vocab_size=int(config["vocab_size"]), hidden_size=int(config["hidden_size"]),
         num_layers=int(config["num_hidden_layers"]), num_heads=heads,
         num_kv_heads=int(config.get("num_key_value_heads") or heads),
-        head_dim=int(config.get("head_size") or int(config["hidden_size"]) // heads),
+        head_dim=head_dim,
         intermediate_size=int(config["intermediate_size"]),
         max_position_embeddings=int(config.get("max_position_embeddings") or 2048),
         rope_theta=float(config.get("rotary_base", 10000.0)), rope_scaling=scaling,
@@ -88,6 +123,60 @@ def _spec(config: dict, source: Path) -> ModelSpec:
         qkv_bias=bool(config.get("qkv_bias", arch == "qwen2")), bos_id=config.get("bos_token_id"),
         eos_ids=tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),)),
         pad_id=config.get("pad_token_id"))
+
+
+def _phi3_options(config: dict, head_dim: int, source: Path) -> dict:
+    """ModelSpec fields of a Phi-3 checkpoint: partial rotary (rotary_pct) and LongRoPE."""
+    out = {}
+    pct = float(config.get("rotary_pct", 1.0))
+    if pct != 1.0:
+        out["rotary_dim"] = int(head_dim * pct)
+    kind = config.get("position_embedding_type", "rope_gpt_neox")
+    if kind == names.TRTLLM_LONG_ROPE:
+        original = int(config["original_max_position_embeddings"])
+        out["rope_longrope"] = LongRope(
+            short_factor=config["longrope_scaling_short_factors"], long_factor=config["longrope_scaling_long_factors"],
+            original_max_position_embeddings=original,
+            attention_factor=long_rope_attention_factor(int(config["max_position_embeddings"]), original))
+    elif kind != "rope_gpt_neox":
+        raise CheckpointError(f"{source}: position_embedding_type {kind!r} is not supported (rope_gpt_neox, long_rope)")
+    return out
+
+
+def _moe_options(config: dict, arch: str, source: Path) -> dict:
+    """ModelSpec fields of a Mixture-of-Experts checkpoint (TensorRT-LLM's "moe" section)."""
+    moe = config[names.TRTLLM_MOE]
+    if arch not in ("llama", "mixtral"):
+        raise CheckpointError(f"{source}: a {config['architecture']} checkpoint with experts; kiln reads "
+                              f"Mixture-of-Experts TensorRT-LLM checkpoints of {names.TRTLLM_ARCHITECTURES['mixtral']}")
+    mode = int(moe.get("normalization_mode", 1))
+    if mode not in names.TRTLLM_MOE_NORMALIZATION:
+        raise CheckpointError(f"{source}: moe normalization_mode {mode} is not supported (0: none, 1: renormalize)")
+    if moe.get("shared_expert_intermediate_size"):
+        raise CheckpointError(f"{source}: shared experts (moe shared_expert_intermediate_size "
+                              f"{moe['shared_expert_intermediate_size']}) are not supported in TensorRT-LLM checkpoints")
+    return dict(num_experts=int(moe["num_experts"]), experts_per_token=int(moe["top_k"]),
+                expert_intermediate_size=int(config["intermediate_size"]),
+                normalize_expert_weights=names.TRTLLM_MOE_NORMALIZATION[mode])
+
+
+def _import_experts(get, spec: ModelSpec, layer: int, tensors: dict[str, torch.Tensor]) -> None:
+    """TensorRT-LLM's MOE module (names.TRTLLM_MLP_ROUTER) -> kiln's router and per-expert gate, up,
+    down."""
+    width, experts = spec.expert_intermediate_size, spec.num_experts
+    fc = get(module_tensor(layer, names.TRTLLM_MLP_FC, names.TRTLLM_WEIGHT))
+    proj = get(module_tensor(layer, names.TRTLLM_MLP_PROJ, names.TRTLLM_WEIGHT))
+    router = get(module_tensor(layer, names.TRTLLM_MLP_ROUTER, names.TRTLLM_WEIGHT))
+    for what, tensor, shape in (("mlp.fc", fc, (experts, 2 * width, spec.hidden_size)),
+                                ("mlp.proj", proj, (experts, spec.hidden_size, width)),
+                                ("mlp.router", router, (experts, spec.hidden_size))):
+        if tuple(tensor.shape) != shape:
+            raise CheckpointError(f"layer {layer} {what} is {tuple(tensor.shape)}; the config says {shape}")
+    tensors[names.layer_tensor(layer, names.CKPT_ROUTER)] = router.float()
+    for e in range(experts):
+        up, gate = fc[e].float().split(width)
+        for name, tensor in zip(names.CKPT_EXPERT, (gate, up, proj[e].float())):
+            tensors[names.layer_tensor(layer, names.expert_tensor(e, name))] = tensor
 
 
 def _import_linear(get, layer: int, modules: tuple[str, ...], algo: str, source: Path) -> dict[str, torch.Tensor]:
@@ -125,6 +214,9 @@ def load_trtllm(folder: Path) -> Checkpoint:
         raise CheckpointError(f"{folder}: quant_algo {algo!r} is not one kiln reads (none, FP8, W4A16_AWQ)")
     if kv_algo not in (None, names.TRTLLM_KV_INT8, names.TRTLLM_KV_FP8):
         raise CheckpointError(f"{folder}: kv_cache_quant_algo {kv_algo!r} is not one kiln reads (none, INT8, FP8)")
+    if algo and spec.num_experts:
+        raise CheckpointError(f"{folder}: a {algo} Mixture-of-Experts checkpoint; kiln reads unquantized ones "
+                              "(the experts' quantized layout is TensorRT-LLM's own)")
     excluded = quant.get("exclude_modules") or []
     if algo and any(not m.startswith("lm_head") for m in excluded):
         raise CheckpointError(f"{folder}: layers excluded from quantization ({excluded}) are not supported")
@@ -157,13 +249,24 @@ def load_trtllm(folder: Path) -> Checkpoint:
             for name, piece in zip(("attention.q.weight", "attention.k.weight", "attention.v.weight"),
                                    qkv.split((q, k, k))):
                 tensors[names.layer_tensor(i, name)] = piece
-            for name, module in (("attention.o.weight", names.TRTLLM_DENSE), ("mlp.gate.weight", names.TRTLLM_MLP_FC),
-                                 ("mlp.up.weight", names.TRTLLM_MLP_GATE), ("mlp.down.weight", names.TRTLLM_MLP_PROJ)):
+            dense = (("mlp.gate.weight", names.TRTLLM_MLP_FC), ("mlp.up.weight", names.TRTLLM_MLP_GATE),
+                     ("mlp.down.weight", names.TRTLLM_MLP_PROJ))
+            if spec.num_experts:
+                dense = ()
+                _import_experts(get, spec, i, tensors)
+            elif spec.architecture == "phi3":
+                up, gate = get(module_tensor(i, names.TRTLLM_MLP_FC, names.TRTLLM_WEIGHT)).float().chunk(2)
+                tensors[names.layer_tensor(i, "mlp.gate.weight")], tensors[names.layer_tensor(i, "mlp.up.weight")] = gate, up
+                dense = dense[2:]
+            for name, module in (("attention.o.weight", names.TRTLLM_DENSE), *dense):
                 tensors[names.layer_tensor(i, name)] = get(module_tensor(i, module, names.TRTLLM_WEIGHT)).float()
         else:
-            for linear, modules in LINEAR_MODULES.items():
+            for linear, modules in linear_modules(spec.architecture).items():
                 prefix = names.linear_prefix(names.layer_tensor(i, linear))
+                swap = linear == names.MLP_GATE_UP and spec.architecture == "phi3"
                 for part, tensor in _import_linear(get, i, modules, algo, folder).items():
+                    if swap and part in (names.QWEIGHT, names.WEIGHT_SCALES):
+                        tensor = swap_halves(tensor)
                     prequantized[names.linear_tensor(prefix, part)] = tensor
         if kv != "none":
             scale = get(names.TRTLLM_LAYER.format(i) + names.TRTLLM_KV_SCALE).float().reshape(())

@@ -7,9 +7,11 @@ import torch
 from safetensors.torch import load_file
 
 from kiln import constants as names
+from kiln.builder.cli import build as run_build
 from kiln.builder.cli import main as build_main
 from kiln.builder.checkpoint.trtllm import unpack_int4_along_out
 from kiln.builder.export import ExportError, export_checkpoint, pack_int4_along_out
+from kiln.errors import CheckpointError
 from kiln.runtime.engine import Engine
 from tests.helpers import build_engine, forward_logits, generator, write_config
 
@@ -90,7 +92,96 @@ def test_formats_without_a_faithful_export_are_refused(quantization, message, ti
         export_checkpoint(engine_dir, tmp_path / "trtllm")
 
 
-@pytest.mark.parametrize("arch", ["qwen3", "gemma3"])
+def test_mixtral_exports_as_tensorrt_llms_moe_and_reimports_to_the_same_logits(tiny_models, tmp_path):
+    """Mixtral as TensorRT-LLM's llama converter writes it: a "moe" config section, the router in
+    float32, each layer's experts stacked in mlp.fc with an expert's up rows (HF's w3) before its
+    gate rows (w1), and mlp.proj; read back, the same logits."""
+    engine_dir = build_engine(tmp_path / "a", tiny_models["mixtral"], "float32")
+    engine = Engine(engine_dir)
+    spec = engine.spec
+    export = export_checkpoint(engine_dir, tmp_path / "trtllm")
+    config = json.loads((export / "config.json").read_text())
+    assert config["architecture"] == "MixtralForCausalLM"
+    assert config["moe"] == {"num_experts": 4, "top_k": 2, "normalization_mode": 1}
+    assert config["intermediate_size"] == spec.expert_intermediate_size
+    tensors = load_file(export / "rank0.safetensors")
+    width, layer = spec.expert_intermediate_size, "transformer.layers.1."
+    assert not any(".mlp.gate." in key for key in tensors)
+    assert tensors[layer + "mlp.router.weight"].dtype == torch.float32
+    assert tensors[layer + "mlp.fc.weight"].shape == (4, 2 * width, spec.hidden_size)
+    assert tensors[layer + "mlp.proj.weight"].shape == (4, spec.hidden_size, width)
+    kiln_weights = load_file(engine_dir / names.WEIGHTS_FILE)
+    gate_up = kiln_weights[names.layer_tensor(1, names.expert_tensor(3, "gate_up.weight"))]  # rows: gate, up
+    assert torch.equal(tensors[layer + "mlp.fc.weight"][3], torch.cat([gate_up[width:], gate_up[:width]]))
+    again = Engine(build_engine(tmp_path / "b", export, "float32"))
+    assert (again.spec.num_experts, again.spec.experts_per_token, again.spec.normalize_expert_weights) == (4, 2, True)
+    torch.testing.assert_close(forward_logits(again, PROMPT), forward_logits(engine, PROMPT), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("quantization", [{"algo": "none"}, {"algo": "int4_awq", "group_size": 32}])
+def test_phi3_exports_its_fused_mlp_and_long_rope_and_reimports_to_the_same_logits(quantization, tmp_path):
+    """Phi-3 as TensorRT-LLM's phi3 converter writes it: gate_up one module, mlp.fc, with its up rows
+    before its gate rows (no mlp.gate), partial rotary (rotary_pct) and LongRoPE's factors in the
+    config; read back, the same logits (an engine beyond the original context: the long factors)."""
+    from tests.helpers import make_tiny_model
+
+    half = 16 * 3 // 4 // 2
+    g = torch.Generator().manual_seed(11)
+    rope = {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
+            "original_max_position_embeddings": 32,
+            "short_factor": (1 + torch.rand(half, generator=g)).tolist(),
+            "long_factor": (1 + 4 * torch.rand(half, generator=g)).tolist()}
+    folder = make_tiny_model(tmp_path / "phi3", "phi3", seed=7, rope_parameters=rope, original_max_position_embeddings=32)
+    engine_dir = build_engine(tmp_path / "a", folder, "float32", quantization={**quantization, **SMALL},
+                              max_input_len=64, max_seq_len=128)
+    engine = Engine(engine_dir)
+    spec = engine.spec
+    export = export_checkpoint(engine_dir, tmp_path / "trtllm")
+    config = json.loads((export / "config.json").read_text())
+    assert (config["architecture"], config["hidden_act"], config["rotary_pct"]) == ("Phi3ForCausalLM", "swiglu", 0.75)
+    assert config["position_embedding_type"] == "long_rope" and config["original_max_position_embeddings"] == 32
+    assert config["longrope_scaling_long_factors"] == list(spec.rope_longrope.long_factor)
+    tensors = load_file(export / "rank0.safetensors")
+    assert not any(".mlp.gate." in key for key in tensors)
+    fc = tensors["transformer.layers.1.mlp.fc.weight"]
+    kiln_weights = load_file(engine_dir / names.WEIGHTS_FILE)
+    if quantization["algo"] == "none":
+        gate_up = kiln_weights[names.layer_tensor(1, names.MLP_GATE_UP)]  # rows: gate, up
+        width = spec.intermediate_size
+        assert torch.equal(fc, torch.cat([gate_up[width:], gate_up[:width]]))
+    else:  # int4: two rows a byte along the output; the up rows' scales first
+        assert fc.shape == (spec.intermediate_size, spec.hidden_size) and fc.dtype == torch.int8
+        scales = kiln_weights[names.linear_tensor(names.linear_prefix(names.layer_tensor(1, names.MLP_GATE_UP)),
+                                                  names.WEIGHT_SCALES)]
+        assert torch.equal(tensors["transformer.layers.1.mlp.fc.weights_scaling_factor"], scales.float().roll(
+            -spec.intermediate_size, dims=0))
+    again = Engine(build_engine(tmp_path / "b", export, "float32", max_input_len=64, max_seq_len=128))
+    assert (again.spec.rotary_dim, again.spec.rope_longrope) == (spec.rotary_dim, spec.rope_longrope)
+    torch.testing.assert_close(forward_logits(again, PROMPT), forward_logits(engine, PROMPT), rtol=1e-5, atol=1e-5)
+
+
+def test_a_quantized_mixture_of_experts_export_is_refused(tiny_models, tmp_path):
+    engine_dir = build_engine(tmp_path / "a", tiny_models["mixtral"], "bfloat16",
+                              quantization={"algo": "int4_wo", "group_size": 32, **SMALL})
+    with pytest.raises(ExportError, match="int4_wo Mixture-of-Experts engine has no TensorRT-LLM checkpoint form"):
+        export_checkpoint(engine_dir, tmp_path / "trtllm")
+    assert not (tmp_path / "trtllm").exists()
+
+
+def test_tensorrt_llm_experts_of_the_wrong_shape_are_refused(tiny_models, tmp_path):
+    from safetensors.torch import save_file
+
+    export = export_checkpoint(build_engine(tmp_path / "a", tiny_models["mixtral"], "float32"), tmp_path / "trtllm")
+    tensors = load_file(export / "rank0.safetensors")
+    key = "transformer.layers.0.mlp.proj.weight"
+    tensors[key] = tensors[key][:3].contiguous()  # 3 experts where the config says 4
+    save_file(tensors, export / "rank0.safetensors")
+    config = write_config(tmp_path / "b.yaml", export, "float32")
+    with pytest.raises(CheckpointError, match=r"layer 0 mlp.proj is \(3, "):
+        run_build(config, tmp_path / "b")
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "gemma3", "qwen3_moe", "olmoe", "qwen2_moe"])
 def test_an_architecture_the_export_does_not_cover_is_refused(arch, tiny_engines, tmp_path):
     with pytest.raises(ExportError, match=f"does not write {arch} models yet"):
         export_checkpoint(tiny_engines(arch), tmp_path / "trtllm")
