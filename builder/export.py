@@ -56,11 +56,15 @@ def _config(spec: ModelSpec, dtype: str, quant: dict | None) -> dict:
                          original_max_position_embeddings=spec.rope_longrope.original_max_position_embeddings,
                          longrope_scaling_short_factors=list(spec.rope_longrope.short_factor),
                          longrope_scaling_long_factors=list(spec.rope_longrope.long_factor))
+    if spec.architecture in names.TRTLLM_QWEN_TYPES:
+        extra.update(qwen_type=names.TRTLLM_QWEN_TYPES[spec.architecture], attn_bias=spec.qkv_bias, mlp_bias=False)
     moe = {}
     if spec.num_experts:
         normalization = {v: k for k, v in names.TRTLLM_MOE_NORMALIZATION.items()}[spec.normalize_expert_weights]
         moe = {names.TRTLLM_MOE: {"num_experts": spec.num_experts, "top_k": spec.experts_per_token,
                                   "normalization_mode": normalization}}
+        if spec.architecture != "mixtral":  # (Qwen's MoE: the experts' width beside the dense one)
+            moe.update(moe_intermediate_size=spec.expert_intermediate_size, moe_shared_expert_intermediate_size=0)
     return moe | {
         "architecture": names.TRTLLM_ARCHITECTURES[spec.architecture],
         "dtype": dtype,
@@ -73,7 +77,7 @@ def _config(spec: ModelSpec, dtype: str, quant: dict | None) -> dict:
         "num_key_value_heads": spec.num_kv_heads,
         "head_size": spec.head_dim,
         "hidden_act": "silu",
-        "intermediate_size": spec.expert_intermediate_size if spec.num_experts else spec.intermediate_size,
+        "intermediate_size": spec.expert_intermediate_size if spec.architecture == "mixtral" else spec.intermediate_size,
         "norm_epsilon": spec.norm_eps,
         "position_embedding_type": "rope_gpt_neox",
         "rotary_base": spec.rope_theta,
@@ -95,6 +99,8 @@ def _export_linear(out: dict, layer: int, modules: tuple[str, ...], kind: str | 
     rows = w[names.QWEIGHT if kind else "weight"].shape[0] // len(modules)
     for index, module in enumerate(modules):
         part = slice(index * rows, (index + 1) * rows)
+        if w.get("bias") is not None:
+            out[module_tensor(layer, module, names.TRTLLM_BIAS)] = w["bias"][part].to(dtype).contiguous()
         if kind is None:
             out[module_tensor(layer, module, names.TRTLLM_WEIGHT)] = w["weight"][part].to(dtype).contiguous()
             continue
@@ -115,8 +121,6 @@ def _export_linear(out: dict, layer: int, modules: tuple[str, ...], kind: str | 
             pre = w.get(names.PRE_SCALE)
             out[module_tensor(layer, module, names.TRTLLM_PREQUANT_SCALE)] = (
                 torch.ones(q.shape[1]) if pre is None else pre.float()).contiguous()
-        if w.get("bias") is not None:
-            out[module_tensor(layer, module, names.TRTLLM_BIAS)] = w["bias"][part].to(dtype).contiguous()
 
 
 def _export_experts(out: dict, weights: dict[str, torch.Tensor], spec: ModelSpec, layer: int, dtype: torch.dtype) -> None:
@@ -200,9 +204,12 @@ def export_checkpoint(engine_dir: Path, output: Path) -> Path:
         else:
             out[names.TRTLLM_LM_HEAD] = q.float() * s[:, None]
     else:
-        out[names.TRTLLM_LM_HEAD] = weights.get(names.LM_HEAD, weights[names.EMBED]).to(dtype).contiguous()
+        # (a copy: with tied embeddings it would share the embedding's memory, which safetensors refuses)
+        out[names.TRTLLM_LM_HEAD] = weights.get(names.LM_HEAD, weights[names.EMBED]).to(dtype).clone()
     for i in range(spec.num_layers):
-        for kiln_name, trt_name in NORMS.items():
+        norms = {**NORMS, **(dict(zip(names.HEAD_NORMS, (names.TRTLLM_Q_NORM, names.TRTLLM_K_NORM)))
+                             if spec.head_norms else {})}
+        for kiln_name, trt_name in norms.items():
             out[names.TRTLLM_LAYER.format(i) + trt_name] = weights[names.layer_tensor(i, kiln_name)].to(dtype)
         for linear, modules in linear_modules(spec.architecture).items():
             if moe and linear in (names.MLP_GATE_UP, names.MLP_DOWN):  # the experts instead

@@ -267,7 +267,13 @@ TRTLLM_W4A16_AWQ = "W4A16_AWQ"
 TRTLLM_KV_INT8 = "INT8"  # quantization.kv_cache_quant_algo
 TRTLLM_KV_FP8 = "FP8"
 TRTLLM_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                        "mixtral": "MixtralForCausalLM", "phi3": "Phi3ForCausalLM"}
+                        "mixtral": "MixtralForCausalLM", "phi3": "Phi3ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                        "qwen3_moe": "Qwen3MoeForCausalLM"}
+# TensorRT-LLM's Qwen models (its qwen convert.py): config.json qwen_type and attn_bias; Qwen3's
+# RMSNorms over each query / key head
+TRTLLM_QWEN_TYPES = {"qwen2": "qwen2", "qwen3": "qwen3", "qwen3_moe": "qwen3_moe"}
+TRTLLM_Q_NORM = "attention.q_layernorm.weight"
+TRTLLM_K_NORM = "attention.k_layernorm.weight"
 # Phi-3 (TensorRT-LLM's phi3 convert.py): gate_up is one module, mlp.fc, its up rows before its gate
 # rows; config.json "rotary_pct" (partial rotary) and, for LongRoPE, position_embedding_type long_rope
 TRTLLM_LONG_ROPE = "long_rope"

@@ -18,6 +18,9 @@ Phi-3 (Phi3ForCausalLM): mlp.fc is the whole gate_up, its up rows first (no mlp.
 rotary_pct and, for LongRoPE, position_embedding_type long_rope with original_max_position_embeddings
 and longrope_scaling_short_factors / _long_factors (the factor on cos and sin follows from
 max_position_embeddings, as TensorRT-LLM computes it).
+Qwen3 (Qwen3ForCausalLM) and Qwen3-MoE (Qwen3MoeForCausalLM, unquantized): attention.q_layernorm /
+k_layernorm (RMSNorms over each head); config qwen_type, attn_bias, and for Qwen3-MoE
+moe_intermediate_size beside its moe section.
 Mixtral (MixtralForCausalLM, unquantized): a "moe" config section and, instead of the dense MLP,
 mlp.router / mlp.fc / mlp.proj with the experts stacked (kiln/constants.py, TRTLLM_MLP_ROUTER).
 
@@ -107,8 +110,9 @@ def _spec(config: dict, source: Path) -> ModelSpec:
     moe = {}
     if (config.get(names.TRTLLM_MOE) or {}).get("num_experts", 0) > 1:
         moe = _moe_options(config, arch, source)
-        arch = "mixtral"  # (TensorRT-LLM's Llama with experts: what kiln calls Mixtral)
-    elif arch == "mixtral":
+        if arch == "llama":
+            arch = "mixtral"  # (TensorRT-LLM's Llama with experts: what kiln calls Mixtral)
+    elif arch in ("mixtral", "qwen3_moe"):
         raise CheckpointError(f"{source}: a {config['architecture']} checkpoint without a \"moe\" section "
                               "(num_experts, top_k) in its config")
     return ModelSpec(**moe, **phi3,
@@ -120,7 +124,8 @@ def _spec(config: dict, source: Path) -> ModelSpec:
         max_position_embeddings=int(config.get("max_position_embeddings") or 2048),
         rope_theta=float(config.get("rotary_base", 10000.0)), rope_scaling=scaling,
         norm_eps=float(config.get("norm_epsilon", 1e-5)), tie_embeddings=False,
-        qkv_bias=bool(config.get("qkv_bias", arch == "qwen2")), bos_id=config.get("bos_token_id"),
+        qkv_bias=bool(config.get("qkv_bias", config.get("attn_bias", True) if arch == "qwen2" else False)),
+        head_norms=arch in ("qwen3", "qwen3_moe"), bos_id=config.get("bos_token_id"),
         eos_ids=tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),)),
         pad_id=config.get("pad_token_id"))
 
@@ -146,18 +151,19 @@ def _phi3_options(config: dict, head_dim: int, source: Path) -> dict:
 def _moe_options(config: dict, arch: str, source: Path) -> dict:
     """ModelSpec fields of a Mixture-of-Experts checkpoint (TensorRT-LLM's "moe" section)."""
     moe = config[names.TRTLLM_MOE]
-    if arch not in ("llama", "mixtral"):
+    if arch not in ("llama", "mixtral", "qwen3_moe"):
         raise CheckpointError(f"{source}: a {config['architecture']} checkpoint with experts; kiln reads "
-                              f"Mixture-of-Experts TensorRT-LLM checkpoints of {names.TRTLLM_ARCHITECTURES['mixtral']}")
+                              "Mixture-of-Experts TensorRT-LLM checkpoints of Mixtral and Qwen3-MoE")
     mode = int(moe.get("normalization_mode", 1))
     if mode not in names.TRTLLM_MOE_NORMALIZATION:
         raise CheckpointError(f"{source}: moe normalization_mode {mode} is not supported (0: none, 1: renormalize)")
     if moe.get("shared_expert_intermediate_size"):
         raise CheckpointError(f"{source}: shared experts (moe shared_expert_intermediate_size "
                               f"{moe['shared_expert_intermediate_size']}) are not supported in TensorRT-LLM checkpoints")
+    qwen = arch == "qwen3_moe"  # (kiln rounds Qwen3-MoE's routing weights to the model dtype, as transformers)
     return dict(num_experts=int(moe["num_experts"]), experts_per_token=int(moe["top_k"]),
-                expert_intermediate_size=int(config["intermediate_size"]),
-                normalize_expert_weights=names.TRTLLM_MOE_NORMALIZATION[mode])
+                expert_intermediate_size=int(config["moe_intermediate_size" if qwen else "intermediate_size"]),
+                normalize_expert_weights=names.TRTLLM_MOE_NORMALIZATION[mode], round_expert_weights=qwen)
 
 
 def _import_experts(get, spec: ModelSpec, layer: int, tensors: dict[str, torch.Tensor]) -> None:
@@ -240,6 +246,9 @@ def load_trtllm(folder: Path) -> Checkpoint:
         tensors[names.layer_tensor(i, "input_norm.weight")] = get(names.TRTLLM_LAYER.format(i) + names.TRTLLM_INPUT_NORM).float()
         tensors[names.layer_tensor(i, "post_attention_norm.weight")] = get(
             names.TRTLLM_LAYER.format(i) + names.TRTLLM_POST_NORM).float()
+        if spec.head_norms:
+            for name, trt_name in zip(names.CKPT_HEAD_NORMS, (names.TRTLLM_Q_NORM, names.TRTLLM_K_NORM)):
+                tensors[names.layer_tensor(i, name)] = get(names.TRTLLM_LAYER.format(i) + trt_name).float()
         if spec.qkv_bias:
             bias = get(module_tensor(i, names.TRTLLM_QKV, names.TRTLLM_BIAS)).float()
             for name, piece in zip(names.CKPT_QKV_BIASES, bias.split((q, k, k))):
