@@ -64,7 +64,8 @@ def _config(spec: ModelSpec, dtype: str, quant: dict | None) -> dict:
         moe = {names.TRTLLM_MOE: {"num_experts": spec.num_experts, "top_k": spec.experts_per_token,
                                   "normalization_mode": normalization}}
         if spec.architecture != "mixtral":  # (Qwen's MoE: the experts' width beside the dense one)
-            moe.update(moe_intermediate_size=spec.expert_intermediate_size, moe_shared_expert_intermediate_size=0)
+            moe.update(moe_intermediate_size=spec.expert_intermediate_size,
+                       moe_shared_expert_intermediate_size=spec.shared_expert_intermediate_size)
     return moe | {
         "architecture": names.TRTLLM_ARCHITECTURES[spec.architecture],
         "dtype": dtype,
@@ -137,6 +138,12 @@ def _export_experts(out: dict, weights: dict[str, torch.Tensor], spec: ModelSpec
         [torch.cat([w[width:], w[:width]]) for w in gate_up]).to(dtype).contiguous()
     out[module_tensor(layer, names.TRTLLM_MLP_PROJ, names.TRTLLM_WEIGHT)] = torch.stack(
         [expert(e, "down.weight") for e in range(spec.num_experts)]).to(dtype).contiguous()
+    if spec.shared_expert_intermediate_size:  # Qwen2-MoE: the layer's own gate_up / down, and its gate
+        shared = {names.TRTLLM_SHARED_EXPERT_FC: swap_halves(weights[names.layer_tensor(layer, names.MLP_GATE_UP)]),
+                  names.TRTLLM_SHARED_EXPERT_PROJ: weights[names.layer_tensor(layer, names.MLP_DOWN)],
+                  names.TRTLLM_SHARED_EXPERT_GATE: weights[names.layer_tensor(layer, names.MLP_SHARED_GATE)]}
+        for module, tensor in shared.items():
+            out[module_tensor(layer, module, names.TRTLLM_WEIGHT)] = tensor.to(dtype).contiguous()
 
 
 def _kv_scale(scales: torch.Tensor, quant: dict, spec: ModelSpec) -> torch.Tensor:

@@ -268,10 +268,15 @@ TRTLLM_KV_INT8 = "INT8"  # quantization.kv_cache_quant_algo
 TRTLLM_KV_FP8 = "FP8"
 TRTLLM_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
                         "mixtral": "MixtralForCausalLM", "phi3": "Phi3ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                        "qwen3_moe": "Qwen3MoeForCausalLM"}
+                        "qwen3_moe": "Qwen3MoeForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM"}
 # TensorRT-LLM's Qwen models (its qwen convert.py): config.json qwen_type and attn_bias; Qwen3's
 # RMSNorms over each query / key head
-TRTLLM_QWEN_TYPES = {"qwen2": "qwen2", "qwen3": "qwen3", "qwen3_moe": "qwen3_moe"}
+TRTLLM_QWEN_TYPES = {"qwen2": "qwen2", "qwen3": "qwen3", "qwen3_moe": "qwen3_moe", "qwen2_moe": "qwen2_moe"}
+# Qwen2-MoE's shared expert: mlp.shared_expert.fc (up rows, then gate rows) and .proj, and its gate
+# mlp.shared_expert_gate [1, hidden]; config moe_shared_expert_intermediate_size
+TRTLLM_SHARED_EXPERT_FC = "mlp.shared_expert.fc"
+TRTLLM_SHARED_EXPERT_PROJ = "mlp.shared_expert.proj"
+TRTLLM_SHARED_EXPERT_GATE = "mlp.shared_expert_gate"
 TRTLLM_Q_NORM = "attention.q_layernorm.weight"
 TRTLLM_K_NORM = "attention.k_layernorm.weight"
 # Phi-3 (TensorRT-LLM's phi3 convert.py): gate_up is one module, mlp.fc, its up rows before its gate

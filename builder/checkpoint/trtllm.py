@@ -20,7 +20,8 @@ and longrope_scaling_short_factors / _long_factors (the factor on cos and sin fo
 max_position_embeddings, as TensorRT-LLM computes it).
 Qwen3 (Qwen3ForCausalLM) and Qwen3-MoE (Qwen3MoeForCausalLM, unquantized): attention.q_layernorm /
 k_layernorm (RMSNorms over each head); config qwen_type, attn_bias, and for Qwen3-MoE
-moe_intermediate_size beside its moe section.
+moe_intermediate_size beside its moe section. Qwen2-MoE (Qwen2MoeForCausalLM, unquantized) adds its
+shared expert (kiln/constants.py, TRTLLM_SHARED_EXPERT_FC) and moe_shared_expert_intermediate_size.
 Mixtral (MixtralForCausalLM, unquantized): a "moe" config section and, instead of the dense MLP,
 mlp.router / mlp.fc / mlp.proj with the experts stacked (kiln/constants.py, TRTLLM_MLP_ROUTER).
 
@@ -112,7 +113,7 @@ def _spec(config: dict, source: Path) -> ModelSpec:
         moe = _moe_options(config, arch, source)
         if arch == "llama":
             arch = "mixtral"  # (TensorRT-LLM's Llama with experts: what kiln calls Mixtral)
-    elif arch in ("mixtral", "qwen3_moe"):
+    elif arch in ("mixtral", "qwen3_moe", "qwen2_moe"):
         raise CheckpointError(f"{source}: a {config['architecture']} checkpoint without a \"moe\" section "
                               "(num_experts, top_k) in its config")
     return ModelSpec(**moe, **phi3,
@@ -124,7 +125,7 @@ def _spec(config: dict, source: Path) -> ModelSpec:
         max_position_embeddings=int(config.get("max_position_embeddings") or 2048),
         rope_theta=float(config.get("rotary_base", 10000.0)), rope_scaling=scaling,
         norm_eps=float(config.get("norm_epsilon", 1e-5)), tie_embeddings=False,
-        qkv_bias=bool(config.get("qkv_bias", config.get("attn_bias", True) if arch == "qwen2" else False)),
+        qkv_bias=bool(config.get("qkv_bias", config.get("attn_bias", True) if arch in ("qwen2", "qwen2_moe") else False)),
         head_norms=arch in ("qwen3", "qwen3_moe"), bos_id=config.get("bos_token_id"),
         eos_ids=tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),)),
         pad_id=config.get("pad_token_id"))
@@ -151,19 +152,21 @@ def _phi3_options(config: dict, head_dim: int, source: Path) -> dict:
 def _moe_options(config: dict, arch: str, source: Path) -> dict:
     """ModelSpec fields of a Mixture-of-Experts checkpoint (TensorRT-LLM's "moe" section)."""
     moe = config[names.TRTLLM_MOE]
-    if arch not in ("llama", "mixtral", "qwen3_moe"):
+    if arch not in ("llama", "mixtral", "qwen3_moe", "qwen2_moe"):
         raise CheckpointError(f"{source}: a {config['architecture']} checkpoint with experts; kiln reads "
-                              "Mixture-of-Experts TensorRT-LLM checkpoints of Mixtral and Qwen3-MoE")
+                              "Mixture-of-Experts TensorRT-LLM checkpoints of Mixtral, Qwen3-MoE and Qwen2-MoE")
     mode = int(moe.get("normalization_mode", 1))
     if mode not in names.TRTLLM_MOE_NORMALIZATION:
         raise CheckpointError(f"{source}: moe normalization_mode {mode} is not supported (0: none, 1: renormalize)")
-    if moe.get("shared_expert_intermediate_size"):
-        raise CheckpointError(f"{source}: shared experts (moe shared_expert_intermediate_size "
-                              f"{moe['shared_expert_intermediate_size']}) are not supported in TensorRT-LLM checkpoints")
-    qwen = arch == "qwen3_moe"  # (kiln rounds Qwen3-MoE's routing weights to the model dtype, as transformers)
+    shared = int(config.get("moe_shared_expert_intermediate_size") or moe.get("shared_expert_intermediate_size") or 0)
+    if shared and arch != "qwen2_moe":
+        raise CheckpointError(f"{source}: a shared expert of {shared} on {config['architecture']} is not supported "
+                              "(Qwen2-MoE's is)")
+    qwen = arch in ("qwen3_moe", "qwen2_moe")  # (kiln rounds their routing weights to the model dtype, as transformers)
     return dict(num_experts=int(moe["num_experts"]), experts_per_token=int(moe["top_k"]),
                 expert_intermediate_size=int(config["moe_intermediate_size" if qwen else "intermediate_size"]),
-                normalize_expert_weights=names.TRTLLM_MOE_NORMALIZATION[mode], round_expert_weights=qwen)
+                normalize_expert_weights=names.TRTLLM_MOE_NORMALIZATION[mode], round_expert_weights=qwen,
+                shared_expert_intermediate_size=shared, shared_expert_gated=bool(shared))
 
 
 def _import_experts(get, spec: ModelSpec, layer: int, tensors: dict[str, torch.Tensor]) -> None:
@@ -179,6 +182,13 @@ def _import_experts(get, spec: ModelSpec, layer: int, tensors: dict[str, torch.T
         if tuple(tensor.shape) != shape:
             raise CheckpointError(f"layer {layer} {what} is {tuple(tensor.shape)}; the config says {shape}")
     tensors[names.layer_tensor(layer, names.CKPT_ROUTER)] = router.float()
+    if spec.shared_expert_intermediate_size:  # Qwen2-MoE: the layer's dense MLP names, and its gate
+        up, gate = get(module_tensor(layer, names.TRTLLM_SHARED_EXPERT_FC, names.TRTLLM_WEIGHT)).float().chunk(2)
+        shared = {"mlp.gate.weight": gate, "mlp.up.weight": up,
+                  "mlp.down.weight": get(module_tensor(layer, names.TRTLLM_SHARED_EXPERT_PROJ, names.TRTLLM_WEIGHT)),
+                  names.CKPT_SHARED_GATE: get(module_tensor(layer, names.TRTLLM_SHARED_EXPERT_GATE, names.TRTLLM_WEIGHT))}
+        for name, tensor in shared.items():
+            tensors[names.layer_tensor(layer, name)] = tensor.float()
     for e in range(experts):
         up, gate = fc[e].float().split(width)
         for name, tensor in zip(names.CKPT_EXPERT, (gate, up, proj[e].float())):

@@ -165,35 +165,44 @@ def test_phi3_exports_its_fused_mlp_and_long_rope_and_reimports_to_the_same_logi
     ("qwen3", {"algo": "none"}),
     ("qwen3", {"algo": "int4_awq", "group_size": 32}),
     ("qwen3_moe", {"algo": "none"}),
+    ("qwen2_moe", {"algo": "none"}),
 ])
 def test_qwen_exports_as_tensorrt_llms_qwen_and_reimports_to_the_same_logits(arch, quantization, tiny_models, tmp_path):
-    """Qwen2, Qwen3 and Qwen3-MoE as TensorRT-LLM's qwen converter writes them: qwen_type,
-    attn_bias (Qwen2's q / k / v biases), Qwen3's attention.q_layernorm / k_layernorm, and for the
-    MoE its experts' width beside the moe section; read back, the same model and logits."""
+    """Qwen2, Qwen3, Qwen3-MoE and Qwen2-MoE as TensorRT-LLM's qwen converter writes them:
+    qwen_type, attn_bias (Qwen2's q / k / v biases), Qwen3's attention.q_layernorm / k_layernorm,
+    for an MoE its experts' width beside the moe section, and Qwen2-MoE's shared expert; read back,
+    the same model and logits."""
     engine_dir = build_engine(tmp_path / "a", tiny_models[arch], "float32", quantization={**quantization, **SMALL})
     engine = Engine(engine_dir)
     spec = engine.spec
     export = export_checkpoint(engine_dir, tmp_path / "trtllm")
     config = json.loads((export / "config.json").read_text())
     assert (config["architecture"], config["qwen_type"], config["attn_bias"]) == (
-        {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}[arch], arch,
-        arch == "qwen2")
+        {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
+         "qwen2_moe": "Qwen2MoeForCausalLM"}[arch], arch, arch.startswith("qwen2"))
     tensors = load_file(export / "rank0.safetensors")
     kiln_weights = load_file(engine_dir / names.WEIGHTS_FILE)
-    assert ("transformer.layers.0.attention.qkv.bias" in tensors) == (arch == "qwen2")
-    assert ("transformer.layers.0.attention.q_layernorm.weight" in tensors) == (arch != "qwen2")
-    for trt_name, kiln_name in (("q_layernorm", names.ATTN_Q_NORM), ("k_layernorm", names.ATTN_K_NORM))[:arch != "qwen2" and 2]:
+    assert ("transformer.layers.0.attention.qkv.bias" in tensors) == arch.startswith("qwen2")
+    assert ("transformer.layers.0.attention.q_layernorm.weight" in tensors) == spec.head_norms
+    for trt_name, kiln_name in (("q_layernorm", names.ATTN_Q_NORM), ("k_layernorm", names.ATTN_K_NORM))[:2 * spec.head_norms]:
         exported = tensors[f"transformer.layers.1.attention.{trt_name}.weight"]
         assert exported.shape == (spec.head_dim,) and torch.equal(exported, kiln_weights[names.layer_tensor(1, kiln_name)])
     if arch == "qwen3_moe":  # 6 experts of 48, 2 a token, their weights not renormalized
         assert config["moe"] == {"num_experts": 6, "top_k": 2, "normalization_mode": 0}
         assert config["moe_intermediate_size"] == spec.expert_intermediate_size == 48
+    if arch == "qwen2_moe":  # and a gated shared expert: up rows before gate rows, as the experts'
+        assert config["moe_shared_expert_intermediate_size"] == spec.shared_expert_intermediate_size > 0
+        gate_up = kiln_weights[names.layer_tensor(1, names.MLP_GATE_UP)]
+        width = spec.shared_expert_intermediate_size
+        assert torch.equal(tensors["transformer.layers.1.mlp.shared_expert.fc.weight"],
+                           torch.cat([gate_up[width:], gate_up[:width]]))
+        assert tensors["transformer.layers.1.mlp.shared_expert_gate.weight"].shape == (1, spec.hidden_size)
     again_engine = Engine(build_engine(tmp_path / "b", export, "float32"))
     again = again_engine.spec
     assert (again.qkv_bias, again.head_norms) == (spec.qkv_bias, spec.head_norms)
-    assert (again.num_experts, again.expert_intermediate_size, again.normalize_expert_weights,
-            again.round_expert_weights) == (spec.num_experts, spec.expert_intermediate_size,
-                                            spec.normalize_expert_weights, spec.round_expert_weights)
+    moe_fields = ("num_experts", "expert_intermediate_size", "normalize_expert_weights", "round_expert_weights",
+                  "shared_expert_intermediate_size", "shared_expert_gated")
+    assert [getattr(again, f) for f in moe_fields] == [getattr(spec, f) for f in moe_fields]
     torch.testing.assert_close(forward_logits(again_engine, PROMPT), forward_logits(engine, PROMPT), rtol=1e-5, atol=1e-5)
 
 
@@ -218,7 +227,7 @@ def test_tensorrt_llm_experts_of_the_wrong_shape_are_refused(tiny_models, tmp_pa
         run_build(config, tmp_path / "b")
 
 
-@pytest.mark.parametrize("arch", ["gemma3", "olmoe", "qwen2_moe"])
+@pytest.mark.parametrize("arch", ["gemma3", "olmoe"])
 def test_an_architecture_the_export_does_not_cover_is_refused(arch, tiny_engines, tmp_path):
     with pytest.raises(ExportError, match=f"does not write {arch} models yet"):
         export_checkpoint(tiny_engines(arch), tmp_path / "trtllm")
