@@ -9,6 +9,10 @@ the block pool) and decode tokens/s. The one-table layout is the same runtime wi
 KVPool.layout_for forced to grouped=False.
 
     cd benchmarks && PYTHONPATH=.. python kv_groups.py --threads 1 --json ../docs/img/kv-groups-1t.json
+    cd benchmarks && PYTHONPATH=.. python kv_groups.py --layouts 32768   # the arithmetic for Gemma 3's sizes
+
+Each run also splits its time between the model step (LlamaModel.forward) and the rest (the
+scheduler, block accounting, sampling).
 
 Prints a table of medians and writes JSON. No timing is asserted anywhere."""
 from __future__ import annotations
@@ -65,11 +69,21 @@ def build(folder: Path, out: Path, max_seq_len: int) -> Path:
 def run(engine_dir: Path, grouped: bool, sequences: int, tokens: int) -> dict:
     """One generation of `sequences` sequences at once under one layout: peak KV bytes, tok/s."""
     from kiln.runtime.llm import LLM
-    from kiln.runtime.model import KVPool
+    from kiln.runtime.model import KVPool, LlamaModel
 
     layout_for = KVPool.__dict__["layout_for"]
     if not grouped:
         KVPool.layout_for = staticmethod(lambda spec, grouped: layout_for.__func__(spec, False))
+    forward, in_model = LlamaModel.forward, [0.0]
+
+    def timed_forward(self, *args, **kwargs):  # the model step's share of the time
+        begin = time.perf_counter()
+        try:
+            return forward(self, *args, **kwargs)
+        finally:
+            in_model[0] += time.perf_counter() - begin
+
+    LlamaModel.forward = timed_forward
     try:
         llm = LLM(engine_dir, kv_cache_memory="1GiB", enable_prefix_reuse=False)
         try:
@@ -83,13 +97,33 @@ def run(engine_dir: Path, grouped: bool, sequences: int, tokens: int) -> dict:
             assert all(len(o.token_ids) == tokens for o in outs)
             per_block = executor.pool.storage[:, :, 0].nbytes
             return {"layout": executor.pool.layout.describe(), "tables": len(executor.pool.layout.groups),
-                    "tok_s": sequences * tokens / seconds,
+                    "tok_s": sequences * tokens / seconds, "model_s": in_model[0], "rest_s": seconds - in_model[0],
                     "peak_kv_bytes": executor.kv.stats()["blocks_used_peak"] * per_block,
                     "tokens": [o.token_ids for o in outs]}
         finally:
             llm.close()
     finally:
         KVPool.layout_for = layout_for
+        LlamaModel.forward = forward
+
+
+# Gemma 3's released sizes: layers and window (every sixth layer global, one KV head of 256 ... each)
+GEMMA3_SIZES = {"1B": (26, 512), "4B": (34, 1024), "12B": (48, 1024), "27B": (62, 1024)}
+
+
+def layout_savings(tokens: int, step_tokens: int, block_size: int = 32) -> list[dict]:
+    """By the layout's arithmetic: the KV a sequence of `tokens` holds at most with a table per
+    layer group, against one table for every layer (slot-blocks; each slot one layer's block)."""
+    from kiln.runtime.kv_cache import KVCacheManager
+    from kiln.runtime.kv_layout import KVLayout
+
+    rows = []
+    for size, (layers, window) in GEMMA3_SIZES.items():
+        layout = KVLayout.of([0 if i % PATTERN == PATTERN - 1 else window for i in range(layers)])
+        kv = KVCacheManager(1, block_size, windows=layout.windows)
+        grouped, one_table = kv.peak_blocks(tokens, step_tokens) * layout.slots, kv.blocks_for(tokens) * layers
+        rows.append({"model": f"Gemma 3 {size}", "layout": layout.describe(), "ratio": one_table / grouped})
+    return rows
 
 
 def main() -> None:
@@ -98,7 +132,13 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3, help="runs of each layout, alternating")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--layouts", type=int, metavar="TOKENS",
+                        help="only print the layout's arithmetic for Gemma 3's sizes at this many tokens")
     args = parser.parse_args()
+    if args.layouts:
+        for row in layout_savings(args.layouts, step_tokens=1):
+            print(f"{row['model']}: {row['layout']}; {row['ratio']:.2f}x less KV than one table")
+        return
     torch.set_num_threads(args.threads)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -114,15 +154,19 @@ def main() -> None:
                              "tables": runs[grouped][0]["tables"],
                              "peak_kv_mib": runs[grouped][0]["peak_kv_bytes"] / 2**20,
                              "tok_s_median": statistics.median(r["tok_s"] for r in runs[grouped]),
-                             "tok_s": [r["tok_s"] for r in runs[grouped]], "same_tokens": same})
+                             "tok_s": [r["tok_s"] for r in runs[grouped]], "same_tokens": same,
+                             "model_s": [r["model_s"] for r in runs[grouped]],
+                             "rest_s": [r["rest_s"] for r in runs[grouped]]})
     table = Table(title=f"Gemma 3 (1B attention, window {WINDOW}): {args.tokens} tokens a sequence, "
                         f"{args.threads} thread(s), median of {args.rounds}")
-    for column in ("sequences", "layout", "peak KV (MiB)", "decode tok/s", "vs one table", "same tokens"):
+    for column in ("sequences", "layout", "peak KV (MiB)", "decode tok/s", "vs one table", "model step s (rest s)",
+                   "same tokens"):
         table.add_column(column)
     for row in rows:
         base = next(r for r in rows if r["sequences"] == row["sequences"] and not r["grouped"])
         table.add_row(str(row["sequences"]), f"{row['tables']} block table(s)", f"{row['peak_kv_mib']:.1f}", f"{row['tok_s_median']:.1f}",
                       f"{row['tok_s_median'] / base['tok_s_median']:.2f}x, KV {base['peak_kv_mib'] / row['peak_kv_mib']:.2f}x less",
+                      f"{statistics.median(row['model_s']):.2f} ({statistics.median(row['rest_s']):.2f})",
                       str(row["same_tokens"]))
     Console().print(table)
     print("layouts:", *sorted({row["layout"] for row in rows}), sep="\n  ")

@@ -130,12 +130,10 @@ def _export_experts(out: dict, weights: dict[str, torch.Tensor], spec: ModelSpec
     def expert(e: int, name: str) -> torch.Tensor:
         return weights[names.layer_tensor(layer, names.expert_tensor(e, name))]
 
-    width = spec.expert_intermediate_size
-    gate_up = [expert(e, "gate_up.weight") for e in range(spec.num_experts)]
     out[module_tensor(layer, names.TRTLLM_MLP_ROUTER, names.TRTLLM_WEIGHT)] = (
         weights[names.layer_tensor(layer, names.MLP_ROUTER)].float().contiguous())
     out[module_tensor(layer, names.TRTLLM_MLP_FC, names.TRTLLM_WEIGHT)] = torch.stack(
-        [torch.cat([w[width:], w[:width]]) for w in gate_up]).to(dtype).contiguous()
+        [swap_halves(expert(e, "gate_up.weight")) for e in range(spec.num_experts)]).to(dtype).contiguous()
     out[module_tensor(layer, names.TRTLLM_MLP_PROJ, names.TRTLLM_WEIGHT)] = torch.stack(
         [expert(e, "down.weight") for e in range(spec.num_experts)]).to(dtype).contiguous()
     if spec.shared_expert_intermediate_size:  # Qwen2-MoE: the layer's own gate_up / down, and its gate
@@ -213,9 +211,9 @@ def export_checkpoint(engine_dir: Path, output: Path) -> Path:
     else:
         # (a copy: with tied embeddings it would share the embedding's memory, which safetensors refuses)
         out[names.TRTLLM_LM_HEAD] = weights.get(names.LM_HEAD, weights[names.EMBED]).to(dtype).clone()
+    norms = {**NORMS, **(dict(zip(names.HEAD_NORMS, (names.TRTLLM_Q_NORM, names.TRTLLM_K_NORM)))
+                         if spec.head_norms else {})}
     for i in range(spec.num_layers):
-        norms = {**NORMS, **(dict(zip(names.HEAD_NORMS, (names.TRTLLM_Q_NORM, names.TRTLLM_K_NORM)))
-                             if spec.head_norms else {})}
         for kiln_name, trt_name in norms.items():
             out[names.TRTLLM_LAYER.format(i) + trt_name] = weights[names.layer_tensor(i, kiln_name)].to(dtype)
         for linear, modules in linear_modules(spec.architecture).items():

@@ -132,15 +132,14 @@ class KVCacheManager:
         self._start(seq)
         for g, table in enumerate(seq.block_tables):
             first = self._first_needed(g, matched * self.block_size)
-            for i in range(matched):
-                block_id = found[g][i] if i >= first else 0
-                if i >= first:
-                    block = self.blocks[block_id]
-                    if block.ref_count == 0:
-                        del self.evictable[block_id]
-                    block.ref_count += 1
-                    self.reused_blocks += 1
+            table.extend([0] * first)  # placeholders: behind the window, never read
+            for block_id in found[g][first:matched]:
+                block = self.blocks[block_id]
+                if block.ref_count == 0:
+                    del self.evictable[block_id]
+                block.ref_count += 1
                 table.append(block_id)
+            self.reused_blocks += matched - first
             seq.released_blocks[g] = first
         seq.block_hashes = keys[:matched]
         self.hit_tokens += matched * self.block_size

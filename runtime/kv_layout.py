@@ -11,6 +11,7 @@ leaving slots unused where the count does not divide. A model with one window fo
 has one group of all its layers."""
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 
 
@@ -64,9 +65,7 @@ class KVLayout:
         if len(self.groups) == 1:
             window = self.groups[0].window
             return f"one block table for all {self.slots} layers" + (f" (window {window})" if window else "")
-        counts: dict[int, int] = {}
-        for group in self.groups:
-            counts[group.window] = counts.get(group.window, 0) + 1
+        counts = Counter(group.window for group in self.groups)
         parts = [f"{n} of window {w}" if w else f"{n} global" for w, n in counts.items()]
         unused = self.unused_slots
         return (f"{len(self.groups)} block tables of {self.slots} layers ({', '.join(parts)}; "

@@ -316,8 +316,8 @@ class LlamaModel:
             if layer.q_norm is not None:
                 qkv = self.norm_heads(qkv, layer)
             cos, sin = (self.local_cos, self.local_sin) if layer.local_rope else (self.cos, self.sin)
-            attn = ops.paged_attention(qkv, pool.keys[index], pool.values[index],
-                                       tables[pool.layer_group[index]], ctx.query_start, ctx.context_lens, cos, sin, spec.num_heads, self.scale,
+            attn = ops.paged_attention(qkv, pool.keys[index], pool.values[index], tables[pool.layer_group[index]],
+                                       ctx.query_start, ctx.context_lens, cos, sin, spec.num_heads, self.scale,
                                        layer.kv_scales, self.key_hadamard, layer.window)
             attn = layer.out(attn)
             if layer.attn_out_norm is not None:

@@ -55,9 +55,16 @@ def linear_modules(architecture: str) -> dict[str, tuple[str, ...]]:
 
 
 def swap_halves(t: torch.Tensor) -> torch.Tensor:
-    """Rows [a; b] -> [b; a]: kiln's gate_up (gate, up) <-> Phi-3's mlp.fc in TensorRT-LLM (up, gate)."""
+    """Rows [a; b] -> [b; a]: kiln's gate_up (gate, up) <-> TensorRT-LLM's one fused module of both
+    (up, gate): Phi-3's mlp.fc, each expert's, a shared expert's."""
     first, second = t.chunk(2)
     return torch.cat([second, first]).contiguous()
+
+
+def gate_and_up(fused: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """TensorRT-LLM's fused (up, gate) rows (swap_halves) -> kiln's checkpoint gate, up (float32)."""
+    up, gate = fused.float().chunk(2)
+    return gate, up
 
 
 def long_rope_attention_factor(max_positions: int, original: int) -> float:
@@ -183,15 +190,15 @@ def _import_experts(get, spec: ModelSpec, layer: int, tensors: dict[str, torch.T
             raise CheckpointError(f"layer {layer} {what} is {tuple(tensor.shape)}; the config says {shape}")
     tensors[names.layer_tensor(layer, names.CKPT_ROUTER)] = router.float()
     if spec.shared_expert_intermediate_size:  # Qwen2-MoE: the layer's dense MLP names, and its gate
-        up, gate = get(module_tensor(layer, names.TRTLLM_SHARED_EXPERT_FC, names.TRTLLM_WEIGHT)).float().chunk(2)
-        shared = {"mlp.gate.weight": gate, "mlp.up.weight": up,
-                  "mlp.down.weight": get(module_tensor(layer, names.TRTLLM_SHARED_EXPERT_PROJ, names.TRTLLM_WEIGHT)),
-                  names.CKPT_SHARED_GATE: get(module_tensor(layer, names.TRTLLM_SHARED_EXPERT_GATE, names.TRTLLM_WEIGHT))}
-        for name, tensor in shared.items():
+        def shared(module: str) -> torch.Tensor:
+            return get(module_tensor(layer, module, names.TRTLLM_WEIGHT))
+
+        gate, up = gate_and_up(shared(names.TRTLLM_SHARED_EXPERT_FC))
+        for name, tensor in zip(names.CKPT_DENSE_MLP + (names.CKPT_SHARED_GATE,),
+                                (gate, up, shared(names.TRTLLM_SHARED_EXPERT_PROJ), shared(names.TRTLLM_SHARED_EXPERT_GATE))):
             tensors[names.layer_tensor(layer, name)] = tensor.float()
     for e in range(experts):
-        up, gate = fc[e].float().split(width)
-        for name, tensor in zip(names.CKPT_EXPERT, (gate, up, proj[e].float())):
+        for name, tensor in zip(names.CKPT_EXPERT, (*gate_and_up(fc[e]), proj[e].float())):
             tensors[names.layer_tensor(layer, names.expert_tensor(e, name))] = tensor
 
 
@@ -268,16 +275,17 @@ def load_trtllm(folder: Path) -> Checkpoint:
             for name, piece in zip(("attention.q.weight", "attention.k.weight", "attention.v.weight"),
                                    qkv.split((q, k, k))):
                 tensors[names.layer_tensor(i, name)] = piece
-            dense = (("mlp.gate.weight", names.TRTLLM_MLP_FC), ("mlp.up.weight", names.TRTLLM_MLP_GATE),
-                     ("mlp.down.weight", names.TRTLLM_MLP_PROJ))
+            modules = [("attention.o.weight", names.TRTLLM_DENSE)]  # (kiln checkpoint name, module)
             if spec.num_experts:
-                dense = ()
                 _import_experts(get, spec, i, tensors)
-            elif spec.architecture == "phi3":
-                up, gate = get(module_tensor(i, names.TRTLLM_MLP_FC, names.TRTLLM_WEIGHT)).float().chunk(2)
+            elif spec.architecture == "phi3":  # gate_up is one module, up rows first
+                gate, up = gate_and_up(get(module_tensor(i, names.TRTLLM_MLP_FC, names.TRTLLM_WEIGHT)))
                 tensors[names.layer_tensor(i, "mlp.gate.weight")], tensors[names.layer_tensor(i, "mlp.up.weight")] = gate, up
-                dense = dense[2:]
-            for name, module in (("attention.o.weight", names.TRTLLM_DENSE), *dense):
+                modules.append(("mlp.down.weight", names.TRTLLM_MLP_PROJ))
+            else:
+                modules += [("mlp.gate.weight", names.TRTLLM_MLP_FC), ("mlp.up.weight", names.TRTLLM_MLP_GATE),
+                            ("mlp.down.weight", names.TRTLLM_MLP_PROJ)]
+            for name, module in modules:
                 tensors[names.layer_tensor(i, name)] = get(module_tensor(i, module, names.TRTLLM_WEIGHT)).float()
         else:
             for linear, modules in linear_modules(spec.architecture).items():

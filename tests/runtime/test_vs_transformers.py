@@ -183,12 +183,13 @@ def test_gemma3_local_layers_release_the_blocks_behind_their_window(tmp_path, ti
     once. Each holds its 10 blocks for the global layer and at most 3 for the local one, not 10
     (20 each, 80 in all, without the second table: the pool would preempt), and every sequence gets
     the greedy tokens transformers gives it alone."""
+    from kiln.runtime.engine import Engine
     from kiln.runtime.model import KVPool
 
     engine = build_engine(tmp_path / "engine", tiny_models["gemma3"], max_input_len=32, max_seq_len=64,
                           kv_block_size=4)
-    llm = llm_for(engine)  # (only to read the spec and dtype the engine holds)
-    per_block = KVPool.bytes_per_block(llm.engine.spec, 4, llm.engine.model.kv_dtype, grouped=True)
+    loaded = Engine(engine)  # (the spec and KV dtype the engine holds)
+    per_block = KVPool.bytes_per_block(loaded.spec, 4, loaded.model.kv_dtype, grouped=True)
     llm = llm_for(engine, kv_cache_memory=f"{56 * per_block}B", enable_prefix_reuse=False)
     executor = llm.executor
     assert executor.kv.num_blocks == 56 and executor.kv.windows == (6, 0)

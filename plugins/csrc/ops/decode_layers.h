@@ -169,10 +169,11 @@ at::Tensor decode_layers(at::Tensor& h, const at::Tensor& x0, const OptionalTens
     TORCH_CHECK(window >= 0, "kiln::decode_layers: layer ", i, "'s window ", window, " is negative");
     PagedShape layer_shape = shape;
     layer_shape.window = window;
-    char* k_pool = static_cast<char*>(kv.data_ptr()) + slot_group[2 * i] * kv.stride(0) * kv.element_size();
+    const int64_t slot = slot_group[2 * i], group = slot_group[2 * i + 1];
+    char* k_pool = static_cast<char*>(kv.data_ptr()) + slot * kv.stride(0) * kv.element_size();
     const at::Tensor attn = run_paged(qkv_out, k_pool, k_pool + kv.stride(1) * kv.element_size(), kv.scalar_type(),
-                                      block_tables.select(0, slot_group[2 * i + 1]), query_start, context_lens, rope_cos, rope_sin, layer_shape,
-                                      token_seq, scale, kv_scales);
+                                      block_tables.select(0, group), query_start, context_lens, rope_cos, rope_sin,
+                                      layer_shape, token_seq, scale, kv_scales);
     const at::Tensor attn_o = run(attn, out);
     x = add_rms_norm(h, attn_norm ? rms_norm(attn_o, *attn_norm, eps) : attn_o, *post_norm, eps);
     at::Tensor mlp;
