@@ -1,10 +1,14 @@
 """Two or more engines' batch-1 decode side by side, one process per run, the engines taking
 turns round by round (so a noisy neighbour slows them alike). Each engine carries its own plugin
 library, and one process can load only one, so this is how two builds of kiln compare: build
-the same config with each and give both engine folders.
+the same config with each and give both engine folders, or give one engine and two or more
+plugin libraries (--library): each gets a copy of the engine holding that library, its checksums
+updated (the weights linked, not copied).
 
     python benchmarks/engine_ab.py --engine old=out/old/engine --engine new=out/new/engine \\
         --isa avx2 --threads 1 2 --rounds 7 --json out/engine-ab.json
+    python benchmarks/engine_ab.py --engine out/smollm2-int4-awq/engine \\
+        --library old=OLD/kiln_plugins.so --library new=NEW/kiln_plugins.so --threads 1 2
 
 Each run is benchmarks/decode_latency.py on one engine, one thread count and one kernel level
 (a warm-up, then --repeats timed runs); the table gives the median over rounds of each run's
@@ -12,7 +16,10 @@ median decode tok/s, and each engine against the first. No timing is asserted an
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
+import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -42,10 +49,47 @@ def one_run(engine: str, threads: int, isa: str | None, args: argparse.Namespace
         return row["decode_tok_s"]
 
 
+def sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def with_library(engine: Path, library: Path, dest: Path) -> Path:
+    """A copy of the engine folder at dest whose plugin library is `library`: engine.json's and
+    MANIFEST.json's checksums updated, every other file hard-linked (or copied across devices)."""
+    def link(src: str, dst: str) -> None:
+        try:
+            os.link(src, dst)
+        except OSError:
+            shutil.copy2(src, dst)
+
+    shutil.copytree(engine, dest, copy_function=link)
+    meta = json.loads((engine / "engine.json").read_text())
+    plugin = dest / meta["plugins"]["file"]
+    plugin.unlink()
+    shutil.copy2(library, plugin)
+    meta["plugins"]["sha256"] = sha256(plugin)
+    (dest / "engine.json").unlink()
+    (dest / "engine.json").write_text(json.dumps(meta, indent=2))
+    manifest = json.loads((engine / "MANIFEST.json").read_text())
+    manifest["files"][meta["plugins"]["file"]] = meta["plugins"]["sha256"]
+    manifest["files"]["engine.json"] = sha256(dest / "engine.json")
+    (dest / "MANIFEST.json").unlink()
+    (dest / "MANIFEST.json").write_text(json.dumps(manifest, indent=2))
+    return dest
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--engine", action="append", required=True, metavar="NAME=DIR",
-                        help="a name and an engine folder (repeatable; the first is the baseline)")
+                        help="a name and an engine folder (repeatable; the first is the baseline), or with "
+                             "--library one engine folder")
+    parser.add_argument("--library", action="append", default=[], metavar="NAME=PATH",
+                        help="a name and a plugin library to run the one --engine with (repeatable; the first "
+                             "is the baseline)")
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--isa", nargs="+", default=[None], help="kernel levels to run each engine on")
     parser.add_argument("--rounds", type=int, default=5)
@@ -54,7 +98,15 @@ def main() -> None:
     parser.add_argument("--decode-tokens", type=int, default=128)
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
-    engines = dict(item.split("=", 1) for item in args.engine)
+    copies = tempfile.TemporaryDirectory(dir=Path(args.engine[0].split("=")[-1]).resolve().parent.parent)
+    if args.library:
+        if len(args.engine) != 1 or len(args.library) < 2:
+            parser.error("--library takes one --engine and at least two libraries, as NAME=PATH")
+        engine = Path(args.engine[0].split("=")[-1])
+        engines = {name: str(with_library(engine, Path(path), Path(copies.name) / name))
+                   for name, path in (item.split("=", 1) for item in args.library)}
+    else:
+        engines = dict(item.split("=", 1) for item in args.engine)
     if len(engines) < 2:
         parser.error("give at least two engines, as NAME=DIR")
 
@@ -70,6 +122,7 @@ def main() -> None:
     for (threads, isa, name), values in rates.items():
         first = rates[(threads, isa, next(iter(engines)))]
         rows.append({"threads": threads, "isa": isa, "engine": name, "dir": engines[name],
+                     "library": dict(item.split("=", 1) for item in args.library).get(name),
                      "decode_tok_s": statistics.median(values), "runs": values,
                      "vs_first": statistics.median(values) / statistics.median(first)})
     table = Table(title=f"batch-1 decode, {args.decode_tokens} tokens after a {args.prompt_tokens}-token prompt; "

@@ -212,18 +212,29 @@ inline void group_pv_c(float* acc, int64_t a_stride, const float* p, int64_t p_s
     for (int c = 0; c < C; ++c) vstore(acc + h * a_stride + kLanes * c, a[h][c]);
 }
 
+// the columns [c0, ...) of the head vectors in passes of C vectors while C of them remain
+template <int HG, int C, typename P>
+inline void group_pv_passes(float* acc, int64_t a_stride, const float* p, int64_t p_stride, const P* v, int64_t stride,
+                            int64_t n, int64_t vectors, int64_t& c0) {
+  for (; c0 + C <= vectors; c0 += C)
+    group_pv_c<HG, C>(acc + c0 * kLanes, a_stride, p, p_stride, v + c0 * kLanes, stride, n);
+}
+
 template <int HG, typename P>
 inline void group_pv_n(float* acc, int64_t a_stride, const float* p, int64_t p_stride, const P* v, int64_t stride,
                        int64_t n, int64_t head_dim) {
   if (head_dim % kLanes != 0) return group_pv_plain(acc, HG, a_stride, p, p_stride, v, stride, n, head_dim);
-  // columns per pass: the accumulators (HG x C) stay within the registers (16 AVX2, 32 AVX-512)
+  // columns per pass: the accumulators (HG x C) stay within the registers (16 AVX2, 32 AVX-512),
+  // and the widest pass that fits the head goes first (a 64-wide head is 4 AVX-512 vectors: one
+  // pass of 4, not four of 1, each of which would walk the block's values again)
   constexpr int kBudget = kLanes == 16 ? 24 : 12;
   constexpr int C = kBudget / HG >= 8 ? 8 : kBudget / HG >= 4 ? 4 : kBudget / HG >= 2 ? 2 : 1;
   const int64_t vectors = head_dim / kLanes;
   int64_t c0 = 0;
-  for (; c0 + C <= vectors; c0 += C)
-    group_pv_c<HG, C>(acc + c0 * kLanes, a_stride, p, p_stride, v + c0 * kLanes, stride, n);
-  for (; c0 < vectors; ++c0) group_pv_c<HG, 1>(acc + c0 * kLanes, a_stride, p, p_stride, v + c0 * kLanes, stride, n);
+  group_pv_passes<HG, C>(acc, a_stride, p, p_stride, v, stride, n, vectors, c0);
+  if constexpr (C > 4) group_pv_passes<HG, 4>(acc, a_stride, p, p_stride, v, stride, n, vectors, c0);
+  if constexpr (C > 2) group_pv_passes<HG, 2>(acc, a_stride, p, p_stride, v, stride, n, vectors, c0);
+  if constexpr (C > 1) group_pv_passes<HG, 1>(acc, a_stride, p, p_stride, v, stride, n, vectors, c0);
 }
 #else
 template <int HG, typename P>
