@@ -114,6 +114,13 @@ def set_prefetch(nbytes: int) -> int:
     prefetch; KILN_PREFETCH_BYTES sets it at load, default 4096); returns the previous value."""
 
 
+@host_op
+def step_clock(on: bool) -> str:
+    """What decode_layers' phases (linears, attention, norms, activation, experts, and the whole
+    step) took since the previous call, as JSON {"calls": steps, "seconds": {phase: total}}; clears
+    the totals and turns the clock on or off (off by default; benchmarks/ablations/decode_profile.py)."""
+
+
 _HOST_OPS.add("library_info")  # read once at load: library_info() below
 
 

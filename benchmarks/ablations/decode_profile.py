@@ -1,25 +1,88 @@
-"""Where a one-thread decode step's time goes: torch.profiler over 20 steps at ~190 cached
-tokens (after a 128-token prefill), ops sorted by their own time. The profiler adds a few
+"""Where a decode step's time goes, at ~190 cached tokens (after a 128-token prefill).
+
+Default: torch.profiler over 20 steps, ops sorted by their own time. The profiler adds a few
 microseconds to every op, so small ops read high; the step time above the table has no profiler.
 --python-loop profiles the model's Python layer loop instead of kiln::decode_layers (each kernel
-call its own row); --threads N runs on N threads (default 1).
+call its own row).
 
-    PYTHONPATH=. python benchmarks/ablations/decode_profile.py out/smollm2-int8-wo/engine [--python-loop] [--threads 2]"""
+--phases: inside kiln::decode_layers, which the profiler sees as one op, the library's own step
+clock (ops.step_clock) splits each step into its linears, attention, norms, activation and
+experts; the rest of decode_layers (argument checks, allocation) and of the step (embedding,
+the output projection, Python) are the differences. Medians of --rounds rounds of 64 steps.
+
+    PYTHONPATH=. python benchmarks/ablations/decode_profile.py out/smollm2-int8-wo/engine [--python-loop] [--threads 2]
+    PYTHONPATH=. python benchmarks/ablations/decode_profile.py out/smollm2-int4-awq/engine --phases --json out/phases.json"""
+from __future__ import annotations
+
+import argparse
+import json
 import statistics
 import sys
+from pathlib import Path
 
 import torch
 from torch.profiler import profile
 
 from decode_steps import step_timer
+from kiln.plugins import ops
 from kiln.runtime.engine import Engine
 
-threads = int(sys.argv[sys.argv.index("--threads") + 1]) if "--threads" in sys.argv else 1
-torch.set_num_threads(threads)
-engine = Engine(sys.argv[1])
-engine.model.fused_decode = "--python-loop" not in sys.argv
-run = step_timer(engine, 128)
-print(f"step {statistics.median(run() for _ in range(5)):.2f} ms")
-with profile() as prof:
-    run(20)
-print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from host import host_info  # noqa: E402
+
+PHASES = ("linears", "attention", "norms", "activation", "experts")
+
+
+def phase_rounds(run, rounds: int) -> list[dict[str, float]]:
+    """Per round: ms per step of each phase, of decode_layers' rest and of the step outside it."""
+    out = []
+    for _ in range(rounds):
+        ops.step_clock(True)
+        step_ms = run()
+        clock = json.loads(ops.step_clock(False))
+        per_step = {name: seconds * 1e3 / clock["calls"] for name, seconds in clock["seconds"].items()}
+        row = {name: per_step[name] for name in PHASES}
+        row["decode_layers, rest"] = per_step["step"] - sum(row.values())
+        row["outside decode_layers"] = step_ms - per_step["step"]
+        row["step"] = step_ms
+        out.append(row)
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("engine")
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--python-loop", action="store_true")
+    parser.add_argument("--phases", action="store_true")
+    parser.add_argument("--rounds", type=int, default=9)
+    parser.add_argument("--json", type=Path, default=None)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    engine = Engine(args.engine)
+    engine.model.fused_decode = not args.python_loop
+    run = step_timer(engine, 128)
+    if not args.phases:
+        print(f"step {statistics.median(run() for _ in range(5)):.2f} ms")
+        with profile() as prof:
+            run(20)
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12))
+        return
+    if args.python_loop:
+        parser.error("--phases times kiln::decode_layers; leave out --python-loop")
+    rounds = phase_rounds(run, args.rounds)
+    layers = engine.spec.num_layers
+    medians = {name: statistics.median(r[name] for r in rounds) for name in rounds[0]}
+    print(f"{args.engine}: {args.threads} thread(s), {layers} layers, median of {args.rounds} rounds of 64 steps")
+    print(f"{'phase':<24}{'ms / step':>10}{'share':>8}{'µs / layer':>12}")
+    for name, ms in medians.items():
+        share = ms / medians["step"]
+        print(f"{name:<24}{ms:>10.3f}{share:>8.1%}{ms * 1e3 / layers:>12.1f}")
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        meta = {**host_info(), "engine": args.engine, "threads": args.threads, "isa": ops.active_isa()}
+        args.json.write_text(json.dumps({"meta": meta, "medians_ms": medians, "rounds_ms": rounds}, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -20,6 +20,7 @@
 #include <sys/mman.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
@@ -102,6 +103,7 @@ namespace avx512bf16 {  // AVX512-BF16 and AVX512-VNNI (Cooper Lake, Sapphire Ra
 #include "ops/quant_ops.h"
 #include "ops/layout_ops.h"
 #include "ops/decode_plan.h"
+#include "ops/step_clock.h"
 #include "ops/decode_layers.h"
 #include "ops/moe_ops.h"
 #include "op_table.h"

@@ -51,4 +51,5 @@
   OP(active_isa, "() -> str")             \
   OP(tiled_layouts, "() -> str")          \
   OP(set_prefetch, "(int bytes) -> int")  \
+  OP(step_clock, "(bool on) -> str")      \
   OP(library_info, "() -> str")

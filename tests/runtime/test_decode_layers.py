@@ -1,6 +1,8 @@
 """The fused decode step (kiln::decode_layers: every layer of a step of a few rows in one
 plugin call) against LlamaModel's Python loop over the same kernels: the same logits and the
 same KV cache, bit for bit, for every kind of linear an engine holds."""
+import json
+
 import pytest
 import torch
 
@@ -153,3 +155,21 @@ def test_decode_plan_records_are_checked_by_name(tiny_engines):
         ops.decode_plan([{**layer, "out": {**layer["out"], "kind": "int3"}}])
     with pytest.raises(KeyError, match="unknown entries"):
         ops.decode_plan([{**layer, "final_norm": None}])
+
+
+@pytest.mark.parametrize("arch, phases", [("llama", {"linears", "attention", "norms", "activation"}),
+                                          ("mixtral", {"linears", "attention", "norms", "experts"})])
+def test_step_clock_times_each_phase_of_decode_layers(arch, phases, tiny_engines):
+    """ops.step_clock: off, decode steps gather nothing; on, each step counts once and each phase
+    that runs takes time, within the step's; reading the clock clears it."""
+    engine = Engine(tiny_engines(arch, "bfloat16"))
+    ops.step_clock(False)
+    decode(engine.model, engine.spec, True, 2, 1)
+    assert json.loads(ops.step_clock(True))["calls"] == 0  # off: nothing gathered
+    decode(engine.model, engine.spec, True, 3, 2)
+    clock = json.loads(ops.step_clock(False))
+    seconds = clock["seconds"]
+    assert clock["calls"] == 3, clock  # the decode steps; the prompts ran the Python loop
+    assert {name for name, s in seconds.items() if s > 0} == phases | {"step"}, clock
+    assert sum(s for name, s in seconds.items() if name != "step") <= seconds["step"], clock
+    assert json.loads(ops.step_clock(False))["calls"] == 0  # read: cleared

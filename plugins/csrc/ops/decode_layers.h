@@ -95,6 +95,7 @@ at::Tensor decode_layers(at::Tensor& h, const at::Tensor& x0, const OptionalTens
                          const at::Tensor& cos, const at::Tensor& sin, int64_t heads, double scale, double eps,
                          int64_t key_hadamard) {
   using namespace plan;
+  const PhaseTimer step_timer(phase_step);
   TORCH_CHECK(kv.dim() == 6 && kv.size(1) == 2 && kv.is_contiguous(),
               "kiln::decode_layers: kv must be the pool's contiguous [slots, 2, blocks, block_size, kv_heads, "
               "head_dim] storage, got ", kv.sizes());
@@ -134,6 +135,7 @@ at::Tensor decode_layers(at::Tensor& h, const at::Tensor& x0, const OptionalTens
   for (int64_t i = 0; i < layers; ++i) {
     const int64_t t0 = i * kLayerTensors;
     auto run = [&](const at::Tensor& in, LayerLinear j) {  // linear j of the layer
+      const PhaseTimer timer(phase_linears);
       return planned_linear(in, tensors, t0 + j * kLinearTensors, ints.data() + i * kLayerInts + j * kLinearInts,
                             floats.data() + i * kLayerFloats + j * kLinearFloats);
     };
@@ -171,11 +173,18 @@ at::Tensor decode_layers(at::Tensor& h, const at::Tensor& x0, const OptionalTens
     layer_shape.window = window;
     const int64_t slot = slot_group[2 * i], group = slot_group[2 * i + 1];
     char* k_pool = static_cast<char*>(kv.data_ptr()) + slot * kv.stride(0) * kv.element_size();
-    const at::Tensor attn = run_paged(qkv_out, k_pool, k_pool + kv.stride(1) * kv.element_size(), kv.scalar_type(),
-                                      block_tables.select(0, group), query_start, context_lens, rope_cos, rope_sin,
-                                      layer_shape, token_seq, scale, kv_scales);
+    at::Tensor attn;
+    {
+      const PhaseTimer timer(phase_attention);
+      attn = run_paged(qkv_out, k_pool, k_pool + kv.stride(1) * kv.element_size(), kv.scalar_type(),
+                       block_tables.select(0, group), query_start, context_lens, rope_cos, rope_sin, layer_shape,
+                       token_seq, scale, kv_scales);
+    }
     const at::Tensor attn_o = run(attn, out);
-    x = add_rms_norm(h, attn_norm ? rms_norm(attn_o, *attn_norm, eps) : attn_o, *post_norm, eps);
+    {
+      const PhaseTimer timer(phase_norms);
+      x = add_rms_norm(h, attn_norm ? rms_norm(attn_o, *attn_norm, eps) : attn_o, *post_norm, eps);
+    }
     at::Tensor mlp;
     if (const int64_t experts = layer_int(i, plan::experts); experts > 0) {  // a Mixture-of-Experts layer
       const c10::optional<at::Tensor> layer_router = own(plan::router);
@@ -183,17 +192,27 @@ at::Tensor decode_layers(at::Tensor& h, const at::Tensor& x0, const OptionalTens
                   "'s ", experts, " experts need a router of as many rows");
       const int64_t top_k = layer_int(i, plan::top_k);
       check_router(x, *layer_router, top_k, activation);
-      mlp = route_experts(x, *layer_router, tensors, t_expert, ints.data() + i_expert, floats.data() + f_expert, top_k,
-                          layer_int(i, plan::normalize_experts) != 0, layer_int(i, plan::round_expert_weights) != 0,
-                          activation);
+      {
+        const PhaseTimer timer(phase_experts);  // the routed experts (a shared expert's linears are linears)
+        mlp = route_experts(x, *layer_router, tensors, t_expert, ints.data() + i_expert, floats.data() + f_expert,
+                            top_k, layer_int(i, plan::normalize_experts) != 0,
+                            layer_int(i, plan::round_expert_weights) != 0, activation);
+      }
       if (tensors.get(t0 + gate_up * kLinearTensors + plan::weight).has_value())  // a shared expert (Qwen2-MoE)
         mlp = add_shared_expert(mlp, x, run(activate(run(x, gate_up), activation), down), own(plan::shared_gate));
       t_expert += 2 * experts * kLinearTensors;
       i_expert += 2 * experts * kLinearInts;
       f_expert += 2 * experts * kLinearFloats;
     } else {
-      mlp = run(activate(run(x, gate_up), activation), down);
+      const at::Tensor both = run(x, gate_up);
+      at::Tensor gated;
+      {
+        const PhaseTimer timer(phase_activation);
+        gated = activate(both, activation);
+      }
+      mlp = run(gated, down);
     }
+    const PhaseTimer timer(phase_norms);
     x = add_rms_norm(h, mlp_norm ? rms_norm(mlp, *mlp_norm, eps) : mlp, *after, eps);
   }
   return x;
