@@ -1,4 +1,4 @@
-"""Where a decode step's time goes, at ~190 cached tokens (after a 128-token prefill).
+"""Where a decode step's time goes, at ~190 cached tokens (after a 128-token prefill; --cached N).
 
 Default: torch.profiler over 20 steps, ops sorted by their own time. The profiler adds a few
 microseconds to every op, so small ops read high; the step time above the table has no profiler.
@@ -56,12 +56,13 @@ def main() -> None:
     parser.add_argument("--python-loop", action="store_true")
     parser.add_argument("--phases", action="store_true")
     parser.add_argument("--rounds", type=int, default=9)
+    parser.add_argument("--cached", type=int, default=128, help="prompt tokens before the timed steps")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     engine = Engine(args.engine)
     engine.model.fused_decode = not args.python_loop
-    run = step_timer(engine, 128)
+    run = step_timer(engine, args.cached)
     if not args.phases:
         print(f"step {statistics.median(run() for _ in range(5)):.2f} ms")
         with profile() as prof:
@@ -73,14 +74,16 @@ def main() -> None:
     rounds = phase_rounds(run, args.rounds)
     layers = engine.spec.num_layers
     medians = {name: statistics.median(r[name] for r in rounds) for name in rounds[0]}
-    print(f"{args.engine}: {args.threads} thread(s), {layers} layers, median of {args.rounds} rounds of 64 steps")
+    print(f"{args.engine}: {args.threads} thread(s), {layers} layers, {args.cached}-token prompt, "
+          f"median of {args.rounds} rounds of 64 steps")
     print(f"{'phase':<24}{'ms / step':>10}{'share':>8}{'µs / layer':>12}")
     for name, ms in medians.items():
         share = ms / medians["step"]
         print(f"{name:<24}{ms:>10.3f}{share:>8.1%}{ms * 1e3 / layers:>12.1f}")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        meta = {**host_info(), "engine": args.engine, "threads": args.threads, "isa": ops.active_isa()}
+        meta = {**host_info(), "engine": args.engine, "threads": args.threads, "cached": args.cached,
+                "isa": ops.active_isa()}
         args.json.write_text(json.dumps({"meta": meta, "medians_ms": medians, "rounds_ms": rounds}, indent=2))
 
 
