@@ -456,7 +456,7 @@ void paged_attention_impl(const T* qkv, const T* cos, const T* sin, P* k_pool, P
             if (b + 1 < b_last)  // again: a prefetch the CPU dropped while many were in flight gets another chance
               prefetch_rows(keys, values, block_at(b + 1) * block_stride + g * head_dim,
                             std::min(bs, context - (b + 1) * bs), row, head_dim);
-            if (b + ahead < b_last)
+            if (ahead > 1 && b + ahead < b_last)
               prefetch_rows(keys, values, block_at(b + ahead) * block_stride + g * head_dim,
                             std::min(bs, context - (b + ahead) * bs), row, head_dim);
             group_scores(qf, group, head_dim, keys + at, row, n, head_dim, scores.data(), bs);

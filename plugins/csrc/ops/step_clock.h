@@ -4,7 +4,9 @@
 // call as JSON, clears them and turns the clock on or off. Off, a phase costs one branch. Steps
 // run one at a time (the runtime's one engine thread), so the totals are plain integers.
 
-enum StepPhase { phase_linears, phase_attention, phase_norms, phase_activation, phase_experts, phase_step, kStepPhases };
+enum StepPhase {
+  phase_linears, phase_attention, phase_norms, phase_activation, phase_experts, phase_step, kStepPhases
+};
 constexpr const char* kStepPhaseNames[kStepPhases] = {"linears", "attention", "norms", "activation", "experts", "step"};
 
 inline bool g_step_clock_on = false;
