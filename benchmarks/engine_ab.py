@@ -16,7 +16,6 @@ median decode tok/s, and each engine against the first. No timing is asserted an
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import shutil
@@ -27,6 +26,8 @@ import tempfile
 from pathlib import Path
 
 from host import host_info
+from kiln import constants as names
+from kiln.runtime.engine import sha256_file
 from rich.console import Console
 from rich.table import Table
 
@@ -49,14 +50,6 @@ def one_run(engine: str, threads: int, isa: str | None, args: argparse.Namespace
         return row["decode_tok_s"]
 
 
-def sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
 def with_library(engine: Path, library: Path, dest: Path) -> Path:
     """A copy of the engine folder at dest whose plugin library is `library`: engine.json's and
     MANIFEST.json's checksums updated, every other file hard-linked (or copied across devices)."""
@@ -66,19 +59,21 @@ def with_library(engine: Path, library: Path, dest: Path) -> Path:
         except OSError:
             shutil.copy2(src, dst)
 
+    def rewrite(name: str, content: dict) -> None:  # a new file, not the original it is linked to
+        (dest / name).unlink()
+        (dest / name).write_text(json.dumps(content, indent=2))
+
     shutil.copytree(engine, dest, copy_function=link)
-    meta = json.loads((engine / "engine.json").read_text())
+    meta = json.loads((engine / names.ENGINE_JSON).read_text())
     plugin = dest / meta["plugins"]["file"]
     plugin.unlink()
     shutil.copy2(library, plugin)
-    meta["plugins"]["sha256"] = sha256(plugin)
-    (dest / "engine.json").unlink()
-    (dest / "engine.json").write_text(json.dumps(meta, indent=2))
-    manifest = json.loads((engine / "MANIFEST.json").read_text())
+    meta["plugins"]["sha256"] = sha256_file(plugin)
+    rewrite(names.ENGINE_JSON, meta)
+    manifest = json.loads((engine / names.MANIFEST_FILE).read_text())
     manifest["files"][meta["plugins"]["file"]] = meta["plugins"]["sha256"]
-    manifest["files"]["engine.json"] = sha256(dest / "engine.json")
-    (dest / "MANIFEST.json").unlink()
-    (dest / "MANIFEST.json").write_text(json.dumps(manifest, indent=2))
+    manifest["files"][names.ENGINE_JSON] = sha256_file(dest / names.ENGINE_JSON)
+    rewrite(names.MANIFEST_FILE, manifest)
     return dest
 
 
@@ -98,13 +93,15 @@ def main() -> None:
     parser.add_argument("--decode-tokens", type=int, default=128)
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
-    copies = tempfile.TemporaryDirectory(dir=Path(args.engine[0].split("=")[-1]).resolve().parent.parent)
-    if args.library:
-        if len(args.engine) != 1 or len(args.library) < 2:
+    libraries = dict(item.split("=", 1) for item in args.library)
+    if libraries:
+        if len(args.engine) != 1 or len(libraries) < 2:
             parser.error("--library takes one --engine and at least two libraries, as NAME=PATH")
         engine = Path(args.engine[0].split("=")[-1])
+        # next to the engine's own folder, so the copies can hard-link its files
+        copies = tempfile.TemporaryDirectory(dir=engine.resolve().parent.parent)
         engines = {name: str(with_library(engine, Path(path), Path(copies.name) / name))
-                   for name, path in (item.split("=", 1) for item in args.library)}
+                   for name, path in libraries.items()}
     else:
         engines = dict(item.split("=", 1) for item in args.engine)
     if len(engines) < 2:
@@ -122,7 +119,7 @@ def main() -> None:
     for (threads, isa, name), values in rates.items():
         first = rates[(threads, isa, next(iter(engines)))]
         rows.append({"threads": threads, "isa": isa, "engine": name, "dir": engines[name],
-                     "library": dict(item.split("=", 1) for item in args.library).get(name),
+                     "library": libraries.get(name),
                      "decode_tok_s": statistics.median(values), "runs": values,
                      "vs_first": statistics.median(values) / statistics.median(first)})
     table = Table(title=f"batch-1 decode, {args.decode_tokens} tokens after a {args.prompt_tokens}-token prompt; "

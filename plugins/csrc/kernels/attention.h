@@ -397,9 +397,8 @@ void paged_attention_impl(const T* qkv, const T* cos, const T* sin, P* k_pool, P
   // context go to different threads, and their partial softmaxes are merged afterwards.
   const int64_t chunk_blocks = std::max<int64_t>(1, kChunkTokens / bs);
   // Blocks requested ahead: an item's first chunk's worth when it starts, then while block b runs
-  // blocks b + 1 (again) and b + ahead. Timed inside a decode step (SmolLM2 int4_awq, ~190
-  // cached tokens, one thread), this spent 8-22% less time in attention than requesting only
-  // block b + 1, and less than requesting a whole layer's blocks at once.
+  // blocks b + 1 (again) and b + ahead. Requesting only block b + 1, or a whole layer's blocks at
+  // once, was slower (docs/benchmarks.md, "Where a decode step's time goes").
   const int64_t ahead = chunk_blocks;
   std::vector<int64_t> chunks(tokens), per_chunk(tokens), first_item(tokens + 1, 0), first_part(tokens + 1, 0);
   for (int64_t t = 0; t < tokens; ++t) {
