@@ -7,7 +7,8 @@ Hugging Face transformers (eager, float32, on the same GGUF) side by side as the
 --isa avx2 avx512bf16 runs every engine on each of those kernel levels in turn (side by side in
 one run; a level the CPU lacks is an error): an AVX-512 host measures its AVX2 kernels too.
 --prefetch 0 4096 runs every engine with its GEMVs' software weight prefetch off and at 4 KB ahead,
-taking turns run by run.
+taking turns run by run; --team off on likewise with a decode step's threads forked and joined
+for every kernel, and kept in one region for the whole step (ops.set_decode_team).
 
 Prints a table of medians and writes JSON. No timing is asserted anywhere."""
 from __future__ import annotations
@@ -26,9 +27,9 @@ from rich.table import Table
 
 
 def time_kiln(engine_dir: str, prompt: list[int], decode: int, repeats: int, isa: str | None = None,
-              prefetch: list[int] | None = None) -> list[dict]:
-    """One row per software prefetch distance asked for (the distances take turns run by run),
-    or one row at the library's own distance."""
+              prefetch: list[int] | None = None, team: list[bool] | None = None) -> list[dict]:
+    """One row per variant asked for (each software prefetch distance with each decode-team
+    setting; the variants take turns run by run), or one row as the library is set."""
     from kiln.plugins import ops
     from kiln.runtime.engine import Engine
     from kiln.runtime.model import KVPool, StepContext
@@ -42,16 +43,20 @@ def time_kiln(engine_dir: str, prompt: list[int], decode: int, repeats: int, isa
     model, block_size = engine.model, engine.limits.kv_block_size
     blocks = -(-(len(prompt) + decode) // block_size)
     table = list(range(blocks))
-    # the library's own distance unless asked (engines built before kiln::set_prefetch lack it)
+    # the library's own settings unless asked (engines built before these ops lack them)
     start_prefetch = ops.set_prefetch(0) if prefetch else None
-    distances = prefetch or [start_prefetch]
-    prefill = {d: [] for d in distances}
-    decode_rates = {d: [] for d in distances}
+    start_team = ops.set_decode_team(True) if team else None
+    variants = [(d, t) for d in (prefetch or [None]) for t in (team or [None])]
+    prefill = {v: [] for v in variants}
+    decode_rates = {v: [] for v in variants}
     try:
         for r in range(repeats + 1):  # the first run warms up
-            for d in distances:
-                if prefetch:
+            for v in variants:
+                d, t = v
+                if d is not None:
                     ops.set_prefetch(d)
+                if t is not None:
+                    ops.set_decode_team(t)
                 pool = KVPool(engine.spec, blocks, block_size, engine.model.kv_dtype)
                 start = time.perf_counter()
                 logits = model.forward(torch.tensor(prompt), StepContext.single(0, len(prompt), table), pool)
@@ -61,18 +66,24 @@ def time_kiln(engine_dir: str, prompt: list[int], decode: int, repeats: int, isa
                     logits = model.forward(torch.tensor([token]), StepContext.single(len(prompt) + i, 1, table), pool)
                 end = time.perf_counter()
                 if r:
-                    prefill[d].append(mid - start)
-                    decode_rates[d].append(decode / (end - mid))
+                    prefill[v].append(mid - start)
+                    decode_rates[v].append(decode / (end - mid))
     finally:
         if prefetch:
             ops.set_prefetch(start_prefetch)
+        if team:
+            ops.set_decode_team(start_team)
     algo = engine.meta.get("quantization", {}).get("algo", "none")
     name = f"kiln {engine.meta['dtype']}" + ("" if algo == "none" else f" {algo}") + (f" [{isa}]" if isa else "")
-    first = statistics.median(decode_rates[distances[0]])
-    return [{"name": name + (f" pf {d}" if prefetch else ""), "prefetch_bytes": d,
-             "prefill_ms": 1000 * statistics.median(prefill[d]), "decode_tok_s": statistics.median(decode_rates[d]),
-             "decode_vs_first_prefetch": statistics.median(decode_rates[d]) / first}
-            for d in distances]
+    first = statistics.median(decode_rates[variants[0]])
+
+    def label(d, t):
+        return ("" if d is None else f" pf {d}") + ("" if t is None else f" team {'on' if t else 'off'}")
+
+    return [{"name": name + label(d, t), "prefetch_bytes": d, "decode_team": t,
+             "prefill_ms": 1000 * statistics.median(prefill[d, t]), "decode_tok_s": statistics.median(decode_rates[d, t]),
+             "decode_vs_first_variant": statistics.median(decode_rates[d, t]) / first}
+            for d, t in variants]
 
 
 def time_hf_gguf(prompt: list[int], decode: int, repeats: int) -> dict:
@@ -102,30 +113,35 @@ def time_hf_gguf(prompt: list[int], decode: int, repeats: int) -> dict:
 
 
 def plot(rows: list[dict], path: Path) -> None:
-    """Grouped bars: decode tok/s per engine, one bar per (threads, kernel level, prefetch)."""
+    """Grouped bars: decode tok/s per engine, one bar per (threads, kernel level, prefetch, team)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     def engine(row):
-        return row["name"].split(" [")[0].split(" pf ")[0]
+        return row["name"].split(" [")[0].split(" pf ")[0].split(" team ")[0]
+
+    def base(row):
+        return f"{row['threads']}t {row['isa'] or 'auto'}"
 
     def variant(row):
-        pf = row.get("prefetch_bytes")
-        return f"{row['threads']}t {row['isa'] or 'auto'}" + (f" pf {pf}" if pf is not None else "")
+        pf, team = row.get("prefetch_bytes"), row.get("decode_team")
+        return base(row) + (f" pf {pf}" if pf is not None else "") + (
+            f" team {'on' if team else 'off'}" if team is not None else "")
 
     engines = list(dict.fromkeys(engine(r) for r in rows))
     variants = list(dict.fromkeys(variant(r) for r in rows))
     width = 0.8 / len(variants)
     fig, ax = plt.subplots(figsize=(max(8, 1.4 * len(engines)), 4.5))
-    bases = list(dict.fromkeys(v.split(" pf ")[0] for v in variants))  # one colour pair per threads + level
+    bases = list(dict.fromkeys(base(r) for r in rows))  # one colour pair per threads + level
     colours = plt.get_cmap("tab20")
     for j, v in enumerate(variants):
+        row = next(r for r in rows if variant(r) == v)
         values = [next((r["decode_tok_s"] for r in rows if engine(r) == e and variant(r) == v), 0) for e in engines]
-        shade = 1 if v.endswith(" pf 0") else 0  # prefetch off: the lighter of the pair
+        shade = 1 if row.get("prefetch_bytes") == 0 or row.get("decode_team") is False else 0  # off: the lighter
         ax.bar([i + j * width for i in range(len(engines))], values, width, label=v,
-               color=colours((2 * bases.index(v.split(" pf ")[0]) + shade) % 20))
+               color=colours((2 * bases.index(base(row)) + shade) % 20))
     ax.set_xticks([i + 0.4 - width / 2 for i in range(len(engines))], [e.removeprefix("kiln ") for e in engines],
                   fontsize=8)
     ax.set_ylabel("decode tokens/s (batch 1)")
@@ -146,18 +162,22 @@ def main() -> None:
     parser.add_argument("--isa", nargs="+", default=[None], help="kernel levels to run each engine on")
     parser.add_argument("--prefetch", type=int, nargs="+", default=None, metavar="BYTES",
                         help="software prefetch distances to take turns with, run by run (0: none)")
+    parser.add_argument("--team", nargs="+", choices=["off", "on"], default=None,
+                        help="decode-team settings to take turns with, run by run")
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--plot", type=Path, default=None, help="a PNG of decode tok/s per engine and variant")
     args = parser.parse_args()
 
     prompt = [(i * 7919) % 40000 + 100 for i in range(args.prompt_tokens)]
+    team = [t == "on" for t in args.team] if args.team else None
+    variants = bool(args.prefetch or team)
     rows = []
     for threads in args.threads:
         torch.set_num_threads(threads)
         for isa in args.isa:
             for engine in args.engine:
                 rows += [{"threads": threads, "isa": isa, **row}
-                         for row in time_kiln(engine, prompt, args.decode_tokens, args.repeats, isa, args.prefetch)]
+                         for row in time_kiln(engine, prompt, args.decode_tokens, args.repeats, isa, args.prefetch, team)]
         if args.hf_gguf:
             rows.append({"threads": threads, "isa": None, **time_hf_gguf(prompt, args.decode_tokens, args.repeats)})
         reference = next((r for r in rows if r["threads"] == threads and r["name"].startswith("transformers")), None)
@@ -171,13 +191,13 @@ def main() -> None:
     table = Table(title=f"batch-1 latency: prompt {args.prompt_tokens} tokens, decode {args.decode_tokens} "
                         f"tokens, median of {args.repeats}")
     for column in ("threads", "engine", "prefill ms", "decode tok/s", "decode vs first engine",
-                   "decode vs transformers", *(["decode vs first prefetch"] if args.prefetch else [])):
+                   "decode vs transformers", *(["decode vs first variant"] if variants else [])):
         table.add_column(column, justify="right")
     for row in rows:
         ratio = row.get("decode_vs_transformers")
         table.add_row(str(row["threads"]), escape(row["name"]), f"{row['prefill_ms']:.1f}", f"{row['decode_tok_s']:.1f}",
                       f"{row['decode_vs_first']:.2f}x", f"{ratio:.2f}x" if ratio else "-",
-                      *([f"{row['decode_vs_first_prefetch']:.2f}x"] if args.prefetch else []))
+                      *([f"{row['decode_vs_first_variant']:.2f}x"] if variants else []))
     Console().print(table)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)

@@ -121,6 +121,13 @@ def step_clock(on: bool) -> str:
     the totals and turns the clock on or off (off by default; benchmarks/ablations/decode_profile.py)."""
 
 
+@host_op
+def set_decode_team(on: bool) -> bool:
+    """Whether decode_layers keeps a step's threads in one OpenMP region for the whole step (on by
+    default; KILN_DECODE_TEAM=0 turns it off at load) or forks and joins them for every kernel as
+    outside it; the results are the same bits. Returns the previous setting."""
+
+
 _HOST_OPS.add("library_info")  # read once at load: library_info() below
 
 

@@ -59,7 +59,7 @@ inline int tiled_nibble(const uint8_t* w, const TiledLayout& L, int64_t o, int64
 inline void pack_int4_tiled_bytes(const uint8_t* w, const float* s, int64_t group, uint8_t* pw, float* ps, int64_t k,
                             int64_t n) {
   const TiledLayout L = tiled_int4_layout(k, n, group);
-  at::parallel_for(0, n, 64, [&](int64_t begin, int64_t end) {
+  parallel_for(0, n, 64, [&](int64_t begin, int64_t end) {
     for (int64_t o = begin; o < end; ++o) {
       const uint8_t* row = w + o * (k / 2);
       for (int64_t b = 0; b < L.kb; ++b)
@@ -81,7 +81,7 @@ inline TiledLayout tiled_int8_layout(int64_t k, int64_t n) {  // blocks of 4 inp
 
 inline void pack_int8_tiled_bytes(const int8_t* w, uint8_t* pw, int64_t k, int64_t n) {
   const TiledLayout L = tiled_int8_layout(k, n);
-  at::parallel_for(0, n, 64, [&](int64_t begin, int64_t end) {
+  parallel_for(0, n, 64, [&](int64_t begin, int64_t end) {
     for (int64_t o = begin; o < end; ++o)
       for (int64_t b = 0; b < L.kb; ++b)
         for (int64_t j = 0; j < 4; ++j) pw[L.byte(o, b, j)] = static_cast<uint8_t>(w[o * k + 4 * b + j] + 128);

@@ -1,6 +1,8 @@
 // kiln's plugin library, one translation unit (compiling one that includes torch's headers takes
 // most of a minute, so the sources are headers included here):
 //
+//   parallel.h          parallel_for, how kernels split a loop between threads (a Team keeps
+//                       the threads of a whole decode step in one OpenMP region)
 //   formats.h           the shapes and weight layouts the kernels and ops agree on
 //   kernels/            one header per kernel family, each ISA's paths side by side, compiled
 //                       below once per instruction set in its own namespace; kernels/select.h
@@ -17,15 +19,20 @@
 #include <torch/library.h>
 
 #include <immintrin.h>
+#include <omp.h>
 #include <sys/mman.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <exception>
 #include <limits>
+#include <mutex>
 #include <string>
+#include <thread>
 #include <tuple>
 #include <type_traits>
 #include <utility>
@@ -35,6 +42,7 @@ namespace kiln {
 
 using bf16 = c10::BFloat16;
 
+#include "parallel.h"
 #include "formats.h"
 
 // How many bytes ahead of their reads the GEMVs prefetch their weights (kernels/vec.h; 0: no

@@ -46,10 +46,11 @@
   OP(to_hugepages, "(Tensor t) -> Tensor")
 
 // Ops on the library itself (no tensors, so no fake and no dispatch key): HOST_OP(name, schema)
-#define KILN_HOST_OP_LIST(OP)             \
-  OP(select_isa, "(str isa) -> str")      \
-  OP(active_isa, "() -> str")             \
-  OP(tiled_layouts, "() -> str")          \
-  OP(set_prefetch, "(int bytes) -> int")  \
-  OP(step_clock, "(bool on) -> str")      \
+#define KILN_HOST_OP_LIST(OP)              \
+  OP(select_isa, "(str isa) -> str")       \
+  OP(active_isa, "() -> str")              \
+  OP(tiled_layouts, "() -> str")           \
+  OP(set_prefetch, "(int bytes) -> int")   \
+  OP(step_clock, "(bool on) -> str")       \
+  OP(set_decode_team, "(bool on) -> bool") \
   OP(library_info, "() -> str")

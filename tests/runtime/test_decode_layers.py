@@ -115,6 +115,59 @@ def test_a_block_table_per_layer_group_gives_the_same_numbers(dtype, tiny_models
         assert torch.equal(got, want), f"fused={fused}"
 
 
+@pytest.fixture
+def threads():
+    """Set torch's thread count for a test; restored after it."""
+    before = torch.get_num_threads()
+    yield torch.set_num_threads
+    torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("quantization", [{"algo": "none"}, {"algo": "int4_awq", "group_size": 32},
+                                          {"algo": "int8_sq", "kv_cache": "int8"}])
+def test_a_step_team_gives_the_bits_of_a_fork_per_kernel(quantization, threads, tiny_models, tmp_path):
+    """ops.set_decode_team: a step's threads kept in one region for the whole step, or forked
+    and joined for every kernel, at 1, 2 and 3 threads: the same logits and KV cache, bit for bit."""
+    engine = Engine(build_engine(tmp_path / "e", tiny_models["llama"], "bfloat16",
+                                 quantization={**quantization, **SMALL}))
+    threads(1)
+    want_logits, want_pool = decode(engine.model, engine.spec, True, 3, 3)
+    before = ops.set_decode_team(True)
+    try:
+        assert ops.set_decode_team(False) is True and ops.set_decode_team(True) is False  # the previous setting
+        for count in (2, 3):
+            threads(count)
+            for team in (True, False):
+                ops.set_decode_team(team)
+                logits, pool = decode(engine.model, engine.spec, True, 3, 3)
+                assert torch.equal(logits, want_logits), f"threads={count} team={team}"
+                assert torch.equal(pool.view(torch.uint8), want_pool.view(torch.uint8)), f"threads={count} team={team}"
+    finally:
+        ops.set_decode_team(before)
+
+
+def test_an_error_inside_a_step_team_reaches_the_caller_and_frees_its_threads(threads, tiny_engines):
+    """A check that fails inside the team's step raises as without one, and the next step runs."""
+    engine = Engine(tiny_engines("llama", "bfloat16"))
+    model = engine.model
+    want, _ = decode(model, engine.spec, True, 2, 2)
+    threads(2)
+    before = ops.set_decode_team(True)
+    try:
+        tensors, ints, floats = model.decode_plan()
+        pool = KVPool(engine.spec, 2, 8, model.kv_dtype)
+        h = torch.zeros(1, engine.spec.hidden_size, dtype=model.dtype)
+        ctx = StepContext.single(0, 1, [0])
+        with pytest.raises(RuntimeError, match="the plan has"):
+            ops.decode_layers(h, h.clone(), tensors[:-1], ints, floats, pool.storage, pool.kv_layers,
+                              pool.tables(ctx.block_tables), ctx.query_start, ctx.context_lens, model.cos, model.sin,
+                              engine.spec.num_heads, model.scale, engine.spec.norm_eps)
+        got, _ = decode(model, engine.spec, True, 2, 2)
+        assert torch.equal(got, want)
+    finally:
+        ops.set_decode_team(before)
+
+
 def test_decode_layers_refuses_a_plan_of_the_wrong_size(tiny_engines):
     engine = Engine(tiny_engines("llama", "bfloat16"))
     model = engine.model

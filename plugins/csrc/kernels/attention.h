@@ -334,7 +334,7 @@ void paged_attention_impl(const T* qkv, const T* cos, const T* sin, P* k_pool, P
   // chunk of its context that attends with them
   const int64_t group = shape.heads / shape.kv_heads, tokens = shape.tokens;
   std::vector<float> queries(tokens * shape.heads * head_dim);
-  at::parallel_for(0, shape.tokens, 16, [&](int64_t begin, int64_t end) {
+  parallel_for(0, shape.tokens, 16, [&](int64_t begin, int64_t end) {
     std::vector<float> rotated(head_dim);
     for (int64_t t = begin; t < end; ++t) {
       const int64_t position = position_of(t);
@@ -374,7 +374,7 @@ void paged_attention_impl(const T* qkv, const T* cos, const T* sin, P* k_pool, P
   if constexpr (quantized) {
     if (shape.tokens > shape.seqs) {  // some sequence brings several tokens (not a pure decode step)
       widened.resize(shape.seqs);
-      at::parallel_for(0, shape.seqs, 1, [&](int64_t begin, int64_t end) {
+      parallel_for(0, shape.seqs, 1, [&](int64_t begin, int64_t end) {
         for (int64_t s = begin; s < end; ++s) {
           const int64_t count = query_start[s + 1] - query_start[s];
           if (count < 2) continue;
@@ -427,8 +427,8 @@ void paged_attention_impl(const T* qkv, const T* cos, const T* sin, P* k_pool, P
   // Thread i of n takes items i, i + n, i + 2n, ...: a prefill chunk's later tokens attend over
   // more positions, so contiguous shares would leave the first thread waiting for the last.
   const int64_t items = first_item[tokens];
-  const int64_t shares = std::min<int64_t>(items, at::get_num_threads());
-  at::parallel_for(0, shares, 1, [&](int64_t first_share, int64_t last_share) {
+  const int64_t shares = std::min<int64_t>(items, thread_count());
+  parallel_for(0, shares, 1, [&](int64_t first_share, int64_t last_share) {
     std::vector<float> acc(group * head_dim), scores(group * bs), running_max(group), denom(group);
     for (int64_t share = first_share; share < last_share; ++share) {
       for (int64_t item = share; item < items; item += shares) {
@@ -495,7 +495,7 @@ void paged_attention_impl(const T* qkv, const T* cos, const T* sin, P* k_pool, P
   });
   if (!parts) return;
   // the chunks of each (token, head), merged in chunk order (a decode step's few on the calling thread)
-  at::parallel_for(0, tokens * shape.heads, 64, [&](int64_t begin, int64_t end) {
+  parallel_for(0, tokens * shape.heads, 64, [&](int64_t begin, int64_t end) {
     std::vector<float> acc(head_dim);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t t = item / shape.heads, h = item % shape.heads;

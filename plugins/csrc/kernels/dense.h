@@ -18,7 +18,7 @@ template <typename T, typename Four, typename One>
 void dense_rows(const T* w, int64_t k, const T* bias, T* out, int64_t rows, int64_t n, Four four, One one) {
   const int64_t grouped = rows / 4 * 4;
   const WeightRows stream{w, k * static_cast<int64_t>(sizeof(T))};
-  at::parallel_for(0, n, 32, [&](int64_t begin, int64_t end) {
+  parallel_for(0, n, 32, [&](int64_t begin, int64_t end) {
     float sums[4];
     for (int64_t o = begin; o < end; ++o) {
       stream.ahead(o);

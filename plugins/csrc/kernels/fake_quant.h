@@ -11,7 +11,7 @@
 
 inline void fake_quant_int4_rows(const float* w, const float* s, float* out, int64_t n, int64_t k, int64_t group,
                                  float ratio) {
-  at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
+  parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
     std::vector<float> v(group);
     for (int64_t o = begin; o < end; ++o) {
       const float* wo = w + o * k;

@@ -11,7 +11,7 @@
 
 template <typename T>
 void quantize_fp8_elements(const T* x, T* out, int64_t count, float inv_scale) {
-  at::parallel_for(0, count, 4096, [&](int64_t begin, int64_t end) {
+  parallel_for(0, count, 4096, [&](int64_t begin, int64_t end) {
     int64_t i = begin;
 #if defined(KILN_ISA_AVX512)
     for (; i + 16 <= end; i += 16) {  // to E4M3 bytes and back: both exact as round_fp8
@@ -54,7 +54,7 @@ inline __m512i fp8x32_to_bf16(const uint8_t* p) {
 
 template <typename T>
 void dequantize_fp8_elements(const uint8_t* w, T* out, int64_t count) {
-  at::parallel_for(0, count, 1 << 14, [&](int64_t begin, int64_t end) {
+  parallel_for(0, count, 1 << 14, [&](int64_t begin, int64_t end) {
     int64_t i = begin;
 #if defined(KILN_ISA_AVX512)
     for (; i + 32 <= end; i += 32) {

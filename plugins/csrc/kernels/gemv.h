@@ -29,7 +29,7 @@ inline void with_rows(int64_t mr, F&& f) {
 // a time; dot(R, xs + m0 * k, o, sums) fills sums[0, R) and out = sums + bias.
 template <typename X, typename T, typename Dot>
 void gemv_rows(WeightRows w, const X* xs, const T* bias, T* out, int64_t rows, int64_t k, int64_t n, Dot dot) {
-  at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
+  parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
     float sums[4];
     for (int64_t o = begin; o < end; ++o) {
       w.ahead(o);
@@ -133,7 +133,7 @@ void quantize_rows_i16(const T* x, int64_t rows, int64_t k, int64_t kp, int orde
 // out = sums * xs[m] * out_scale(o) + bias.
 template <typename T, typename Tile, typename OutScale>
 void tiles_i16(const T* bias, T* out, const float* xs, int64_t rows, int64_t n, Tile tile, OutScale out_scale) {
-  at::parallel_for(0, (n + 15) / 16, 1, [&](int64_t begin, int64_t end) {
+  parallel_for(0, (n + 15) / 16, 1, [&](int64_t begin, int64_t end) {
     float sums[16 * 4];
     for (int64_t t = begin; t < end; ++t) {
       const int64_t o0 = t * 16, o1 = std::min(n, o0 + 16);
@@ -317,7 +317,7 @@ inline void tiles_ahead(const uint8_t* w, int64_t b, int64_t U, int64_t u0, int 
 // the same whichever thread runs it.
 template <typename T, typename Tiles, typename Row>
 void tiled_gemv(const TiledLayout& L, const T* bias, T* out, int64_t rows, int64_t n, Tiles tiles, Row row) {
-  at::parallel_for(0, L.tiles, 1, [&](int64_t begin, int64_t end) {
+  parallel_for(0, L.tiles, 1, [&](int64_t begin, int64_t end) {
     f32x16 acc[kTileGroup * 4];
     float sums[kTileRows];
     for (int64_t t = begin; t < end;) {

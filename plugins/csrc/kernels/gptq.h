@@ -20,7 +20,7 @@ constexpr int kGptqInt4 = 0, kGptqInt8 = 1, kGptqFp8 = 2;  // (ints: the entry p
 inline void gptq_block_rows(float* pending, const float* hinv, float* q, float* err, float* scales,
                             const float* clip, int64_t out, int64_t B, int64_t column, int64_t group, int64_t groups,
                             int grid) {
-  at::parallel_for(0, out, 16, [&](int64_t begin, int64_t end) {
+  parallel_for(0, out, 16, [&](int64_t begin, int64_t end) {
     for (int64_t o = begin; o < end; ++o) {
       float* p = pending + o * B;
       float* qo = q + o * B;

@@ -78,7 +78,7 @@ void linear_w4_float(const T* x, const uint8_t* w, const float* scale, int64_t g
 template <typename T>
 void dequantize_int4_rows(const uint8_t* w, const float* scale, int64_t group, T* out, int64_t k, int64_t n) {
   const int64_t row_bytes = (k + 1) / 2, groups = (k + group - 1) / group;
-  at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
+  parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
     for (int64_t o = begin; o < end; ++o) {
       const uint8_t* wrow = w + o * row_bytes;
       T* orow = out + o * k;

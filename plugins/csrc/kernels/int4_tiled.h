@@ -17,7 +17,7 @@ void linear_w4_tiled_ref(const T* x, const uint8_t* w, const float* s, int64_t g
   const TiledLayout L = tiled_int4_layout(k, n, group);
   std::vector<float> xf(rows * k);
   for (int64_t i = 0; i < rows * k; ++i) xf[i] = to_f32(x[i]);
-  at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
+  parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
     for (int64_t o = begin; o < end; ++o)
       for (int64_t m = 0; m < rows; ++m) {
         float total = 0.f;
@@ -218,7 +218,7 @@ void linear_w4_tiled_dp(const T* x, const uint8_t* w, const float* s, int64_t gr
 template <typename T>
 void dequantize_int4_tiled_avx512(const uint8_t* w, const float* s, int64_t group, T* out, int64_t k, int64_t n) {
   const TiledLayout L = tiled_int4_layout(k, n, group);
-  at::parallel_for(0, (L.tiles + kTileGroup - 1) / kTileGroup, 1, [&](int64_t begin, int64_t end) {
+  parallel_for(0, (L.tiles + kTileGroup - 1) / kTileGroup, 1, [&](int64_t begin, int64_t end) {
     const __m512i nib = _mm512_set1_epi8(0x0F), eight = _mm512_set1_epi8(8);
     for (int64_t tg = begin; tg < end; ++tg) {
       const int64_t t0 = tg * kTileGroup, U = L.width(t0);
@@ -250,7 +250,7 @@ void dequantize_int4_tiled_avx512(const uint8_t* w, const float* s, int64_t grou
 template <typename T>
 void dequantize_int4_tiled_rows(const uint8_t* w, const float* s, int64_t group, T* out, int64_t k, int64_t n) {
   const TiledLayout L = tiled_int4_layout(k, n, group);
-  at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
+  parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
     for (int64_t o = begin; o < end; ++o) {
       T* orow = out + o * k;
       for (int64_t b = 0; b < L.kb; ++b) {

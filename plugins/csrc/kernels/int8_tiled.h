@@ -14,7 +14,7 @@ template <typename T>
 void linear_w8_tiled_ref(const T* x, const uint8_t* w, const float* scale, const T* bias, T* out, int64_t rows,
                          int64_t k, int64_t n) {
   const TiledLayout L = tiled_int8_layout(k, n);
-  at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
+  parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
     for (int64_t o = begin; o < end; ++o)
       for (int64_t m = 0; m < rows; ++m) {
         float acc = 0.f;
@@ -99,7 +99,7 @@ void linear_w8_tiled_avx512(const T* x, const uint8_t* w, const float* scale, co
 template <typename T>
 void dequantize_int8_tiled_avx512(const uint8_t* w, const float* scale, T* out, int64_t k, int64_t n) {
   const TiledLayout L = tiled_int8_layout(k, n);
-  at::parallel_for(0, (L.tiles + kTileGroup - 1) / kTileGroup, 1, [&](int64_t begin, int64_t end) {
+  parallel_for(0, (L.tiles + kTileGroup - 1) / kTileGroup, 1, [&](int64_t begin, int64_t end) {
     for (int64_t tg = begin; tg < end; ++tg) {
       const int64_t t0 = tg * kTileGroup, U = L.width(t0);
       for (int64_t u = 0; u < U; ++u) {
@@ -129,7 +129,7 @@ void dequantize_int8_tiled_avx512(const uint8_t* w, const float* scale, T* out, 
 template <typename T>
 void dequantize_int8_tiled_ref(const uint8_t* w, const float* scale, T* out, int64_t k, int64_t n) {
   const TiledLayout L = tiled_int8_layout(k, n);
-  at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
+  parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
     for (int64_t o = begin; o < end; ++o) {
       T* orow = out + o * k;
       const float s = scale[o];

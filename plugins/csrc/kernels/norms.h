@@ -16,7 +16,7 @@ inline void rms_norm_row(const T* xr, const T* weight, T* outr, int64_t n, float
 
 template <typename T>
 void rms_norm_rows(const T* x, const T* weight, T* out, int64_t rows, int64_t n, float eps) {
-  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+  parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) rms_norm_row(x + r * n, weight, out + r * n, n, eps);
   });
 }
@@ -24,7 +24,7 @@ void rms_norm_rows(const T* x, const T* weight, T* out, int64_t rows, int64_t n,
 template <typename T>
 void add_rms_norm_rows(T* residual, const T* x, const T* weight, T* out, int64_t rows, int64_t n,
                        float eps) {
-  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+  parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       T* res = residual + r * n;
       const T* xr = x + r * n;
@@ -61,7 +61,7 @@ template <typename Act, typename T>
 void gated_rows(const T* gate_up, T* out, int64_t rows, int64_t n) {
   constexpr int64_t kChunk = 256;  // elements of a row per task: a decode step's one row still splits
   const int64_t chunks = (n + kChunk - 1) / kChunk;
-  at::parallel_for(0, rows * chunks, 1, [&](int64_t begin, int64_t end) {
+  parallel_for(0, rows * chunks, 1, [&](int64_t begin, int64_t end) {
     for (int64_t task = begin; task < end; ++task) {
       const int64_t r = task / chunks, first = task % chunks * kChunk, last = std::min(n, first + kChunk);
       const T* gate = gate_up + r * 2 * n;

@@ -59,7 +59,7 @@ void linear_w4a8_ref(const T* x, const uint8_t* w, const float* scale, int64_t g
                       int64_t rows, int64_t k, int64_t n) {
   const int64_t row_bytes = k / 2, groups = (k + group - 1) / group;
   GroupedInput in(x, rows, k, group, false);
-  at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
+  parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
     for (int64_t o = begin; o < end; ++o) {
       const uint8_t* wrow = w + o * row_bytes;
       const float* srow = scale + o * groups;
@@ -103,7 +103,7 @@ void linear_w4a8_vnni(const T* x, const uint8_t* w, const float* scale, int64_t 
         [&](int64_t g) { return 8 * in.sum[m * groups + g]; },
         [&](int r, int64_t g) { return scale[(o + r) * groups + g] * in.scale[m * groups + g]; }, totals);
   };
-  at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
+  parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
     int64_t o = begin;
     float totals[4];
     for (; o + 4 <= end; o += 4)
@@ -152,7 +152,7 @@ void linear_w4a8_tiled_ref(const T* x, const uint8_t* w, const float* s, int64_t
   const int64_t groups = (k + group - 1) / group;
   GroupedInput in(x, rows, k, group, false);
   const TiledLayout L = tiled_int4_layout(k, n, group);
-  at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
+  parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
     for (int64_t o = begin; o < end; ++o)
       for (int64_t m = 0; m < rows; ++m) {
         float total = 0.f;

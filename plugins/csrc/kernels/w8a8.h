@@ -192,7 +192,7 @@ template <typename T>
     const at::Tensor wt = at::from_blob(const_cast<int8_t*>(w), {n, k}, at::kChar).t();
     const at::Tensor sums = at::_int_mm(xs8, wt).contiguous();  // [rows, n]
     const int32_t* acc = sums.data_ptr<int32_t>();
-    at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
       for (int64_t m = begin; m < end; ++m)
         for (int64_t o = 0; o < n; ++o) store_w8a8(out, n, xs, scale, bias, m, o, acc[m * n + o]);
     });
@@ -200,7 +200,7 @@ template <typename T>
   }
 #endif
   const WeightRows stream{w, k};
-  at::parallel_for(0, (n + 3) / 4, 1, [&](int64_t begin, int64_t end) {
+  parallel_for(0, (n + 3) / 4, 1, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const int64_t o0 = t * 4, o1 = std::min(n, o0 + 4);
       for (int64_t o = o0; o < o1; ++o) stream.ahead(o);
@@ -225,7 +225,7 @@ void linear_w8a8_rows(const T* x, const int8_t* w, const float* scale, const int
                       const T* bias, T* out, int64_t rows, int64_t k, int64_t n) {
   std::vector<uint8_t> xq(rows * k);
   std::vector<float> xs(rows);
-  at::parallel_for(0, rows, 8, [&](int64_t begin, int64_t end) {
+  parallel_for(0, rows, 8, [&](int64_t begin, int64_t end) {
     for (int64_t m = begin; m < end; ++m) xs[m] = quantize_row_u8(x + m * k, xq.data() + m * k, k, static_scale);
   });
   if (rows > 1) {
@@ -234,7 +234,7 @@ void linear_w8a8_rows(const T* x, const int8_t* w, const float* scale, const int
   }
   // one row: weight rows in tiles of 4 (L1-resident)
   const WeightRows stream{w, k};
-  at::parallel_for(0, (n + 3) / 4, 1, [&](int64_t begin, int64_t end) {
+  parallel_for(0, (n + 3) / 4, 1, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const int64_t o0 = t * 4, o1 = std::min(n, o0 + 4);
       for (int64_t o = o0; o < o1; ++o) stream.ahead(o);

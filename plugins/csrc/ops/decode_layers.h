@@ -89,13 +89,12 @@ static void check_router(const at::Tensor& x, const at::Tensor& router, int64_t 
 static at::Tensor add_shared_expert(const at::Tensor& routed, const at::Tensor& x, const at::Tensor& shared,
                                     const c10::optional<at::Tensor>& gate);
 
-at::Tensor decode_layers(at::Tensor& h, const at::Tensor& x0, const OptionalTensors& tensors, at::IntArrayRef ints,
-                         at::ArrayRef<double> floats, at::Tensor& kv, const at::Tensor& kv_layers,
-                         const at::Tensor& block_tables, const at::Tensor& query_start, const at::Tensor& context_lens,
-                         const at::Tensor& cos, const at::Tensor& sin, int64_t heads, double scale, double eps,
-                         int64_t key_hadamard) {
+static at::Tensor layer_loop(at::Tensor& h, const at::Tensor& x0, const OptionalTensors& tensors, at::IntArrayRef ints,
+                             at::ArrayRef<double> floats, at::Tensor& kv, const at::Tensor& kv_layers,
+                             const at::Tensor& block_tables, const at::Tensor& query_start,
+                             const at::Tensor& context_lens, const at::Tensor& cos, const at::Tensor& sin,
+                             int64_t heads, double scale, double eps, int64_t key_hadamard) {
   using namespace plan;
-  const PhaseTimer step_timer(phase_step);
   TORCH_CHECK(kv.dim() == 6 && kv.size(1) == 2 && kv.is_contiguous(),
               "kiln::decode_layers: kv must be the pool's contiguous [slots, 2, blocks, block_size, kv_heads, "
               "head_dim] storage, got ", kv.sizes());
@@ -215,5 +214,35 @@ at::Tensor decode_layers(at::Tensor& h, const at::Tensor& x0, const OptionalTens
     const PhaseTimer timer(phase_norms);
     x = add_rms_norm(h, mlp_norm ? rms_norm(mlp, *mlp_norm, eps) : mlp, *after, eps);
   }
+  return x;
+}
+
+// Whether a step's threads stay in one OpenMP region (parallel.h's Team) for the whole layer
+// loop, instead of a fork and join per kernel: KILN_DECODE_TEAM=0 turns it off at load, the
+// set_decode_team op for benchmarks. Either way the results are the same bits.
+inline bool g_decode_team = [] {
+  const char* env = std::getenv("KILN_DECODE_TEAM");
+  return !(env && std::string(env) == "0");
+}();
+
+bool set_decode_team(bool on) { return std::exchange(g_decode_team, on); }
+
+// One team a step, only with bf16 activations: float ones send dense linears to PyTorch's GEMM,
+// which inside the region would run on one thread.
+at::Tensor decode_layers(at::Tensor& h, const at::Tensor& x0, const OptionalTensors& tensors, at::IntArrayRef ints,
+                         at::ArrayRef<double> floats, at::Tensor& kv, const at::Tensor& kv_layers,
+                         const at::Tensor& block_tables, const at::Tensor& query_start, const at::Tensor& context_lens,
+                         const at::Tensor& cos, const at::Tensor& sin, int64_t heads, double scale, double eps,
+                         int64_t key_hadamard) {
+  const PhaseTimer step_timer(phase_step);
+  at::Tensor x;
+  auto loop = [&] {
+    x = layer_loop(h, x0, tensors, ints, floats, kv, kv_layers, block_tables, query_start, context_lens, cos, sin,
+                   heads, scale, eps, key_hadamard);
+  };
+  if (g_decode_team && x0.scalar_type() == at::kBFloat16)
+    Team::run(loop);
+  else
+    loop();
   return x;
 }
