@@ -20,7 +20,9 @@ every position, and its maximum over the tokens is kept too (k_hadamard_absmax).
 GPTQ rounding also needs each linear's x^T x over every token ([in, in] float32: 400 MB for
 SmolLM2, about 22 GB for a 7B Llama). Those sums are held for a chunk of consecutive layers
 within GRAM_BUDGET at a time: the first chunk's during the calibration pass, each later chunk's
-by another pass over the calibration text that stops after the chunk's last layer.
+by another pass over the calibration text that stops after the chunk's last layer. x^T x is
+symmetric, so only its blocks on and above the diagonal are summed (add_gram: 10 of 16), the
+rest mirrored once at the end (whole_gram): it was as much work as the forward pass itself.
 
 Mixture-of-Experts layers: each expert's linears get statistics of the tokens routed to them.
 An expert that calibration routed fewer than MIN_EXPERT_TOKENS tokens to has too few for a
@@ -40,9 +42,25 @@ from kiln.plugins.formats import hadamard_matrix
 from kiln.runtime.model import LINEARS, KVPool, Layer, LlamaModel, StepContext, expert_key
 
 GRAM_BUDGET = 2 << 30  # bytes of x^T x sums held at once
+GRAM_BLOCKS = 4  # add_gram's column blocks
 HEAD_STATS = (-1, "lm_head")  # calibrate()'s key for the output projection's input (the final norm's output)
 EXPERTS = "experts"  # calibrate()'s key (layer index, EXPERTS) for a Mixture-of-Experts layer's ExpertRouting
 MIN_EXPERT_TOKENS = 32  # an expert routed fewer calibration tokens takes every token's statistics
+
+
+def add_gram(gram: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """gram += x^T x for x [tokens, in], on and above the diagonal only (GRAM_BLOCKS column blocks,
+    each times itself and the blocks right of it); whole_gram fills in the rest."""
+    n = x.shape[1]
+    edges = [round(i * n / GRAM_BLOCKS) for i in range(GRAM_BLOCKS + 1)]
+    for start, end in zip(edges, edges[1:]):
+        gram[start:end, start:].addmm_(x[:, start:end].T, x[:, start:])
+    return gram
+
+
+def whole_gram(gram: torch.Tensor) -> torch.Tensor:
+    """The sums add_gram left above the diagonal, mirrored below it (in place)."""
+    return gram.copy_(torch.triu(gram) + torch.triu(gram, 1).T)
 
 
 @dataclass
@@ -98,7 +116,7 @@ class Observer:
         self.stats.abssum += a.sum(dim=0)
         self.stats.count += xf.shape[0]
         if self.stats.gram is not None:
-            self.stats.gram.addmm_(xf.T, xf)
+            add_gram(self.stats.gram, xf)
         take = min(self.rows_per_call, xf.shape[0])
         picked = torch.randperm(xf.shape[0], generator=self.generator)[:take]
         picked[0] = 0  # the sequence's first token: see the module docstring
@@ -197,6 +215,8 @@ def calibrate(model: LlamaModel, sequences: list[list[int]], rows: int = 256, bl
     for s in stats.values():
         if isinstance(s, LinearStats):
             s.rows, s.parts = (torch.cat(s.parts)[:rows] if s.parts else None), []
+            if s.gram is not None:
+                whole_gram(s.gram)
     for index, layer in enumerate(model.layers):
         if layer.experts:
             routing, settled = settle_experts(model, layer, {key: value for (i, key), value in stats.items()
@@ -255,8 +275,7 @@ class GramObserver:
         self.inner, self.gram = inner, gram
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        self.gram.addmm_(xf.T, xf)
+        add_gram(self.gram, x.float())
         return self.inner(x)
 
 
@@ -283,7 +302,7 @@ def gram_sums(model: LlamaModel, sequences: list[list[int]], layers: range,
                 run_sequence(model, ids, block_size)
             except _ChunkDone:
                 pass
-    return grams
+    return {key: whole_gram(gram) for key, gram in grams.items()}
 
 
 class Grams:

@@ -466,6 +466,23 @@ def test_kv_calibration_bounds_the_hadamard_rotated_keys_at_every_position(head_
     assert (roped.abs().amax(dim=(0, 1)).reshape(-1) <= stats.k_absmax * (1 + 1e-5)).all()
 
 
+@pytest.mark.parametrize("columns", [1, 5, 64, 97])
+def test_add_gram_sums_the_upper_blocks_and_whole_gram_mirrors_them(columns):
+    """add_gram (only the blocks on and above the diagonal) then whole_gram: x^T x summed over
+    several calls, as one full product sums it."""
+    from kiln.quantize.calibrate import add_gram, whole_gram
+
+    g = generator(f"gram-{columns}")
+    parts = [torch.randn(rows, columns, generator=g) for rows in (7, 1, 30)]
+    gram = torch.zeros(columns, columns)
+    for x in parts:
+        add_gram(gram, x)
+    full = torch.cat(parts)
+    want = full.T @ full
+    torch.testing.assert_close(whole_gram(gram), want, rtol=1e-5, atol=1e-5)
+    assert torch.equal(gram, gram.T)
+
+
 def test_gram_sums_held_a_chunk_of_layers_at_a_time_match_one_pass(tiny_engines):
     """GPTQ's x^T x sums within a small budget (a chunk of layers per pass over the text, each
     pass stopped after its chunk, GramObserver) equal those the calibration pass sums (Observer)."""
