@@ -1,7 +1,7 @@
 // How the kernels split a loop between threads: parallel_for, a drop-in for at::parallel_for.
 //
 // at::parallel_for opens an OpenMP region per call. On the 2-core VMs measured, a fork and join
-// of libgomp's team costs 1.6-1.8 µs (75 µs where its threads have gone to sleep), and a decode
+// of libgomp's team cost 0.6-1.8 µs (75 µs where its threads had gone to sleep), and a decode
 // step makes ~240 such calls (every GEMV, attention, SwiGLU), each doing a few microseconds of
 // work. A Team keeps the threads in one region for a whole step instead: the thread running the
 // step (the driver) posts each loop to the others, which spin on its counter, take their share
@@ -91,8 +91,8 @@ class Team {
     in_loop() = was;
   }
 
-  // Spin while the wait is short; past ~50k pauses (tens of microseconds: the driver is in
-  // Python-free but serial work, or the machine is oversubscribed) give the core away too.
+  // Spin while the wait is short; past 50,000 pauses (a millisecond or more: the driver is in a
+  // long serial stretch, or the machine has more busy threads than cores) give the core away too.
   static void relax(int64_t spins) {
     _mm_pause();
     if (spins > 50000) std::this_thread::yield();

@@ -146,13 +146,15 @@ def test_a_step_team_gives_the_bits_of_a_fork_per_kernel(quantization, threads, 
         ops.set_decode_team(before)
 
 
-def test_an_error_inside_a_step_team_reaches_the_caller_and_frees_its_threads(threads, tiny_engines):
-    """A check that fails inside the team's step raises as without one, and the next step runs."""
+@pytest.mark.parametrize("team", [False, True])
+def test_decode_layers_refuses_a_plan_of_the_wrong_size(team, threads, tiny_engines):
+    """On two threads, with the step's threads in one region (a team) or forked per kernel: the
+    check raises to the caller, and the next step runs and gives the same logits."""
     engine = Engine(tiny_engines("llama", "bfloat16"))
     model = engine.model
     want, _ = decode(model, engine.spec, True, 2, 2)
     threads(2)
-    before = ops.set_decode_team(True)
+    before = ops.set_decode_team(team)
     try:
         tensors, ints, floats = model.decode_plan()
         pool = KVPool(engine.spec, 2, 8, model.kv_dtype)
@@ -166,19 +168,6 @@ def test_an_error_inside_a_step_team_reaches_the_caller_and_frees_its_threads(th
         assert torch.equal(got, want)
     finally:
         ops.set_decode_team(before)
-
-
-def test_decode_layers_refuses_a_plan_of_the_wrong_size(tiny_engines):
-    engine = Engine(tiny_engines("llama", "bfloat16"))
-    model = engine.model
-    tensors, ints, floats = model.decode_plan()
-    pool = KVPool(engine.spec, 2, 8, model.kv_dtype)
-    h = torch.zeros(1, engine.spec.hidden_size, dtype=model.dtype)
-    ctx = StepContext.single(0, 1, [0])
-    with pytest.raises(RuntimeError, match="the plan has"):
-        ops.decode_layers(h, h.clone(), tensors[:-1], ints, floats, pool.storage, pool.kv_layers,
-                          pool.tables(ctx.block_tables), ctx.query_start, ctx.context_lens, model.cos, model.sin,
-                          engine.spec.num_heads, model.scale, engine.spec.norm_eps)
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
