@@ -26,6 +26,11 @@ from rich.markup import escape
 from rich.table import Table
 
 
+def variant_label(prefetch: int | None, team: bool | None) -> str:
+    """' pf 4096 team on': the settings a row was timed with (none asked: '')."""
+    return ("" if prefetch is None else f" pf {prefetch}") + ("" if team is None else f" team {'on' if team else 'off'}")
+
+
 def time_kiln(engine_dir: str, prompt: list[int], decode: int, repeats: int, isa: str | None = None,
               prefetch: list[int] | None = None, team: list[bool] | None = None) -> list[dict]:
     """One row per variant asked for (each software prefetch distance with each decode-team
@@ -74,13 +79,10 @@ def time_kiln(engine_dir: str, prompt: list[int], decode: int, repeats: int, isa
         if team:
             ops.set_decode_team(start_team)
     algo = engine.meta.get("quantization", {}).get("algo", "none")
-    name = f"kiln {engine.meta['dtype']}" + ("" if algo == "none" else f" {algo}") + (f" [{isa}]" if isa else "")
+    kind = f"kiln {engine.meta['dtype']}" + ("" if algo == "none" else f" {algo}")
+    name = kind + (f" [{isa}]" if isa else "")
     first = statistics.median(decode_rates[variants[0]])
-
-    def label(d, t):
-        return ("" if d is None else f" pf {d}") + ("" if t is None else f" team {'on' if t else 'off'}")
-
-    return [{"name": name + label(d, t), "prefetch_bytes": d, "decode_team": t,
+    return [{"name": name + variant_label(d, t), "base_name": kind, "prefetch_bytes": d, "decode_team": t,
              "prefill_ms": 1000 * statistics.median(prefill[d, t]), "decode_tok_s": statistics.median(decode_rates[d, t]),
              "decode_vs_first_variant": statistics.median(decode_rates[d, t]) / first}
             for d, t in variants]
@@ -120,15 +122,13 @@ def plot(rows: list[dict], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     def engine(row):
-        return row["name"].split(" [")[0].split(" pf ")[0].split(" team ")[0]
+        return row.get("base_name", row["name"])
 
     def base(row):
         return f"{row['threads']}t {row['isa'] or 'auto'}"
 
     def variant(row):
-        pf, team = row.get("prefetch_bytes"), row.get("decode_team")
-        return base(row) + (f" pf {pf}" if pf is not None else "") + (
-            f" team {'on' if team else 'off'}" if team is not None else "")
+        return base(row) + variant_label(row.get("prefetch_bytes"), row.get("decode_team"))
 
     engines = list(dict.fromkeys(engine(r) for r in rows))
     variants = list(dict.fromkeys(variant(r) for r in rows))

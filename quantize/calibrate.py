@@ -22,7 +22,8 @@ SmolLM2, about 22 GB for a 7B Llama). Those sums are held for a chunk of consecu
 within GRAM_BUDGET at a time: the first chunk's during the calibration pass, each later chunk's
 by another pass over the calibration text that stops after the chunk's last layer. x^T x is
 symmetric, so only its blocks on and above the diagonal are summed (add_gram: 10 of 16), the
-rest mirrored once at the end (whole_gram): it was as much work as the forward pass itself.
+rest mirrored once at the end (whole_gram): the full product costs about as much as the
+calibration's forward pass itself.
 
 Mixture-of-Experts layers: each expert's linears get statistics of the tokens routed to them.
 An expert that calibration routed fewer than MIN_EXPERT_TOKENS tokens to has too few for a

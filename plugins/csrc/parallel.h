@@ -78,17 +78,17 @@ class Team {
   }
 
  private:
+  // in_loop() set for one share, restored however the share ends
+  struct InLoop {
+    const bool was = in_loop();
+    InLoop() { in_loop() = true; }
+    ~InLoop() { in_loop() = was; }
+  };
+
   template <typename F>
   static void serial(int64_t begin, int64_t end, const F& f) {
-    const bool was = in_loop();
-    in_loop() = true;
-    try {
-      f(begin, end);
-    } catch (...) {
-      in_loop() = was;
-      throw;
-    }
-    in_loop() = was;
+    const InLoop share;
+    f(begin, end);
   }
 
   // Spin while the wait is short; past 50,000 pauses (a millisecond or more: the driver is in a
@@ -111,13 +111,12 @@ class Team {
       const int64_t b = begin_ + tid * chunk_;
       if (b < end_) {
         try {
-          in_loop() = true;
+          const InLoop share;
           invoke_(f_, b, std::min(end_, b + chunk_));
         } catch (...) {
           const std::lock_guard<std::mutex> lock(failure_mutex_);
           if (!failure_) failure_ = std::current_exception();
         }
-        in_loop() = false;
       }
       pending_.fetch_sub(1, std::memory_order_acq_rel);
     }
