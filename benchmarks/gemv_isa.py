@@ -12,7 +12,7 @@ that level (tiled int4 on every level); a level the CPU lacks is an error.
 By default the weights stay in cache (the arithmetic is timed). --cold MB makes enough copies of
 each weight that the copies together exceed MB and each call reads the next one, as a decode
 step reads every weight from memory once (the memory-bound rate, next to a `sum`'s read rate in
-the same run):
+the same run); every copy is read once, untimed, before the timed calls:
 
     python benchmarks/gemv_isa.py --isa avx2vnni avx512bf16 --cold 256"""
 from __future__ import annotations
@@ -94,6 +94,11 @@ def main() -> None:
                 nbytes = copies[0][1]
                 while len(copies) * nbytes < args.cold * 1e6:
                     copies.append(kernel(kind, n, k, g))
+                # one untimed call on every copy first: on a Zen 5 VM the first read of freshly
+                # written copies ran up to 7x slower than later reads of them (a 166 KB GEMV took
+                # 60-110 µs instead of 12-14; docs/benchmarks.md), which the timed calls would catch
+                for run, _ in copies:
+                    run(x)
                 runs = itertools.cycle([run for run, _ in copies])
                 times = {name: [] for name in names}
                 for isa, pf in variants:  # warm up each variant

@@ -17,11 +17,12 @@ from kiln.errors import EngineError
 from kiln.plugins import ops
 from kiln.runtime.model import LlamaModel
 from kiln.runtime.spec import ModelSpec
+from kiln.runtime.weight_arena import place_weights, return_freed_memory
 
 log = logging.getLogger("kiln.engine")
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-HUGEPAGE_MIN_BYTES = 1 << 20  # smaller tensors (norms, scales) stay where safetensors put them
+HUGEPAGE_MIN_BYTES = 1 << 20  # without the weight arena: smaller tensors stay where safetensors put them
 
 
 @dataclass(frozen=True)
@@ -91,7 +92,9 @@ def verify_manifest(engine_dir: Path) -> None:
 class Engine:
     """An engine directory loaded for serving: model, tokenizer, limits."""
 
-    def __init__(self, engine_dir: str | Path):
+    def __init__(self, engine_dir: str | Path, weight_arena: bool = True):
+        """weight_arena False: each large weight in 2 MB pages of its own, as kiln loaded them
+        before runtime/weight_arena.py (benchmarks compare the two)."""
         self.dir = Path(engine_dir).resolve()
         self.meta = read_engine_json(self.dir)
         verify_manifest(self.dir)
@@ -108,10 +111,19 @@ class Engine:
             weights = load_file(self.dir / names.WEIGHTS_FILE)
         except (SafetensorError, OSError) as exc:
             raise EngineError(f"{self.dir}: cannot read weights ({exc}); rebuild the engine") from exc
-        # every large tensor in 2 MB pages: decode streams them all each step (ops.to_hugepages)
-        weights = {name: ops.to_hugepages(t) if t.numel() * t.element_size() >= HUGEPAGE_MIN_BYTES else t
-                   for name, t in weights.items()}
+        if weight_arena:  # small tensors copied out of the file's mapping (the arena takes the large
+            # ones), so it is unmapped after loading instead of the file's pages counting as this process's
+            weights = {name: t if t.numel() * t.element_size() >= HUGEPAGE_MIN_BYTES else t.clone()
+                       for name, t in weights.items()}
+        else:  # every large tensor in 2 MB pages of its own (ops.to_hugepages)
+            weights = {name: ops.to_hugepages(t) if t.numel() * t.element_size() >= HUGEPAGE_MIN_BYTES else t
+                       for name, t in weights.items()}
         self.model = LlamaModel(self.spec, weights, self.limits.max_seq_len, self.meta.get("quantization"))
+        del weights
+        if weight_arena:  # decode streams the weights each step: one block of 2 MB pages, in step order
+            arena = place_weights(self.model)
+            return_freed_memory()
+            log.info("%s: %.1f MB of weights in one arena of 2 MB pages", self.dir, arena / 1e6)
         self.tokenizer = Tokenizer.from_file(
             str(self.dir / names.TOKENIZER_DIR / names.TOKENIZER_JSON)
         )

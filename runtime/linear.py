@@ -59,6 +59,8 @@ def gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
 
 
 class DenseLinear:
+    streamed_attr = "weight"  # the tensor a GEMV streams (runtime/weight_arena.py)
+
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
         self.weight, self.bias = weight, bias
 
@@ -80,6 +82,7 @@ class QuantLinear:
     weight once and PyTorch's GEMM."""
 
     kind = ""  # engine.json's quantization.linear
+    streamed_attr = "qweight"  # as DenseLinear's
     plan_kind = ""  # how decode_layers runs it (ops.decode_plan's linear kinds)
     gemv_rows = SKINNY_ROWS
 

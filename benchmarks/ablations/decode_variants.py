@@ -24,11 +24,12 @@ path = sys.argv[1]
 
 
 def load(tiled_int8: bool = True, hugepages: bool = True) -> Engine:
+    """hugepages: each large weight in 2 MB pages of its own (weights in one arena: weight_arena.py)"""
     tiled, min_bytes = ops.tiled, engine_module.HUGEPAGE_MIN_BYTES
     ops.tiled = (lambda weight: tiled(weight) and weight != "int8") if not tiled_int8 else tiled
     engine_module.HUGEPAGE_MIN_BYTES = min_bytes if hugepages else float("inf")
     try:
-        return Engine(path)
+        return Engine(path, weight_arena=False)
     finally:
         ops.tiled, engine_module.HUGEPAGE_MIN_BYTES = tiled, min_bytes
 

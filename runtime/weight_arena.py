@@ -1,0 +1,64 @@
+"""A loaded model's weights in one allocation of 2 MB pages, in the order a decode step reads them.
+
+A decode step streams every linear's weight once. Loading used to give each weight of 1 MB or
+more, and each tiled int4 / int8 weight, a 2 MB-aligned allocation of its own rounded up to whole
+2 MB pages (few TLB entries for the stream), so a 166 KB int4 projection held 2 MB: SmolLM2's
+int4_awq engine, 133 MB of tensors, took 496 MB of memory. One arena keeps the 2 MB pages
+without the rounding, and lays the weights end to end in step order (each layer's qkv, out,
+gate_up, down, experts; then the output projection), so the kernels' software prefetch, a few
+KB ahead of what they read, runs on from one GEMV's last bytes into the next one's first
+instead of into unused memory. The embedding table follows (tied to the output projection, it
+is that tensor, placed once). Scales, biases and norms stay where they are: small, read beside
+the weights."""
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from kiln.plugins import ops
+
+ALIGN = 64  # bytes: every weight starts on a cache line
+
+
+def streamed(model) -> list[tuple[object, str]]:
+    """(owner, attribute) of every tensor the arena holds, in the order a decode step reads them."""
+    places = [(linear, linear.streamed_attr) for layer in model.layers for linear in layer.linears().values()]
+    return places + [(model.lm_head, model.lm_head.streamed_attr), (model, "embed")]
+
+
+def place_weights(model) -> int:
+    """Copy every tensor of streamed(model) into one arena of 2 MB pages and point its owner at
+    the copy (a tensor that two owners share is copied once); returns the arena's bytes. The old
+    tensors are freed once nothing else holds them (return_freed_memory gives their pages back)."""
+    places = streamed(model)
+    offsets: dict[int, int] = {}  # data_ptr of a tensor placed -> its offset in the arena
+    total = 0
+    for owner, attr in places:
+        t = getattr(owner, attr)
+        if t.data_ptr() not in offsets:
+            offsets[t.data_ptr()] = total
+            total += -(-t.numel() * t.element_size() // ALIGN) * ALIGN
+    # one 2 MB-aligned allocation advised for huge pages (ops.to_hugepages of an untouched buffer:
+    # its pages are never written, so reading them costs no memory)
+    arena = ops.to_hugepages(torch.empty(total, dtype=torch.uint8))
+    copies: dict[int, torch.Tensor] = {}
+    for owner, attr in places:
+        t = getattr(owner, attr)
+        key = t.data_ptr()
+        if key not in copies:
+            start = offsets[key]
+            copy = arena[start:start + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
+            copy.copy_(t)
+            copies[key] = copy
+        setattr(owner, attr, copies[key])
+    return total
+
+
+def return_freed_memory() -> None:
+    """Give the pages of freed memory back to the system (glibc's malloc_trim; elsewhere nothing):
+    the weights' earlier copies were freed inside malloc's heap, which keeps them otherwise."""
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (AttributeError, OSError):
+        pass
