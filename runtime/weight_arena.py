@@ -1,15 +1,15 @@
 """A loaded model's weights in one allocation of 2 MB pages, in the order a decode step reads them.
 
-A decode step streams every linear's weight once. Loading used to give each weight of 1 MB or
-more, and each tiled int4 / int8 weight, a 2 MB-aligned allocation of its own rounded up to whole
-2 MB pages (few TLB entries for the stream), so a 166 KB int4 projection held 2 MB: SmolLM2's
-int4_awq engine, 133 MB of tensors, took 496 MB of memory. One arena keeps the 2 MB pages
-without the rounding, and lays the weights end to end in step order (each layer's qkv, out,
-gate_up, down, experts; then the output projection), so the kernels' software prefetch, a few
-KB ahead of what they read, runs on from one GEMV's last bytes into the next one's first
-instead of into unused memory. The embedding table follows (tied to the output projection, it
-is that tensor, placed once). Scales, biases and norms stay where they are: small, read beside
-the weights."""
+A decode step streams every linear's weight once, so the weights sit in 2 MB pages (few TLB
+entries for the stream). Given pages of its own, each weight is rounded up to whole 2 MB pages:
+a 166 KB int4 projection holds 2 MB, and SmolLM2's int4_awq engine, 133 MB of tensors, grows the
+process by 494 MB loaded that way (Engine(..., weight_arena=False)), by 178 MB in the arena
+(docs/benchmarks.md). The arena lays the weights end to end in step order (each layer's qkv,
+out, gate_up, down, experts; then the output projection), so the kernels' software prefetch, a
+few KB ahead of what they read, runs on from one GEMV's last bytes into the next one's first
+(no change in decode speed measured on SmolLM2). The embedding table follows (tied to the output
+projection, it is that tensor, placed once). Scales, biases and norms stay where they are:
+small, read beside the weights."""
 from __future__ import annotations
 
 import ctypes
