@@ -17,7 +17,7 @@ from kiln.errors import EngineError
 from kiln.plugins import ops
 from kiln.runtime.model import LlamaModel
 from kiln.runtime.spec import ModelSpec
-from kiln.runtime.weight_arena import place_weights, return_freed_memory
+from kiln.runtime.weight_arena import apart, place_weights, return_freed_memory
 
 log = logging.getLogger("kiln.engine")
 
@@ -122,8 +122,10 @@ class Engine:
         del weights
         if weight_arena:  # decode streams the weights each step: one block of 2 MB pages, in step order
             arena = place_weights(self.model)
-            return_freed_memory()
             log.info("%s: %.1f MB of weights in one arena of 2 MB pages", self.dir, arena / 1e6)
+        else:
+            apart(self.model)
+        return_freed_memory()
         self.tokenizer = Tokenizer.from_file(
             str(self.dir / names.TOKENIZER_DIR / names.TOKENIZER_JSON)
         )

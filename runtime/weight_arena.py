@@ -55,6 +55,15 @@ def place_weights(model) -> int:
     return total
 
 
+def apart(model) -> None:
+    """The layout before the arena, for comparisons (Engine(..., weight_arena=False)): each tiled
+    int4 / int8 weight (which the packers leave in ordinary memory) in 2 MB pages of its own,
+    rounded up to whole pages; the loader gives the other weights of 1 MB or more theirs."""
+    for owner, attr in streamed(model):
+        if getattr(owner, "tiled", False):
+            setattr(owner, attr, ops.to_hugepages(getattr(owner, attr)))
+
+
 def return_freed_memory() -> None:
     """Give the pages of freed memory back to the system (glibc's malloc_trim; elsewhere nothing):
     the weights' earlier copies were freed inside malloc's heap, which keeps them otherwise."""

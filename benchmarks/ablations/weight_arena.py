@@ -4,7 +4,8 @@ weight_arena=False), as kiln loaded them before).
 
 Memory: each engine loaded in a process of its own per setting (the plugin library loaded
 first, so only the engine's own memory is counted): the growth of VmRSS, of its anonymous and
-file-backed parts, and of AnonHugePages, and the load's seconds.
+file-backed parts, and of AnonHugePages, the peak while loading (VmHWM over the VmRSS before),
+and the load's seconds.
 Speed: both settings loaded in one process, one-token decode steps at ~190 cached tokens (the
 output projection and Python included), the two taking turns round by round; medians of
 --rounds rounds of 64 steps per thread count.
@@ -30,11 +31,11 @@ SETTINGS = {"apart": False, "arena": True}  # name -> Engine's weight_arena
 
 
 def status_mb() -> dict[str, float]:
-    """VmRSS, RssAnon, RssFile (/proc/self/status) and AnonHugePages (smaps_rollup), in MB."""
+    """VmRSS, its peak VmHWM, RssAnon, RssFile (/proc/self/status) and AnonHugePages (smaps_rollup), in MB."""
     out = {}
     for line in Path("/proc/self/status").read_text().splitlines():
         key = line.split(":")[0]
-        if key in ("VmRSS", "RssAnon", "RssFile"):
+        if key in ("VmRSS", "VmHWM", "RssAnon", "RssFile"):
             out[key] = int(line.split()[1]) / 1024
     for line in Path("/proc/self/smaps_rollup").read_text().splitlines():
         if line.startswith("AnonHugePages"):
@@ -56,7 +57,8 @@ def measure_load(engine_dir: str, arena: bool) -> dict:
     held = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
             for layer in engine.model.layers for linear in layer.linears().values()
             for t in [getattr(linear, linear.streamed_attr)]}
-    return {"load_s": seconds, **{f"{k}_MB": after[k] - before[k] for k in after},
+    grown = {f"{k}_MB": after[k] - before[k] for k in after if k != "VmHWM"}
+    return {"load_s": seconds, **grown, "peak_MB": after["VmHWM"] - before["VmRSS"],
             "streamed_storages": len(held)}
 
 
@@ -107,14 +109,14 @@ def main() -> None:
     from host import host_info
 
     memory, speed = [], []
-    print(f"{'engine':<34}{'setting':>8}{'RSS MB':>9}{'anon':>8}{'file':>8}{'2 MB pages':>12}{'load s':>8}")
+    print(f"{'engine':<34}{'setting':>8}{'RSS MB':>9}{'anon':>8}{'file':>8}{'2 MB pages':>12}{'peak':>8}{'load s':>8}")
     for engine_dir in args.engines:
         for name, arena in SETTINGS.items():
             row = {"engine": engine_dir, "setting": name,
                    **in_subprocess(engine_dir, "--load-only", "on" if arena else "off")}
             memory.append(row)
             print(f"{Path(engine_dir).parent.name:<34}{name:>8}{row['VmRSS_MB']:>9.0f}{row['RssAnon_MB']:>8.0f}"
-                  f"{row['RssFile_MB']:>8.0f}{row['AnonHugePages_MB']:>12.0f}{row['load_s']:>8.2f}")
+                  f"{row['RssFile_MB']:>8.0f}{row['AnonHugePages_MB']:>12.0f}{row['peak_MB']:>8.0f}{row['load_s']:>8.2f}")
     print(f"\n{'engine':<34}{'threads':>8}" + "".join(f"{name + ' ms':>11}" for name in SETTINGS) + f"{'apart/arena':>13}")
     for engine_dir in args.engines:
         rows = in_subprocess(engine_dir, "--speed-only", "--rounds", str(args.rounds), "--cached", str(args.cached),

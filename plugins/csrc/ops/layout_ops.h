@@ -1,5 +1,8 @@
 // Ops that lay weights out at load: 2 MB pages, and the tiled int4 / int8 packers (formats.h:
-// the same bytes and scales as the stored tensors, reordered; shapes are kept).
+// the same bytes and scales as the stored tensors, reordered; shapes are kept). The packers
+// allocate ordinary memory of the tensor's size: the loader copies every streamed weight into one
+// arena of 2 MB pages (runtime/weight_arena.py), and pages of their own, each rounded up to 2 MB,
+// would make a load of many small weights (a Mixture-of-Experts model's) peak far above them.
 
 // --- weights in 2 MB pages ------------------------------------------------------------------
 // Decode streams every weight once per step; with 4 KB pages the walk through a few hundred MB
@@ -32,7 +35,7 @@ at::Tensor to_hugepages(const at::Tensor& t) {
 std::tuple<at::Tensor, at::Tensor> pack_int4_tiled(const at::Tensor& qweight, const at::Tensor& scales,
                                                    int64_t group_size) {
   check_tiled("pack_int4_tiled", qweight, scales, group_size);
-  auto packed = empty_hugepages(qweight.sizes(), qweight.options());
+  auto packed = at::empty(qweight.sizes(), qweight.options());  // the loader moves it into 2 MB pages
   auto packed_scales = at::empty_like(scales);
   pack_int4_tiled_bytes(static_cast<const uint8_t*>(qweight.data_ptr()), scales.data_ptr<float>(), group_size,
                         static_cast<uint8_t*>(packed.data_ptr()), packed_scales.data_ptr<float>(),
@@ -42,7 +45,7 @@ std::tuple<at::Tensor, at::Tensor> pack_int4_tiled(const at::Tensor& qweight, co
 
 at::Tensor pack_int8_tiled(const at::Tensor& qweight) {
   check_tiled8("pack_int8_tiled", qweight, at::kChar);
-  auto packed = empty_hugepages(qweight.sizes(), qweight.options().dtype(at::kByte));
+  auto packed = at::empty(qweight.sizes(), qweight.options().dtype(at::kByte));  // (as pack_int4_tiled's)
   pack_int8_tiled_bytes(static_cast<const int8_t*>(qweight.data_ptr()), static_cast<uint8_t*>(packed.data_ptr()),
                         qweight.size(1), qweight.size(0));
   return packed;
