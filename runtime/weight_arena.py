@@ -3,7 +3,7 @@
 A decode step streams every linear's weight once, so the weights sit in 2 MB pages (few TLB
 entries for the stream). Given pages of its own, each weight is rounded up to whole 2 MB pages:
 a 166 KB int4 projection holds 2 MB, and SmolLM2's int4_awq engine, 133 MB of tensors, grows the
-process by 494 MB loaded that way (Engine(..., weight_arena=False)), by 178 MB in the arena
+process by 494 MB loaded that way (Engine(..., weight_arena=False)), by 179 MB in the arena
 (docs/benchmarks.md). The arena lays the weights end to end in step order (each layer's qkv,
 out, gate_up, down, experts; then the output projection), so the kernels' software prefetch, a
 few KB ahead of what they read, runs on from one GEMV's last bytes into the next one's first
