@@ -93,8 +93,8 @@ class Engine:
     """An engine directory loaded for serving: model, tokenizer, limits."""
 
     def __init__(self, engine_dir: str | Path, weight_arena: bool = True):
-        """weight_arena False: each large weight in 2 MB pages of its own, as kiln loaded them
-        before runtime/weight_arena.py (benchmarks compare the two)."""
+        """weight_arena False: each large weight in 2 MB pages of its own instead of one arena
+        (runtime/weight_arena.py), for benchmarks to compare the two."""
         self.dir = Path(engine_dir).resolve()
         self.meta = read_engine_json(self.dir)
         verify_manifest(self.dir)

@@ -32,26 +32,29 @@ def place_weights(model) -> int:
     the copy (a tensor that two owners share is copied once); returns the arena's bytes. The old
     tensors are freed once nothing else holds them (return_freed_memory gives their pages back)."""
     places = streamed(model)
-    offsets: dict[int, int] = {}  # data_ptr of a tensor placed -> its offset in the arena
+
+    def key(t: torch.Tensor) -> tuple:  # the same tensor, whichever owner holds it
+        return t.data_ptr(), tuple(t.shape), t.dtype
+
+    offsets: dict[tuple, int] = {}  # a tensor placed -> its offset in the arena
     total = 0
     for owner, attr in places:
         t = getattr(owner, attr)
-        if t.data_ptr() not in offsets:
-            offsets[t.data_ptr()] = total
+        if key(t) not in offsets:
+            offsets[key(t)] = total
             total += -(-t.numel() * t.element_size() // ALIGN) * ALIGN
     # one 2 MB-aligned allocation advised for huge pages (ops.to_hugepages of an untouched buffer:
     # its pages are never written, so reading them costs no memory)
     arena = ops.to_hugepages(torch.empty(total, dtype=torch.uint8))
-    copies: dict[int, torch.Tensor] = {}
+    copies: dict[tuple, torch.Tensor] = {}
     for owner, attr in places:
         t = getattr(owner, attr)
-        key = t.data_ptr()
-        if key not in copies:
-            start = offsets[key]
+        if key(t) not in copies:
+            start = offsets[key(t)]
             copy = arena[start:start + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
             copy.copy_(t)
-            copies[key] = copy
-        setattr(owner, attr, copies[key])
+            copies[key(t)] = copy
+        setattr(owner, attr, copies[key(t)])
     return total
 
 
