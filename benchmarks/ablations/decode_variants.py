@@ -2,10 +2,12 @@
 (six rounds of 64 steps at ~190 cached tokens, median of each), so that the machine's drift hits
 every variant alike:
 - default: the layer loop as one plugin call (kiln::decode_layers) against the Python loop;
-- --memory: where the weights sit. The engine as loaded (tiled, 2 MB pages), and with int8
-  weights in the row layout: in 2 MB pages, in the pages safetensors gave them (the engine's
-  copy into 2 MB pages skipped), and copied into ordinary anonymous memory (an int8 engine's
-  question: its weights are the ones the runtime tiles or not).
+- --memory: where the weights sit, each weight loaded apart (Engine(..., weight_arena=False);
+  benchmarks/ablations/weight_arena.py compares that with the default arena). The engine tiled,
+  each weight in 2 MB pages of its own, and with int8 weights in the row layout: in 2 MB pages,
+  in the pages safetensors gave them (the engine's copy into 2 MB pages skipped), and copied into
+  ordinary anonymous memory (an int8 engine's question: its weights are the ones the runtime
+  tiles or not).
 
     PYTHONPATH=. python benchmarks/ablations/decode_variants.py out/smollm2-int8-wo/engine [--memory]"""
 import statistics
@@ -44,7 +46,7 @@ def cloned(engine: Engine) -> Engine:
 
 
 if "--memory" in sys.argv:
-    engines = {"as loaded (int8 tiled, 2 MB pages)": load(),
+    engines = {"int8 tiled, 2 MB pages": load(),
                "int8 row layout, 2 MB pages": load(tiled_int8=False),
                "int8 row layout, the file's pages": load(tiled_int8=False, hugepages=False),
                "int8 row layout, ordinary memory": cloned(load(tiled_int8=False, hugepages=False))}
