@@ -96,7 +96,7 @@ def main() -> None:
                     copies.append(kernel(kind, n, k, g))
                 # one untimed call on every copy first: on a Zen 5 VM the first read of freshly
                 # written copies ran up to 7x slower than later reads of them (a 166 KB GEMV took
-                # 60-110 µs instead of 12-14; docs/benchmarks.md), which the timed calls would catch
+                # 60-110 µs instead of 12-16; docs/benchmarks.md), which the timed calls would catch
                 for run, _ in copies:
                     run(x)
                 runs = itertools.cycle([run for run, _ in copies])

@@ -113,10 +113,9 @@ class Engine:
             raise EngineError(f"{self.dir}: cannot read weights ({exc}); rebuild the engine") from exc
         if weight_arena:  # small tensors copied out of the file's mapping (the arena takes the large
             # ones), so it is unmapped after loading instead of the file's pages counting as this process's
-            weights = {name: t if t.numel() * t.element_size() >= HUGEPAGE_MIN_BYTES else t.clone()
-                       for name, t in weights.items()}
+            weights = {name: t if t.nbytes >= HUGEPAGE_MIN_BYTES else t.clone() for name, t in weights.items()}
         else:  # every large tensor in 2 MB pages of its own (ops.to_hugepages)
-            weights = {name: ops.to_hugepages(t) if t.numel() * t.element_size() >= HUGEPAGE_MIN_BYTES else t
+            weights = {name: ops.to_hugepages(t) if t.nbytes >= HUGEPAGE_MIN_BYTES else t
                        for name, t in weights.items()}
         self.model = LlamaModel(self.spec, weights, self.limits.max_seq_len, self.meta.get("quantization"))
         del weights

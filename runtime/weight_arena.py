@@ -36,25 +36,23 @@ def place_weights(model) -> int:
     def key(t: torch.Tensor) -> tuple:  # the same tensor, whichever owner holds it
         return t.data_ptr(), tuple(t.shape), t.dtype
 
-    offsets: dict[tuple, int] = {}  # a tensor placed -> its offset in the arena
-    total = 0
+    def span(t: torch.Tensor) -> int:  # its bytes in the arena, up to the next weight's start
+        return -(-t.nbytes // ALIGN) * ALIGN
+
+    tensors: dict[tuple, torch.Tensor] = {}  # each tensor once, in step order
     for owner, attr in places:
         t = getattr(owner, attr)
-        if key(t) not in offsets:
-            offsets[key(t)] = total
-            total += -(-t.numel() * t.element_size() // ALIGN) * ALIGN
+        tensors.setdefault(key(t), t)
+    total = sum(span(t) for t in tensors.values())
     # one 2 MB-aligned allocation advised for huge pages (ops.to_hugepages of an untouched buffer:
     # its pages are never written, so reading them costs no memory)
     arena = ops.to_hugepages(torch.empty(total, dtype=torch.uint8))
-    copies: dict[tuple, torch.Tensor] = {}
+    start = 0
+    for k, t in tensors.items():
+        tensors[k] = arena[start:start + t.nbytes].view(t.dtype).view(t.shape).copy_(t)
+        start += span(t)
     for owner, attr in places:
-        t = getattr(owner, attr)
-        if key(t) not in copies:
-            start = offsets[key(t)]
-            copy = arena[start:start + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
-            copy.copy_(t)
-            copies[key(t)] = copy
-        setattr(owner, attr, copies[key(t)])
+        setattr(owner, attr, tensors[key(getattr(owner, attr))])
     return total
 
 

@@ -1,6 +1,6 @@
 """Where a loaded engine's weights sit: one arena of 2 MB pages in decode-step order (the default,
 runtime/weight_arena.py), against each large weight in 2 MB pages of its own (Engine(...,
-weight_arena=False), as kiln loaded them before).
+weight_arena=False)).
 
 Memory: each engine loaded in a process of its own per setting (the plugin library loaded
 first, so only the engine's own memory is counted): the growth of VmRSS, of its anonymous and
@@ -28,6 +28,9 @@ from pathlib import Path
 import torch
 
 SETTINGS = {"apart": False, "arena": True}  # name -> Engine's weight_arena
+# the memory table: (title, measure_load's key, width, decimals)
+MEMORY_COLUMNS = [("RSS MB", "VmRSS_MB", 9, 0), ("anon", "RssAnon_MB", 8, 0), ("file", "RssFile_MB", 8, 0),
+                  ("2 MB pages", "AnonHugePages_MB", 12, 0), ("peak", "peak_MB", 8, 0), ("load s", "load_s", 8, 2)]
 
 
 def status_mb() -> dict[str, float]:
@@ -47,6 +50,7 @@ def measure_load(engine_dir: str, arena: bool) -> dict:
     """In this process: the memory an engine's load adds, and how long it takes."""
     from kiln.plugins import ops
     from kiln.runtime.engine import Engine, read_engine_json
+    from kiln.runtime.weight_arena import streamed
 
     ops.load_library(Path(engine_dir) / read_engine_json(Path(engine_dir))["plugins"]["file"])
     before = status_mb()
@@ -54,12 +58,10 @@ def measure_load(engine_dir: str, arena: bool) -> dict:
     engine = Engine(engine_dir, weight_arena=arena)
     seconds = time.perf_counter() - start
     after = status_mb()
-    held = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
-            for layer in engine.model.layers for linear in layer.linears().values()
-            for t in [getattr(linear, linear.streamed_attr)]}
+    storages = {getattr(owner, attr).untyped_storage().data_ptr() for owner, attr in streamed(engine.model)}
     grown = {f"{k}_MB": after[k] - before[k] for k in after if k != "VmHWM"}
     return {"load_s": seconds, **grown, "peak_MB": after["VmHWM"] - before["VmRSS"],
-            "streamed_storages": len(held)}
+            "streamed_storages": len(storages)}
 
 
 def time_steps(engine_dir: str, threads: list[int], rounds: int, cached: int) -> list[dict]:
@@ -109,15 +111,16 @@ def main() -> None:
     from host import host_info
 
     memory, speed = [], []
-    print(f"{'engine':<34}{'setting':>8}{'RSS MB':>9}{'anon':>8}{'file':>8}{'2 MB pages':>12}{'peak':>8}{'load s':>8}")
+    print(f"{'engine':<34}{'setting':>8}" + "".join(f"{title:>{width}}" for title, _, width, _ in MEMORY_COLUMNS))
     for engine_dir in args.engines:
         for name, arena in SETTINGS.items():
             row = {"engine": engine_dir, "setting": name,
                    **in_subprocess(engine_dir, "--load-only", "on" if arena else "off")}
             memory.append(row)
-            print(f"{Path(engine_dir).parent.name:<34}{name:>8}{row['VmRSS_MB']:>9.0f}{row['RssAnon_MB']:>8.0f}"
-                  f"{row['RssFile_MB']:>8.0f}{row['AnonHugePages_MB']:>12.0f}{row['peak_MB']:>8.0f}{row['load_s']:>8.2f}")
-    print(f"\n{'engine':<34}{'threads':>8}" + "".join(f"{name + ' ms':>11}" for name in SETTINGS) + f"{'apart/arena':>13}")
+            print(f"{Path(engine_dir).parent.name:<34}{name:>8}"
+                  + "".join(f"{row[key]:>{width}.{digits}f}" for _, key, width, digits in MEMORY_COLUMNS))
+    print(f"\n{'engine':<34}{'threads':>8}" + "".join(f"{name + ' ms':>11}" for name in SETTINGS)
+          + f"{'apart/arena':>13}")
     for engine_dir in args.engines:
         rows = in_subprocess(engine_dir, "--speed-only", "--rounds", str(args.rounds), "--cached", str(args.cached),
                              "--threads", *map(str, args.threads))

@@ -11,10 +11,6 @@ from tests.runtime.test_decode_layers import SMALL, decode
 PROMPT = [1, 17, 250, 33, 99, 5, 201, 64, 300, 12, 7, 8]
 
 
-def nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
-
-
 @pytest.mark.parametrize("arch, dtype, quantization", [
     ("qwen2", "bfloat16", {"algo": "none"}),  # tied embeddings: the output projection is the table
     ("llama", "float32", {"algo": "none"}),
@@ -37,11 +33,11 @@ def test_the_arena_holds_the_weights_in_step_order_and_changes_no_number(arch, d
         assert t.untyped_storage().data_ptr() == storage.data_ptr(), f"{type(owner).__name__}.{attr}"
         assert t.is_contiguous()
         if t.data_ptr() in seen:
-            assert seen[t.data_ptr()] == nbytes(t)
+            assert seen[t.data_ptr()] == t.nbytes
             continue
         assert t.data_ptr() == expected, f"{type(owner).__name__}.{attr} is not where the previous weight ends"
-        seen[t.data_ptr()] = nbytes(t)
-        expected += -(-nbytes(t) // ALIGN) * ALIGN
+        seen[t.data_ptr()] = t.nbytes
+        expected += -(-t.nbytes // ALIGN) * ALIGN
     assert expected - storage.data_ptr() == storage.nbytes()
     tied = arena.spec.tie_embeddings and not quantization.get("lm_head")
     lm_head = arena.model.lm_head
@@ -52,8 +48,8 @@ def test_the_arena_holds_the_weights_in_step_order_and_changes_no_number(arch, d
         assert torch.equal(getattr(owner, attr).view(torch.uint8), getattr(other, other_attr).view(torch.uint8))
     # and the same logits: a prompt in two chunks, then fused decode steps of 1 and 3 rows. Bit for
     # bit where kiln's kernels compute (bf16); float32 steps run PyTorch's GEMM, whose sums depend
-    # on the tensors' alignment, and loaded apart the small ones stay at the file's 8-byte offsets
-    # (copied to aligned memory, they too agree bit for bit)
+    # on the weights' alignment, and loaded apart the small ones stay at the file's 8-byte offsets
+    # (with the linear weights copied to 64-byte-aligned memory, the two agree bit for bit)
     def same(got, want):
         if dtype == "bfloat16":
             assert torch.equal(got, want)
