@@ -63,6 +63,7 @@ def run(engine: Engine) -> torch.Tensor:
 def record(engine_dir: str) -> dict[str, torch.Tensor]:
     out = {}
     ops.load_library(Path(engine_dir) / read_engine_json(Path(engine_dir))["plugins"]["file"])
+    start = ops.active_isa()
     for isa in ISAS:
         try:
             ops.select_isa(isa)
@@ -70,7 +71,7 @@ def record(engine_dir: str) -> dict[str, torch.Tensor]:
             continue
         out[isa] = run(Engine(engine_dir)).contiguous()
         print(f"{isa}: {tuple(out[isa].shape)} logits", file=sys.stderr)
-    ops.select_isa("auto")
+    ops.select_isa(start)
     return out
 
 
