@@ -86,7 +86,7 @@ def build(config_path: Path, output: Path | None) -> tuple[Path, Path]:
         library = build_plugins()
         ops.load_library(library)
         isa = ops.active_isa()  # the host's best, or the level KILN_ISA names
-        console.print(f"      {library} (kernels for this host: {isa})")
+        console.print(f"      {library} (kernels: {isa})")
     dtype = DTYPES[config.model.dtype]
     with step(f"Pack weights ({'float32 for quantization' if quantizing else config.model.dtype}, "
               "QKV and gate/up fused)"):
