@@ -67,6 +67,37 @@ def test_silu_mul_float32_is_as_exact_as_float32_allows(isa):
     assert float(((got - want).abs() / want.abs().clamp(min=1e-30)).max()) < 4e-7
 
 
+@pytest.mark.parametrize("width", [576, 37])
+def test_rms_norm_bf16_rounds_as_hugging_face(isa, width):
+    """In bf16 the normalized value is rounded to bf16, times the weight, and the product rounded
+    to bf16, bit for bit (vector lanes and the scalar rest of a row alike): the normalized value
+    itself is what the same op gives in float32 with a weight of ones (the same statistics)."""
+    g = generator(isa, "rms_norm", width)
+    x, w = (torch.randn(3, width, generator=g) * 3).bfloat16(), torch.randn(width, generator=g).bfloat16()
+    got = ops.rms_norm(x, w, 1e-6)
+    normalized = ops.rms_norm(x.float(), torch.ones(width), 1e-6)
+    want = (w.float() * normalized.bfloat16().float()).bfloat16()
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16)), f"width {width}, {isa}"
+
+
+@pytest.mark.parametrize("op", ["silu_mul", "gelu_tanh_mul"])
+@pytest.mark.parametrize("width", [3072, 37])
+def test_gated_bf16_rounds_as_pytorch_ops_would(isa, op, width):
+    """In bf16 the activation is rounded to bf16, times up, and the product rounded to bf16, bit for
+    bit (vector lanes and the scalar rest of a row alike): the activation itself is what the same
+    op gives in float32 with up = 1."""
+    g = generator(isa, op, width)
+    gate, up = ((torch.randn(3, width, generator=g) * 4).bfloat16() for _ in range(2))
+    gate[0, :4] = torch.tensor([float("nan"), float("inf"), -float("inf"), 0.0])
+    got = getattr(ops, op)(torch.cat([gate, up], dim=1))
+    act = getattr(ops, op)(torch.cat([gate.float(), torch.ones(gate.shape)], dim=1))
+    want = (act.bfloat16().float() * up.float()).bfloat16()
+    assert torch.equal(got.isnan(), want.isnan()), f"{op}, width {width}, {isa}"
+    # NaN's bits differ between PyTorch's conversions (0xffff here, 0x7fc0 for one bf16): compare the rest
+    got, want = (torch.where(t.isnan(), 0, t).view(torch.int16) for t in (got, want))
+    assert torch.equal(got, want), f"{op}, width {width}, {isa}"
+
+
 def test_silu_mul_rejects_odd_width(plugin_isas):
     with pytest.raises(RuntimeError, match="must be even"):
         ops.silu_mul(torch.randn(2, 7))

@@ -69,11 +69,8 @@ void gated_rows(const T* gate_up, T* out, int64_t rows, int64_t n) {
       T* o = out + r * n;
       int64_t i = first;
 #if !defined(KILN_ISA_SCALAR)
-      float act[kLanes];
-      for (; i + kLanes <= last; i += kLanes) {  // the activation in vector lanes, then rounded and multiplied as below
-        vstore(act, Act::lanes(vload(gate + i)));
-        for (int j = 0; j < kLanes; ++j) store_as(o + i + j, round_as<T>(act[j]) * to_f32(up[i + j]));
-      }
+      for (; i + kLanes <= last; i += kLanes)  // as below, kLanes at a time (the rounding too)
+        vstore_as(o + i, vmul(vround_as<T>(Act::lanes(vload(gate + i))), vload(up + i)));
 #endif
       for (; i < last; ++i) store_as(o + i, round_as<T>(Act::one(to_f32(gate[i]))) * to_f32(up[i]));
     }

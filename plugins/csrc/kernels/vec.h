@@ -356,6 +356,20 @@ inline vfloat vround_as(vfloat x) {
   else
     return round_bf16(x);
 }
+
+// store_as, kLanes at a time: x rounded to T and stored (a NaN as c10::BFloat16(float) makes it, 0x7fc0)
+inline void vstore_as(float* p, vfloat x) { vstore(p, x); }
+inline void vstore_as(bf16* p, vfloat x) {
+#if defined(KILN_ISA_AVX512)
+  const __m512 r = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), round_bf16(x),
+                                        _mm512_castsi512_ps(_mm512_set1_epi32(0x7fc00000)));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), exact_bf16(r));
+#else
+  const __m256 r = _mm256_blendv_ps(round_bf16(x), _mm256_castsi256_ps(_mm256_set1_epi32(0x7fc00000)),
+                                    _mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), exact_bf16x8(r));
+#endif
+}
 #endif
 
 // out[r] = sum_i x[r][i] * w[i] for four rows at once: w is loaded (and widened) once.
