@@ -14,12 +14,12 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import torch
+from library_turns import in_turns
 
 HIDDEN, INTERMEDIATE = 576, 1536  # SmolLM2-135M
 
@@ -75,14 +75,8 @@ def main() -> None:
         print(json.dumps(measure(args.measure, args.isa, args.threads, args.calls, args.rows)))
         return
 
-    runs: dict[str, list[list[dict]]] = {lib: [] for lib in args.libraries}
-    for _ in range(args.rounds):
-        for lib in args.libraries:
-            done = subprocess.run([sys.executable, __file__, "--libraries", *args.libraries, "--measure", lib,
-                                   "--isa", *args.isa, "--threads", str(args.threads), "--calls", str(args.calls),
-                                   "--rows", *map(str, args.rows)],
-                                  capture_output=True, text=True, check=True)
-            runs[lib].append(json.loads(done.stdout.strip().splitlines()[-1]))
+    runs = in_turns(__file__, args.libraries, args.rounds, ["--isa", *args.isa, "--threads", str(args.threads),
+                                                         "--calls", str(args.calls), "--rows", *map(str, args.rows)])
     rows = []
     first = args.libraries[0]
     for i, cell in enumerate(runs[first][0]):

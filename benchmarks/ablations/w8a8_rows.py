@@ -14,12 +14,12 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import torch
+from library_turns import in_turns
 
 SMOLLM2_SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # (out, in): qkv, o_proj, gate_up, down
 ROWS = [1, 8, 32, 128]
@@ -67,14 +67,8 @@ def main() -> None:
         print(json.dumps(measure(args.measure, args.isa, args.threads, args.calls, args.rows)))
         return
 
-    runs: dict[str, list[list[dict]]] = {lib: [] for lib in args.libraries}
-    for _ in range(args.rounds):
-        for lib in args.libraries:
-            done = subprocess.run([sys.executable, __file__, "--libraries", *args.libraries, "--measure", lib,
-                                   "--isa", *args.isa, "--threads", str(args.threads), "--calls", str(args.calls),
-                                   "--rows", *map(str, args.rows)],
-                                  check=True, capture_output=True, text=True)
-            runs[lib].append(json.loads(done.stdout.strip().splitlines()[-1]))
+    runs = in_turns(__file__, args.libraries, args.rounds, ["--isa", *args.isa, "--threads", str(args.threads),
+                                                         "--calls", str(args.calls), "--rows", *map(str, args.rows)])
     a, b = args.libraries
     rows = []
     for i, entry in enumerate(runs[a][0]):
