@@ -15,11 +15,10 @@ import argparse
 import json
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
-from library_turns import in_turns
+from library_turns import in_turns, load, median_us
 
 HIDDEN, INTERMEDIATE = 576, 1536  # SmolLM2-135M
 
@@ -39,24 +38,13 @@ def calls(rows: int, g: torch.Generator) -> dict:
 
 def measure(library: str, isas: list[str], threads: int, count: int, row_counts: list[int]) -> list[dict]:
     """Median microseconds of each (isa, rows, op) in this process, on `library`."""
-    from kiln.plugins import ops
-
-    ops.load_library(library)
-    torch.set_num_threads(threads)
-    g = torch.Generator().manual_seed(20261203)
+    ops, g = load(library, threads, 20261203)
     out = []
     for isa in isas:
         ops.select_isa(isa)
         for rows in row_counts:
             for name, call in calls(rows, g).items():
-                for _ in range(count // 10):
-                    call()
-                times = []
-                for _ in range(count):
-                    t0 = time.perf_counter()
-                    call()
-                    times.append(time.perf_counter() - t0)
-                out.append({"isa": isa, "rows": rows, "op": name, "median_us": 1e6 * statistics.median(times)})
+                out.append({"isa": isa, "rows": rows, "op": name, "median_us": median_us(call, count, count // 10)})
     return out
 
 

@@ -15,11 +15,10 @@ import argparse
 import json
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
-from library_turns import in_turns
+from library_turns import in_turns, load, median_us
 
 SMOLLM2_SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # (out, in): qkv, o_proj, gate_up, down
 ROWS = [1, 8, 32, 128]
@@ -27,11 +26,7 @@ ROWS = [1, 8, 32, 128]
 
 def measure(library: str, isas: list[str], threads: int, calls: int, row_counts: list[int]) -> list[dict]:
     """Median microseconds of each (isa, rows, shape) in this process, on `library`."""
-    from kiln.plugins import ops
-
-    ops.load_library(library)
-    torch.set_num_threads(threads)
-    g = torch.Generator().manual_seed(20261202)
+    ops, g = load(library, threads, 20261202)
     out = []
     for isa in isas:
         ops.select_isa(isa)
@@ -41,14 +36,8 @@ def measure(library: str, isas: list[str], threads: int, calls: int, row_counts:
                 s = torch.rand(n, generator=g) + 0.5
                 wsum = w.to(torch.int32).sum(dim=1, dtype=torch.int32)
                 x = torch.randn(rows, k, generator=g).bfloat16()
-                for _ in range(3):
-                    ops.linear_w8a8(x, w, s, wsum)
-                times = []
-                for _ in range(calls):
-                    t0 = time.perf_counter()
-                    ops.linear_w8a8(x, w, s, wsum)
-                    times.append(time.perf_counter() - t0)
-                out.append({"isa": isa, "rows": rows, "shape": f"{n}x{k}", "median_us": 1e6 * statistics.median(times)})
+                out.append({"isa": isa, "rows": rows, "shape": f"{n}x{k}",
+                            "median_us": median_us(lambda x=x, w=w, s=s, wsum=wsum: ops.linear_w8a8(x, w, s, wsum), calls, 3)})
     return out
 
 
