@@ -1,13 +1,16 @@
 """The side-by-side runs of the ablations that time ops on several builds of the plugin library
 (one library a process): each round runs the calling script once per library, each in a process
-of its own, in turn, so a noisy neighbour slows them alike."""
+of its own, in turn, so a noisy neighbour slows them alike. command_line() is their shared
+command line; in the subprocess it runs the script's measure() and prints its JSON."""
 from __future__ import annotations
 
+import argparse
 import json
 import statistics
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 
 def in_turns(script: str, libraries: list[str], rounds: int, args: list[str]) -> dict[str, list]:
@@ -42,3 +45,27 @@ def median_us(call, count: int, warmup: int) -> float:
         call()
         times.append(time.perf_counter() - t0)
     return 1e6 * statistics.median(times)
+
+
+def command_line(script: str, description: str, measure, calls: int, rows: list[int], two: bool = False):
+    """Parse --libraries (two only, A and B, where `two`), --isa, --threads, --calls, --rounds, --rows,
+    --json. In the subprocess (--measure LIBRARY): print measure(library, isas, threads, calls,
+    rows)'s JSON and exit. Otherwise -> (args, in_turns's runs)."""
+    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    if two:
+        parser.add_argument("--libraries", nargs=2, required=True, metavar=("A", "B"))
+    else:
+        parser.add_argument("--libraries", nargs="+", required=True)
+    parser.add_argument("--isa", nargs="+", default=["avx2", "avx512bf16"])
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--calls", type=int, default=calls)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rows", type=int, nargs="+", default=rows)
+    parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--measure", default=None, help=argparse.SUPPRESS)  # (one library, in a subprocess)
+    args = parser.parse_args()
+    if args.measure:
+        print(json.dumps(measure(args.measure, args.isa, args.threads, args.calls, args.rows)))
+        sys.exit(0)
+    return args, in_turns(script, args.libraries, args.rounds, ["--isa", *args.isa, "--threads", str(args.threads),
+                                                               "--calls", str(args.calls), "--rows", *map(str, args.rows)])

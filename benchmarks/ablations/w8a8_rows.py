@@ -11,14 +11,13 @@ and the second library's speed against the first's; writes JSON. No timing is as
 one; an older commit's stays in the build cache.)"""
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import sys
 from pathlib import Path
 
 import torch
-from library_turns import in_turns, load, median_us
+from library_turns import command_line, load, median_us
 
 SMOLLM2_SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # (out, in): qkv, o_proj, gate_up, down
 ROWS = [1, 8, 32, 128]
@@ -42,22 +41,7 @@ def measure(library: str, isas: list[str], threads: int, calls: int, row_counts:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--libraries", nargs=2, required=True, metavar=("A", "B"))
-    parser.add_argument("--isa", nargs="+", default=["avx2", "avx512bf16"])
-    parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--calls", type=int, default=50)
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--rows", type=int, nargs="+", default=ROWS)
-    parser.add_argument("--json", type=Path, default=None)
-    parser.add_argument("--measure", default=None, help=argparse.SUPPRESS)  # (one library, in a subprocess)
-    args = parser.parse_args()
-    if args.measure:
-        print(json.dumps(measure(args.measure, args.isa, args.threads, args.calls, args.rows)))
-        return
-
-    runs = in_turns(__file__, args.libraries, args.rounds, ["--isa", *args.isa, "--threads", str(args.threads),
-                                                         "--calls", str(args.calls), "--rows", *map(str, args.rows)])
+    args, runs = command_line(__file__, __doc__, measure, 50, ROWS, two=True)
     a, b = args.libraries
     rows = []
     for i, entry in enumerate(runs[a][0]):
