@@ -16,19 +16,13 @@ void quantize_fp8_elements(const T* x, T* out, int64_t count, float inv_scale) {
 #if defined(KILN_ISA_AVX512)
     for (; i + 16 <= end; i += 16) {  // to E4M3 bytes and back: both exact as round_fp8
       const __m512 r = fp8_to_f32(fp8_bytes(_mm512_mul_ps(vload(x + i), _mm512_set1_ps(inv_scale))));
-      if constexpr (std::is_same_v<T, bf16>)
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i), exact_bf16(r));
-      else
-        _mm512_storeu_ps(out + i, r);
+      vstore_exact(out + i, r);
     }
 #elif defined(KILN_ISA_AVX2)
     for (; i + 8 <= end; i += 8) {  // as above, 8 at a time
       const __m128i bytes = fp8_bytes8(_mm256_mul_ps(vload(x + i), _mm256_set1_ps(inv_scale)));
       const __m256 r = vload(reinterpret_cast<const fp8e4m3*>(&bytes));
-      if constexpr (std::is_same_v<T, bf16>)
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i), exact_bf16x8(r));
-      else
-        _mm256_storeu_ps(out + i, r);
+      vstore_exact(out + i, r);
     }
 #endif
     for (; i < end; ++i) store_as(out + i, round_fp8(to_f32(x[i]) * inv_scale));
@@ -70,10 +64,7 @@ void dequantize_fp8_elements(const uint8_t* w, T* out, int64_t count) {
 #elif defined(KILN_ISA_AVX2)
     for (; i + 8 <= end; i += 8) {  // exact: vload widens E4M3 through fp16
       const __m256 v = vload(reinterpret_cast<const fp8e4m3*>(w + i));
-      if constexpr (std::is_same_v<T, bf16>)
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i), exact_bf16x8(v));
-      else
-        _mm256_storeu_ps(out + i, v);
+      vstore_exact(out + i, v);
     }
 #endif
     for (; i < end; ++i) store_as(out + i, to_f32(fp8e4m3{w[i]}));

@@ -131,6 +131,9 @@ inline vfloat vsub(vfloat a, vfloat b) { return _mm512_sub_ps(a, b); }
 inline vfloat vdiv(vfloat a, vfloat b) { return _mm512_div_ps(a, b); }
 inline float vsum(vfloat a) { return _mm512_reduce_add_ps(a); }
 inline void vstore(float* p, vfloat a) { _mm512_storeu_ps(p, a); }
+// 16 floats that T holds exactly, stored as T
+inline void vstore_exact(float* p, vfloat a) { vstore(p, a); }
+inline void vstore_exact(bf16* p, vfloat a) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), exact_bf16(a)); }
 
 #elif defined(KILN_ISA_AVX2)
 constexpr int kLanes = 8;
@@ -180,6 +183,9 @@ inline __m128i exact_bf16x8(__m256 x) {
   const __m256i top = _mm256_srli_epi32(_mm256_castps_si256(x), 16);
   return _mm_packus_epi32(_mm256_castsi256_si128(top), _mm256_extracti128_si256(top, 1));
 }
+// 8 floats that T holds exactly, stored as T
+inline void vstore_exact(float* p, vfloat a) { vstore(p, a); }
+inline void vstore_exact(bf16* p, vfloat a) { _mm_storeu_si128(reinterpret_cast<__m128i*>(p), exact_bf16x8(a)); }
 // 8 floats -> their E4M3 bytes (the low 8 bytes), as fp8_bytes on AVX-512
 inline __m128i fp8_bytes8(__m256 x) {
   const __m256 v = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-kFp8Max)), _mm256_set1_ps(kFp8Max));
@@ -311,10 +317,8 @@ inline void store_scaled(P* dst, const X* x, const float* scale, int64_t n) {
 template <typename P>
 inline void widen_to_bf16(bf16* dst, const P* src, int64_t n) {
   int64_t i = 0;
-#if defined(KILN_ISA_AVX512)
-  for (; i + 16 <= n; i += 16) _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i), exact_bf16(vload(src + i)));
-#elif defined(KILN_ISA_AVX2)
-  for (; i + 8 <= n; i += 8) _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i), exact_bf16x8(vload(src + i)));
+#if !defined(KILN_ISA_SCALAR)
+  for (; i + kLanes <= n; i += kLanes) vstore_exact(dst + i, vload(src + i));
 #endif
   for (; i < n; ++i) dst[i] = bf16(to_f32(src[i]));
 }
@@ -360,14 +364,11 @@ inline vfloat vround_as(vfloat x) {
 // store_as, kLanes at a time: x rounded to T and stored (a NaN as c10::BFloat16(float) makes it, 0x7fc0)
 inline void vstore_as(float* p, vfloat x) { vstore(p, x); }
 inline void vstore_as(bf16* p, vfloat x) {
+  const vfloat nan = vset1(std::numeric_limits<float>::quiet_NaN());  // 0x7fc00000
 #if defined(KILN_ISA_AVX512)
-  const __m512 r = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), round_bf16(x),
-                                        _mm512_castsi512_ps(_mm512_set1_epi32(0x7fc00000)));
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), exact_bf16(r));
+  vstore_exact(p, _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), round_bf16(x), nan));
 #else
-  const __m256 r = _mm256_blendv_ps(round_bf16(x), _mm256_castsi256_ps(_mm256_set1_epi32(0x7fc00000)),
-                                    _mm256_cmp_ps(x, x, _CMP_UNORD_Q));
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), exact_bf16x8(r));
+  vstore_exact(p, _mm256_blendv_ps(round_bf16(x), nan, _mm256_cmp_ps(x, x, _CMP_UNORD_Q)));
 #endif
 }
 #endif
