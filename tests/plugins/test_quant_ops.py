@@ -52,6 +52,21 @@ def test_linear_w8_matches_reference(isa, dtype, rows, k, n):
     assert_within_input_quantization(got, want, x, q.float() * s[:, None])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])  # float32: no output rounding to hide a sum's last bits
+@pytest.mark.parametrize("rows, k, n", [(3, 576, 21), (2, 1100, 16), (4, 37, 7), (7, 1536, 35)])
+def test_linear_w8_rows_are_the_bits_of_each_row_alone(isa, dtype, rows, k, n):
+    """W8A16 rows together give each row the bits it gets alone: each weight row against up to
+    four input rows (its own chain count per row count) sums exact int32 lanes, reduced to float
+    alike whatever the rows (k past 1,024 flushes the sums to float midway)."""
+    g = generator(isa, str(dtype), rows, k, n, "w8 alone")
+    x = rand(g, rows, k, scale=4).to(dtype)
+    q, s = quantize_int8(rand(g, n, k, scale=0.05))
+    bias = rand(g, n).to(dtype)
+    together = ops.linear_w8(x, q, s, bias)
+    alone = torch.cat([ops.linear_w8(x[i:i + 1], q, s, bias) for i in range(rows)])
+    assert torch.equal(together, alone)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("group", [32, 64, 128])
 @pytest.mark.parametrize("rows, k, n", [s for s in SHAPES if s[1] % 2 == 0])
