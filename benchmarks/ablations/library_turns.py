@@ -35,6 +35,14 @@ def load(library: str, threads: int, seed: int):
     return ops, torch.Generator().manual_seed(seed)
 
 
+def levels_and_rows(ops, isas: list[str], row_counts: list[int]):
+    """(isa, rows) for every kernel level and row count, each level selected before its rows."""
+    for isa in isas:
+        ops.select_isa(isa)
+        for rows in row_counts:
+            yield isa, rows
+
+
 def median_us(call, count: int, warmup: int) -> float:
     """Median microseconds of `count` timed calls, after `warmup` untimed ones."""
     for _ in range(warmup):

@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 import torch
-from library_turns import command_line, load, median_us
+from library_turns import command_line, levels_and_rows, load, median_us
 
 HIDDEN, INTERMEDIATE = 576, 1536  # SmolLM2-135M
 
@@ -39,11 +39,9 @@ def measure(library: str, isas: list[str], threads: int, count: int, row_counts:
     """Median microseconds of each (isa, rows, op) in this process, on `library`."""
     ops, g = load(library, threads, 20261203)
     out = []
-    for isa in isas:
-        ops.select_isa(isa)
-        for rows in row_counts:
-            for name, call in calls(rows, g).items():
-                out.append({"isa": isa, "rows": rows, "op": name, "median_us": median_us(call, count, count // 10)})
+    for isa, rows in levels_and_rows(ops, isas, row_counts):
+        for name, call in calls(rows, g).items():
+            out.append({"isa": isa, "rows": rows, "op": name, "median_us": median_us(call, count, count // 10)})
     return out
 
 

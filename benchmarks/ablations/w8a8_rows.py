@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 import torch
-from library_turns import command_line, load, median_us
+from library_turns import command_line, levels_and_rows, load, median_us
 
 SMOLLM2_SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # (out, in): qkv, o_proj, gate_up, down
 ROWS = [1, 8, 32, 128]
@@ -27,16 +27,14 @@ def measure(library: str, isas: list[str], threads: int, calls: int, row_counts:
     """Median microseconds of each (isa, rows, shape) in this process, on `library`."""
     ops, g = load(library, threads, 20261202)
     out = []
-    for isa in isas:
-        ops.select_isa(isa)
-        for rows in row_counts:
-            for n, k in SMOLLM2_SHAPES:
-                w = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=g)
-                s = torch.rand(n, generator=g) + 0.5
-                wsum = w.to(torch.int32).sum(dim=1, dtype=torch.int32)
-                x = torch.randn(rows, k, generator=g).bfloat16()
-                out.append({"isa": isa, "rows": rows, "shape": f"{n}x{k}",
-                            "median_us": median_us(lambda x=x, w=w, s=s, wsum=wsum: ops.linear_w8a8(x, w, s, wsum), calls, 3)})
+    for isa, rows in levels_and_rows(ops, isas, row_counts):
+        for n, k in SMOLLM2_SHAPES:
+            w = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=g)
+            s = torch.rand(n, generator=g) + 0.5
+            wsum = w.to(torch.int32).sum(dim=1, dtype=torch.int32)
+            x = torch.randn(rows, k, generator=g).bfloat16()
+            out.append({"isa": isa, "rows": rows, "shape": f"{n}x{k}",
+                        "median_us": median_us(lambda x=x, w=w, s=s, wsum=wsum: ops.linear_w8a8(x, w, s, wsum), calls, 3)})
     return out
 
 
