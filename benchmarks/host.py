@@ -4,21 +4,12 @@ from __future__ import annotations
 
 import datetime
 import os
-import platform
 import statistics
 import subprocess
 import time
 from pathlib import Path
 
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+from kiln.plugins.host import cpu_model
 
 
 def cpu_flags() -> list[str]:

@@ -12,7 +12,7 @@ from kiln import constants as names
 from kiln.builder.progress import StepLog, console, progress_bar
 from kiln.errors import ConfigError, KilnError
 
-STEPS = 6  # validate, load, compile plugins, pack, write engine, write repository
+STEPS = 7  # validate, load, compile plugins, pack, choose tactics, write engine, write repository
 
 
 def check_model_limits(config, spec) -> None:
@@ -46,6 +46,25 @@ def _chat_template_note(tokenizer_dir: Path) -> str:
     if template is None:
         return "no chat template in the checkpoint (/v1/chat/completions will refuse requests)"
     return "chat template kept (for /v1/chat/completions)"
+
+
+def choose_tactics(config, spec, weights: dict, dtype, quant_meta: dict | None, library: Path) -> dict:
+    """engine.json's tactics: the engine's linears, as the runtime loads them, timed here."""
+    from kiln.builder import tactics
+    from kiln.runtime.model import LlamaModel
+
+    model = LlamaModel(spec, weights, config.build.max_seq_len, quant_meta)
+    keys = {linear.tactic_key() for linear in model.linears()}
+    with progress_bar("linear shapes", len(keys)) as advance:
+        chosen = tactics.choose(model, config.build.tactics, config.build.max_num_tokens,
+                                config.build.max_batch_size, library, advance)
+    for key, entry in chosen["linears"].items():
+        kernel_up_to = [rows for rows, choice in zip(entry["buckets"], entry["choices"]) if choice == names.TACTIC_KILN]
+        routes = "kiln's kernel at every row count" if len(kernel_up_to) == len(entry["buckets"]) else (
+            f"kiln's kernel for {', '.join(map(str, kernel_up_to))} rows, else PyTorch's GEMM" if kernel_up_to
+            else "PyTorch's GEMM")
+        console.print(f"      {key}: {routes}")
+    return chosen
 
 
 def build(config_path: Path, output: Path | None) -> tuple[Path, Path]:
@@ -95,13 +114,17 @@ def build(config_path: Path, output: Path | None) -> tuple[Path, Path]:
     quant_meta = checkpoint.quantization  # an already quantized checkpoint, or None
     if quantizing:
         weights, quant_meta = quantize(config, spec, checkpoint.tokenizer_files, weights, dtype, step)
+    tactics = None
+    with step(f"Choose tactics ({config.build.tactics})"):
+        if config.build.tactics != "none":
+            tactics = choose_tactics(config, spec, weights, dtype, quant_meta, library)
     staging = []
     try:
         with step(f"Write engine {engine_dir}"):
             engine_dir.parent.mkdir(parents=True, exist_ok=True)
             staging.append(Path(tempfile.mkdtemp(prefix=".kiln-staging-", dir=engine_dir.parent)))
             write_engine(staging[-1] / "engine", config, spec, weights, checkpoint.tokenizer_files,
-                         library, isa, quant_meta)
+                         library, isa, quant_meta, tactics)
             console.print(f"      {_chat_template_note(staging[-1] / 'engine' / names.TOKENIZER_DIR)}")
         with step(f"Write Triton repository {repo_dir}"):
             repo_dir.parent.mkdir(parents=True, exist_ok=True)

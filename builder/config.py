@@ -148,6 +148,11 @@ class BuildSection(_Section):
     max_seq_len: int = Field(4096, ge=2)
     max_num_tokens: int = Field(2048, ge=1)
     kv_block_size: int = Field(32, ge=1, le=1024)
+    tactics: Literal["fast", "exhaustive", "none"] = Field(
+        "fast", description="build-time: time each linear's implementations (kiln's kernel, dequantize + "
+                            "PyTorch's GEMM) at each row-count bucket on this host and record the fastest in "
+                            "engine.json (fast: 3 calls a bucket, large buckets untimed once the GEMM leads; "
+                            "exhaustive: 9 calls, every bucket; none: each kind's default route)")
 
     @model_validator(mode="after")
     def _lengths(self):
@@ -164,6 +169,10 @@ class RuntimeSection(_Section):
     scheduler: Literal["max_utilization", "guaranteed_no_evict"] = "max_utilization"
     enable_prefix_reuse: bool = True
     max_queue_size: int = Field(256, ge=1)
+    batch_invariant: bool = Field(True, description="run-time: true: each linear takes one route at every batch "
+                                                     "size (kiln's kernel where it has one), so a request's tokens "
+                                                     "are the same bits whatever else runs; false: the tactics' "
+                                                     "fastest route at each batch size")
     request_timeout: float = Field(0.0, ge=0, allow_inf_nan=False,
                                    description="run-time: seconds after arrival at which a request ends with "
                                                "finish reason 'timeout' and what it generated; 0: never")

@@ -25,7 +25,9 @@ def write_engine(
     plugin_library: Path,
     target_isa: str,
     quantization: dict | None = None,
+    tactics: dict | None = None,
 ) -> None:
+    """tactics: builder/tactics.py's choices (None: build.tactics none)."""
     engine_dir.mkdir(parents=True)
     save_file(weights, engine_dir / names.WEIGHTS_FILE, metadata={"format": "pt"})
     (engine_dir / names.TOKENIZER_DIR).mkdir()
@@ -52,6 +54,7 @@ def write_engine(
         },
         "quantization": quantization or {"algo": config.quantization.algo, "kv_cache": config.quantization.kv_cache},
         "target": {"device": "cpu", "isa": target_isa},
+        names.TACTICS: tactics,
         "plugins": {"file": str(plugin_file), "sha256": sha256_file(engine_dir / plugin_file)},
         "runtime": resolved["runtime"],
         "build_config": resolved,

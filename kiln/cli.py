@@ -28,7 +28,7 @@ def _serve(args) -> int:
 
     runtime = {"kv_cache_memory": args.kv_cache_memory, "max_queue_size": args.max_queue_size,
                "scheduler": args.scheduler, "enable_prefix_reuse": args.enable_prefix_reuse,
-               "request_timeout": args.request_timeout}
+               "request_timeout": args.request_timeout, "batch_invariant": args.batch_invariant}
     server = TritonServer(args.repo, args.grpc_port, args.http_port, args.metrics_port, args.log_file, args.address,
                           {key: value for key, value in runtime.items() if value is not None})
     openai = None
@@ -143,6 +143,10 @@ def main(argv: list[str] | None = None) -> int:
     runtime.add_argument("--scheduler", choices=["max_utilization", "guaranteed_no_evict"], default=None)
     runtime.add_argument("--enable-prefix-reuse", type=lambda v: v.lower() in ("1", "true", "yes"), default=None,
                          metavar="true|false")
+    runtime.add_argument("--batch-invariant", type=lambda v: v.lower() in ("1", "true", "yes"), default=None,
+                         metavar="true|false",
+                         help="true: a request's tokens are the same bits whatever else runs (each linear one "
+                              "route at every batch size); false: the tactics' fastest route per batch size")
     runtime.add_argument("--request-timeout", type=_seconds, default=None, metavar="SECONDS",
                          help="end a request this long after it arrived, with what it generated (finish reason "
                               "'timeout'): bounds what a client that went away unnoticed costs; 0: never")

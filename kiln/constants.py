@@ -81,6 +81,14 @@ LINEAR_FP8 = "fp8"  # FP8 E4M3 weights (scale per channel), FP8 E4M3 activations
 LINEAR_W4A8_FP8 = "w4a8_fp8"  # group-wise int4 weights, FP8 E4M3 activations (static per tensor)
 
 
+# engine.json "tactics": which implementation each linear shape runs at each row count, timed on the
+# build host (builder/tactics.py; runtime/linear.py honours them where the kernels' level matches)
+TACTICS = "tactics"
+TACTIC_KILN = "kiln"  # kiln's kernel on the packed weights (row-invariant: a row's bits never depend on the others)
+TACTIC_TORCH = "torch"  # the weights dequantized, then PyTorch's GEMM (runtime/linear.py gemm())
+TACTICS_MODES = ("fast", "exhaustive", "none")  # build.tactics
+
+
 def linear_prefix(weight_name: str) -> str:
     """layers.3.mlp.down.weight -> layers.3.mlp.down"""
     return weight_name.removesuffix(".weight")

@@ -15,6 +15,8 @@ from tokenizers import Tokenizer
 from kiln import constants as names
 from kiln.errors import EngineError
 from kiln.plugins import ops
+from kiln.plugins.host import cpu_model
+from kiln.runtime.linear import tactics_from_json
 from kiln.runtime.model import LlamaModel
 from kiln.runtime.spec import ModelSpec
 from kiln.runtime.weight_arena import apart, place_weights, return_freed_memory
@@ -119,6 +121,7 @@ class Engine:
                        for name, t in weights.items()}
         self.model = LlamaModel(self.spec, weights, self.limits.max_seq_len, self.meta.get("quantization"))
         del weights
+        self.tactics = self.apply_tactics()
         if weight_arena:  # decode streams the weights each step: one block of 2 MB pages, in step order
             arena = place_weights(self.model)
             log.info("%s: %.1f MB of weights in one arena of 2 MB pages", self.dir, arena / 1e6)
@@ -128,3 +131,22 @@ class Engine:
         self.tokenizer = Tokenizer.from_file(
             str(self.dir / names.TOKENIZER_DIR / names.TOKENIZER_JSON)
         )
+
+    def apply_tactics(self) -> str:
+        """The build's tactics (engine.json), where this host runs the kernels they were timed on;
+        says which routes the linears take."""
+        tactics = self.meta.get(names.TACTICS)
+        if not tactics or not tactics["linears"]:
+            return "defaults (the engine has no tactics)"
+        if tactics["isa"] != self.isa:
+            log.warning("%s: tactics were timed on %s kernels (%s); this host runs %s kernels, so each linear "
+                        "takes its kind's default route (rebuild the engine here to time them)", self.dir,
+                        tactics["isa"], tactics["cpu"], self.isa)
+            return f"defaults (tactics timed on {tactics['isa']} kernels, this host runs {self.isa})"
+        try:
+            taken = self.model.apply_tactics(tactics_from_json(tactics))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise EngineError(f"{self.dir}: engine.json's tactics are malformed ({exc}); rebuild the engine") from None
+        if tactics["cpu"] != cpu_model():
+            log.info("%s: tactics timed on %s, this host is %s (the same kernels)", self.dir, tactics["cpu"], cpu_model())
+        return f"tactics of {tactics['cpu']} ({tactics['mode']}) for {taken} linears"

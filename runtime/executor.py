@@ -83,6 +83,10 @@ class Executor:
         self.engine = engine
         self.limits = engine.limits
         self.options = options
+        if options.batch_invariant:
+            engine.model.make_batch_invariant()
+        log.info("linear routes: %s%s", engine.tactics,
+                 "; batch invariant: each linear's one-row route at every row count" if options.batch_invariant else "")
         block_size = self.limits.kv_block_size
         spec = engine.spec
         # layers of one sliding window share block tables: a window's blocks are released as it moves

@@ -12,9 +12,16 @@
 Each may carry a `pre_scale` [in] that multiplies the input first (AWQ / SmoothQuant scales
 that could not be folded into a norm), and an `input_scale` (static per-tensor FP8
 activations): x / input_scale is rounded to E4M3, which bf16 holds exactly, and input_scale
-is folded into the weight scales once at load. Few rows (decode steps) go to kiln's kernels, which
-stream the packed weights once; many rows (prefill) dequantize once and use PyTorch's GEMM
-(gemm(): in float32 for bf16 where PyTorch has no fast bf16 GEMM).
+is folded into the weight scales once at load.
+
+Each linear runs either kiln's kernel on the packed weights (`gemv`, which reads them once a
+step for all its rows) or the dense route (the weights dequantized, then PyTorch's GEMM: gemm(),
+in float32 for bf16 where PyTorch has no fast bf16 GEMM). Which one, at each row count, is the
+linear's Tactic: timed on the build host (builder/tactics.py, engine.json "tactics") and set at
+load by LlamaModel.apply_tactics; without one, the kind's default (`kernel_rows`: up to how many
+rows the kernel runs, from measurements on an AVX2 CPU, docs/benchmarks.md "Linears at many rows").
+kiln's kernels give each row the same bits whatever the other rows; PyTorch's GEMM does not promise
+that, so only a linear that takes the kernel at every row count is batch invariant.
 
 Engines store weights in the row layouts (plugins/formats.py); int4 and int8 weights are
 re-laid out at load into the tiled layouts of the kernels the host runs (ops.tiled: which ones
@@ -23,6 +30,8 @@ depends on the instruction set), so one engine file serves every x86-64 CPU.
 plan() describes a linear to ops.decode_layers as one record by name (ops.decode_plan)."""
 from __future__ import annotations
 
+from bisect import bisect_left
+
 import torch
 import torch.nn.functional as F
 
@@ -30,7 +39,7 @@ from kiln import constants as names
 from kiln.plugins import ops
 
 FP8_ACTIVATION_KINDS = (names.LINEAR_FP8, names.LINEAR_W4A8_FP8)
-SKINNY_ROWS = 8  # up to this many rows take the GEMV plugins (measured: 1.2x at 4 streams for bf16)
+SKINNY_ROWS = 8  # up to this many rows a step runs in one plugin call (ops.decode_layers), if every linear takes its kernel
 WIDEN_BLOCK = 1 << 18  # weights gemm() widens to float32 at a time (1 MB, within the caches, never a whole copy)
 
 
@@ -58,33 +67,107 @@ def gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     return out
 
 
-class DenseLinear:
+class Tactic:
+    """Which implementation one linear shape runs at each row count: `choices[i]` (TACTIC_KILN or
+    TACTIC_TORCH) for rows up to `buckets[i]` (ascending) and above the one before; rows beyond the
+    last bucket take the last choice."""
+
+    def __init__(self, buckets: list[int], choices: list[str]):
+        if not buckets or len(buckets) != len(choices) or sorted(set(buckets)) != list(buckets) or buckets[0] < 1:
+            raise ValueError(f"a tactic needs ascending row buckets from 1 and one choice each, got {buckets} / "
+                             f"{choices}")
+        unknown = set(choices) - {names.TACTIC_KILN, names.TACTIC_TORCH}
+        if unknown:
+            raise ValueError(f"unknown tactic choice {sorted(unknown)}; expected {names.TACTIC_KILN} or "
+                             f"{names.TACTIC_TORCH}")
+        self.buckets, self.choices = list(buckets), list(choices)
+
+    def choice(self, rows: int) -> str:
+        return self.choices[min(bisect_left(self.buckets, rows), len(self.buckets) - 1)]
+
+
+def tactics_from_json(section: dict) -> dict[str, Tactic]:
+    """engine.json's tactics (builder/tactics.py) as tactic_key -> Tactic."""
+    return {key: Tactic(entry["buckets"], entry["choices"]) for key, entry in section["linears"].items()}
+
+
+class Routed:
+    """What every linear shares: the route a row count takes (its Tactic, else `kernel_rows`)."""
+
+    kernel_rows: float = SKINNY_ROWS  # without a tactic: up to this many rows take the kernel
+    tactic: Tactic | None = None
+
+    def candidates(self) -> tuple[str, ...]:
+        """The implementations a tactic chooses among: kiln's kernel and the dense route, where
+        they give the same accuracy (bf16 activations); none where a linear has one route."""
+        return names.TACTIC_KILN, names.TACTIC_TORCH
+
+    def uses_kernel(self, rows: int) -> bool:
+        if self.tactic is not None:
+            return self.tactic.choice(rows) == names.TACTIC_KILN
+        return rows <= self.kernel_rows
+
+    def fuses(self, rows: int) -> bool:
+        """Whether decode_layers computes `rows` rows of it as __call__ does (it runs the kernel)."""
+        return self.uses_kernel(rows)
+
+    def run(self, x: torch.Tensor, choice: str) -> torch.Tensor:
+        """x through one implementation (a tactic's candidate), as __call__ runs it."""
+        raise NotImplementedError
+
+
+class DenseLinear(Routed):
     streamed_attr = "weight"  # the tensor a GEMV streams (runtime/weight_arena.py)
+    kernel_rows = 16  # bf16, AVX2 (AMD EPYC, Zen 3): the kernel 1.1-1.35x PyTorch's at 16 rows, 0.65-0.8x at 64
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
         self.weight, self.bias = weight, bias
+
+    @property
+    def features(self) -> tuple[int, int]:
+        """(in, out)"""
+        return self.weight.shape[1], self.weight.shape[0]
+
+    def tactic_key(self) -> str:
+        """What tactics are chosen by (builder/tactics.py): the implementation, dtype and shape."""
+        in_features, out_features = self.features
+        return f"dense {str(self.weight.dtype).removeprefix('torch.')} {in_features}x{out_features}"
+
+    def candidates(self) -> tuple[str, ...]:
+        """float32: PyTorch's GEMM only (kiln's dense GEMV is bf16)."""
+        return (names.TACTIC_KILN, names.TACTIC_TORCH) if self.weight.dtype == torch.bfloat16 else ()
+
+    def fuses(self, rows: int) -> bool:
+        """float32: decode_layers takes PyTorch's GEMM too."""
+        return self.weight.dtype != torch.bfloat16 or self.uses_kernel(rows)
 
     def plan(self) -> dict:
         """This linear as a record of ops.decode_plan."""
         return {"kind": "dense", "weight": self.weight, "bias": self.bias}
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        """A few bf16 rows go to kiln's GEMV, which streams the weights once at memory bandwidth
-        (2-3x PyTorch's at one row here); float32 always uses PyTorch's GEMM, whose results do
-        not depend on the batch size."""
-        if x.shape[0] <= SKINNY_ROWS and x.dtype == torch.bfloat16:
+    def run(self, x: torch.Tensor, choice: str) -> torch.Tensor:
+        if choice == names.TACTIC_KILN and x.dtype == torch.bfloat16:
             return ops.linear(x, self.weight, self.bias)
         return gemm(x, self.weight, self.bias)
 
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """bf16 rows go to kiln's GEMV (which streams the weights once at memory bandwidth: 2-3x
+        PyTorch's at one row) where the route says; float32 always uses PyTorch's GEMM."""
+        kernel = x.dtype == torch.bfloat16 and self.uses_kernel(x.shape[0])
+        return self.run(x, names.TACTIC_KILN if kernel else names.TACTIC_TORCH)
 
-class QuantLinear:
-    """Up to `gemv_rows` rows go to the kernel (`gemv`); more are computed by dequantizing the
-    weight once and PyTorch's GEMM."""
+
+class QuantLinear(Routed):
+    """Rows the route sends to the kernel go to `gemv`; others are computed by dequantizing the
+    weight once and PyTorch's GEMM (`dense`)."""
 
     kind = ""  # engine.json's quantization.linear
     streamed_attr = "qweight"  # as DenseLinear's
     plan_kind = ""  # how decode_layers runs it (ops.decode_plan's linear kinds)
-    gemv_rows = SKINNY_ROWS
+    values_per_byte = 1  # of qweight's stored [out, in / values_per_byte]
+    # float32 activations: the W4A16 / W8A16 / FP8 kernels hold a row in 15 bits (less than float32
+    # keeps; more than bf16 does), so many rows take the exact dense route unless a tactic says otherwise
+    float32_kernel_rows: float = SKINNY_ROWS
 
     def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None,
                  pre_scale: torch.Tensor | None, dtype: torch.dtype, group_size: int = 0,
@@ -92,6 +175,9 @@ class QuantLinear:
         self.qweight, self.scales, self.bias, self.dtype = qweight, scales, bias, dtype
         self.pre_scale = None if pre_scale is None else pre_scale.to(dtype)  # activations are in dtype
         self.group_size, self.weight_sum = group_size, weight_sum
+        self.features = (qweight.shape[1] * self.values_per_byte, qweight.shape[0])  # (in, out), before any tiling
+        if dtype == torch.float32:
+            self.kernel_rows = self.float32_kernel_rows
         self.input_scale = self.inv_input_scale = None
         if input_scale is not None:
             self.input_scale = float(input_scale.reshape(-1)[0])
@@ -103,6 +189,16 @@ class QuantLinear:
 
     def gemv(self, x: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
+
+    def candidates(self) -> tuple[str, ...]:
+        """float32 activations: none (the routes differ in accuracy: the default route stands)."""
+        return (names.TACTIC_KILN, names.TACTIC_TORCH) if self.dtype == torch.bfloat16 else ()
+
+    def tactic_key(self) -> str:
+        """As DenseLinear.tactic_key (int4: the packed width, even)."""
+        group = f" g{self.group_size}" if self.group_size else ""
+        dtype = str(self.dtype).removeprefix("torch.")
+        return f"{self.plan_kind} {dtype} {self.features[0]}x{self.features[1]}{group}"
 
     def plan(self) -> dict:
         """As DenseLinear.plan; decode_layers does what __call__ does for a few rows."""
@@ -116,14 +212,15 @@ class QuantLinear:
     def dense(self, x: torch.Tensor) -> torch.Tensor:
         return gemm(x, self.dequantize(), self.bias)
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def run(self, x: torch.Tensor, choice: str) -> torch.Tensor:
         if self.pre_scale is not None:
             x = x * self.pre_scale
         if self.inv_input_scale is not None:
             x = ops.quantize_fp8(x, self.inv_input_scale)
-        if x.shape[0] <= self.gemv_rows:
-            return self.gemv(x)
-        return self.dense(x)
+        return self.gemv(x) if choice == names.TACTIC_KILN else self.dense(x)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.run(x, names.TACTIC_KILN if self.uses_kernel(x.shape[0]) else names.TACTIC_TORCH)
 
 
 class Int8Linear(QuantLinear):
@@ -133,6 +230,7 @@ class Int8Linear(QuantLinear):
 
     kind = names.LINEAR_INT8
     plan_kind = "int8"
+    kernel_rows = float("inf")  # bf16, AVX2 (Zen 3): the kernel 1.3-1.5x dequantize + GEMM at 256 rows, 3.4-4.3x at 16
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -169,6 +267,8 @@ class TiledInt4:
 class Int4Linear(TiledInt4, QuantLinear):
     kind = names.LINEAR_INT4
     plan_kind, tiled_plan_kind = "int4", "int4_tiled"
+    values_per_byte = 2
+    kernel_rows = float("inf")  # bf16, AVX2 (Zen 3): the kernel 1.8-2.3x dequantize + GEMM at 128 rows, 6-10x at 16
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -191,7 +291,11 @@ class W4A8Linear(TiledInt4, QuantLinear):
 
     kind = names.LINEAR_W4A8
     plan_kind, tiled_plan_kind = "w4a8", "w4a8_tiled"
-    gemv_rows = float("inf")
+    values_per_byte = 2
+    kernel_rows = float32_kernel_rows = float("inf")  # int8 activations are the algorithm: no other route
+
+    def candidates(self) -> tuple[str, ...]:
+        return ()
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -208,7 +312,10 @@ class W8A8Linear(QuantLinear):
 
     kind = names.LINEAR_W8A8
     plan_kind = "w8a8"
-    gemv_rows = float("inf")
+    kernel_rows = float32_kernel_rows = float("inf")  # int8 activations are the algorithm: no other route
+
+    def candidates(self) -> tuple[str, ...]:
+        return ()
 
     def gemv(self, x):
         return ops.linear_w8a8(x, self.qweight, self.scales, self.weight_sum, self.bias, self.input_scale or 0.0)
@@ -220,6 +327,7 @@ class Fp8Linear(QuantLinear):
 
     kind = names.LINEAR_FP8
     plan_kind = "fp8"
+    kernel_rows = 64  # bf16, AVX2 (Zen 3): the kernel 1.0-1.15x dequantize + GEMM at 64 rows, 0.5x at 256
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)

@@ -19,7 +19,7 @@ from kiln import constants as names
 from kiln.plugins import ops
 from kiln.runtime.key_rotation import key_hadamard
 from kiln.runtime.kv_layout import KVLayout
-from kiln.runtime.linear import SKINNY_ROWS, DenseLinear, load_linear
+from kiln.runtime.linear import SKINNY_ROWS, DenseLinear, Tactic, load_linear
 from kiln.runtime.rope import cos_sin_tables
 from kiln.runtime.spec import ModelSpec
 
@@ -178,7 +178,43 @@ class LlamaModel:
         # layers' routing included); the Python loop runs a few rows' experts in one (moe_mlp)
         self.fused_decode = True
         self.fused_experts = True
+        self.fused_rows = self.fusable_rows()  # up to how many rows the fused calls run
         self._plan = None  # built on first use, from the layers as they are then
+
+    def linears(self) -> list:
+        """Every linear: each layer's (experts' included), then the output projection."""
+        return [linear for layer in self.layers for linear in layer.linears().values()] + [self.lm_head]
+
+    def apply_tactics(self, tactics: dict[str, Tactic]) -> int:
+        """Each linear takes the tactic of its tactic_key (those without one keep their kind's
+        default route); returns how many took one."""
+        taken = 0
+        for linear in self.linears():
+            tactic = tactics.get(linear.tactic_key())
+            if tactic is not None:
+                linear.tactic, taken = tactic, taken + 1
+        self.fused_rows = self.fusable_rows()
+        return taken
+
+    def make_batch_invariant(self) -> None:
+        """Every linear takes the route it takes for one row at every row count (kiln's kernel,
+        except float32 dense linears: PyTorch's GEMM), over any tactic. A row's result then does
+        not depend on the other rows of its step: kiln's kernels compute each row alone, in an
+        order that does not depend on the batch or on the threads (tests/plugins), and float32
+        GEMMs give the same greedy tokens (tests/runtime/test_batching.py)."""
+        for linear in self.linears():
+            linear.tactic = Tactic([1], [names.TACTIC_KILN if linear.uses_kernel(1) else names.TACTIC_TORCH])
+        self.fused_rows = self.fusable_rows()
+
+    def fusable_rows(self) -> int:
+        """Up to how many rows (at most SKINNY_ROWS) every layer's linear routes as decode_layers
+        and moe_mlp run it (kiln's kernel; float32 dense: PyTorch's GEMM in both), so a step of that
+        many rows can run in one plugin call with the same numbers as the loop."""
+        linears = [linear for layer in self.layers for linear in layer.linears().values()]
+        rows = 0
+        while rows < SKINNY_ROWS and all(linear.fuses(rows + 1) for linear in linears):
+            rows += 1
+        return rows
 
     def decode_plan(self) -> tuple[list, list[int], list[float]]:
         """The layers as ops.decode_layers takes them (ops.decode_plan)."""
@@ -263,7 +299,7 @@ class LlamaModel:
         (decode) run it in one plugin call, bit for bit."""
         spec = self.spec
         shared = layer.gate_up is not None
-        if self.fused_experts and x.shape[0] <= SKINNY_ROWS:  # the same, in one plugin call
+        if self.fused_experts and x.shape[0] <= self.fused_rows:  # the same, in one plugin call
             if layer.expert_plan is None:  # (the plan's lists, then the activation's code)
                 pairs = [(e.gate_up, e.down) for e in layer.experts] + ([(layer.gate_up, layer.down)] if shared else [])
                 layer.expert_plan = (*ops.expert_plan([(gate_up.plan(), down.plan()) for gate_up, down in pairs]),
@@ -295,7 +331,7 @@ class LlamaModel:
         Per layer: 4 GEMMs and 3 plugin ops: the residual add fused into RMSNorm,
         rotary embedding + KV write + attention in one, SwiGLU (or GeGLU) in one; Gemma's output
         norms add two. Steps of up to
-        SKINNY_ROWS tokens (decode) run the same loop inside the plugin library (decode_layers),
+        fused_rows tokens (decode) run the same loop inside the plugin library (decode_layers),
         bit for bit the same numbers without the interpreter between the ~240 kernel calls."""
         spec = self.spec
         eps = spec.norm_eps
@@ -304,7 +340,7 @@ class LlamaModel:
             h = h * self.embed_scale
         x = ops.rms_norm(h, self.layers[0].input_norm, eps)
         tables = pool.tables(ctx.block_tables)
-        if self.fused_decode and tokens.shape[0] <= SKINNY_ROWS:  # the same kernels, without Python between
+        if self.fused_decode and tokens.shape[0] <= self.fused_rows:  # the same kernels, without Python between
             if self._plan is None:
                 self._plan = self.decode_plan()
             x = ops.decode_layers(h, x, *self._plan, pool.storage, pool.kv_layers, tables, ctx.query_start,

@@ -34,6 +34,7 @@ class RuntimeOptions:
     enable_prefix_reuse: bool = True
     max_queue_size: int = 256
     request_timeout: float = 0.0  # seconds from arrival after which a request ends ("timeout"); 0: never
+    batch_invariant: bool = True  # every linear one route at every row count (LlamaModel.make_batch_invariant)
 
     def __post_init__(self):
         if not (self.request_timeout >= 0 and self.request_timeout != float("inf")):

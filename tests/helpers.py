@@ -164,7 +164,8 @@ def make_tiny_model(folder: Path, architecture: str, seed: int = 0, **overrides)
 
 def write_config(path: Path, checkpoint: str | Path, dtype: str = "float32", quantization: dict | None = None,
                  **build) -> Path:
-    limits = dict(max_batch_size=4, max_input_len=256, max_seq_len=512, max_num_tokens=512)
+    # tactics none: which route a linear takes must not depend on timings (tests/builder/test_tactics.py times them)
+    limits = dict(max_batch_size=4, max_input_len=256, max_seq_len=512, max_num_tokens=512, tactics="none")
     limits.update(build)
     config = {"model": {"checkpoint": str(checkpoint), "dtype": dtype}, "build": limits}
     if quantization:

@@ -144,7 +144,7 @@ class TritonServer:
                  metrics_port: int | None = None, log_file: str | Path | None = None, address: str = "127.0.0.1",
                  runtime: dict | None = None):
         """runtime: run-time options for the engine model, over the engine's defaults
-        (kv_cache_memory, scheduler, enable_prefix_reuse, max_queue_size)."""
+        (kv_cache_memory, scheduler, enable_prefix_reuse, max_queue_size, request_timeout, batch_invariant)."""
         self.repo = Path(repo).resolve()
         if not (self.repo / "ensemble").is_dir():
             raise KilnError(f"{self.repo} is not a kiln Triton repository (no ensemble/ folder)")

@@ -512,3 +512,42 @@ def test_fake_quant_int4_matches_reference_bit_for_bit(isa, rows, k, group, scal
     got = ops.fake_quant_int4(w, s, group, ratio)
     torch.testing.assert_close(got, reference.fake_quant_int4(w, s, group, ratio), rtol=0, atol=0)
     assert not torch.equal(got, w)
+
+
+def linear_kernels(g, dtype, k, n):
+    """Every linear kernel (dense and each quantized kind, row and tiled layouts) on one fresh
+    weight: {name: a call on input rows x}."""
+    w = rand(g, n, k, scale=0.05)
+    q8, s8 = quantize_int8(w)
+    q4, s4 = quantize_int4(w, 32)
+    t4, ts4 = ops.pack_int4_tiled(q4, s4, 32)
+    f8, fs8 = quantize_fp8(w, False)
+    bias = rand(g, n).to(dtype)
+    runs = {"linear": lambda x: ops.linear(x, w.to(dtype), bias),
+            "linear_w8": lambda x: ops.linear_w8(x, q8, s8, bias),
+            "linear_w8a8": lambda x: ops.linear_w8a8(x, q8, s8, q8.to(torch.int32).sum(dim=1, dtype=torch.int32), bias),
+            "linear_w4": lambda x: ops.linear_w4(x, q4, s4, 32, bias),
+            "linear_w4_tiled": lambda x: ops.linear_w4_tiled(x, t4, ts4, 32, bias),
+            "linear_w4a8": lambda x: ops.linear_w4a8(x, q4, s4, 32, bias),
+            "linear_w4a8_tiled": lambda x: ops.linear_w4a8_tiled(x, t4, ts4, 32, bias),
+            "linear_fp8": lambda x: ops.linear_fp8(x, f8, fs8, bias)}
+    if ops.int8_tiles_fit(n, k):
+        t8 = ops.pack_int8_tiled(q8)
+        runs["linear_w8_tiled"] = lambda x: ops.linear_w8_tiled(x, t8, s8, bias)
+    return runs
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])  # float32: no output rounding to hide a sum's last bits
+@pytest.mark.parametrize("rows", [2, 7, 8, 9, 16, 33, 64])
+@pytest.mark.parametrize("k, n", [(576, 96), (160, 48)])
+def test_every_linear_kernel_gives_a_row_the_bits_it_gets_alone(isa, dtype, rows, k, n):
+    """Batch invariance, kernel by kernel: among any number of rows (grouped by four, in pairs,
+    leftovers one by one, tiles split between threads), each row's outputs are the bits it gets
+    alone (runtime's batch_invariant relies on it)."""
+    g = generator(isa, str(dtype), rows, k, n, "batch invariance")
+    x = rand(g, rows, k, scale=4).to(dtype)
+    for name, run in linear_kernels(g, dtype, k, n).items():
+        together = run(x)
+        alone = torch.cat([run(x[i:i + 1]) for i in range(rows)])
+        differ = (together != alone).any(dim=1).nonzero().flatten().tolist()
+        assert not differ, f"{name}: rows {differ} of {rows} differ from the row alone"

@@ -208,3 +208,40 @@ def test_queued_count_falls_to_zero_when_waiting_requests_are_cancelled(batch_en
     stats = executor.stats()
     assert stats["queued"] == 0 and stats["running"] == 0
     assert_pool_empty(llm)
+
+
+QUICK_BUILD = {"calibration": {"samples": 8, "seq_len": 64}, "accuracy": {"tokens": 512, "window": 128},
+               "accuracy_gate": None}
+
+
+@pytest.mark.parametrize("dtype, quantization", [
+    ("bfloat16", {"algo": "none"}),
+    ("bfloat16", {"algo": "int8_wo"}),
+    ("bfloat16", {"algo": "int4_awq", "group_size": 32, "lm_head": "int4"}),
+    ("bfloat16", {"algo": "w4a8_awq", "group_size": 32}),
+    ("bfloat16", {"algo": "int8_sq", "kv_cache": "int8"}),
+    ("bfloat16", {"algo": "fp8", "kv_cache": "fp8"}),
+    ("float32", {"algo": "int4_wo", "group_size": 32}),
+])
+def test_64_concurrent_requests_are_the_bits_of_each_alone_for_every_kind(dtype, quantization, tiny_models, tmp_path):
+    """Batch invariance (runtime.batch_invariant, the default): every linear takes one route at
+    every row count, and kiln's kernels give each row the bits it gets alone, so 64 requests in
+    flight together (steps of up to 64 decodes and 256-token prefill chunks) give each request the
+    tokens it gets alone: bf16, and every quantized kind."""
+    from tests.helpers import build_engine
+    from kiln.runtime.llm import LLM
+
+    engine = build_engine(tmp_path / "e", tiny_models["llama"], dtype, quantization={**quantization, **QUICK_BUILD},
+                          max_batch_size=64, max_num_tokens=256, max_input_len=256, max_seq_len=512,
+                          kv_block_size=16)
+    requests = random_requests(1, 64)
+    llm = LLM(engine, enable_prefix_reuse=False)
+    try:
+        expected = run_alone(llm, requests)
+        before = llm.stats()["steps"]
+        got = run_together(llm, requests)
+        differ = [i for i, (a, b) in enumerate(zip(got, expected)) if a != b]
+        assert not differ, f"requests {differ} differ from their tokens alone"
+        assert llm.stats()["steps"] - before < sum(n for _, n in requests) / 4  # batched
+    finally:
+        llm.close()

@@ -75,6 +75,28 @@ def test_scheduler_packs_decode_and_prefill_chunks_under_the_token_budget():
     assert [(s.request_id, n) for s, n in batch] == [(1, 1), (2, 9)]
 
 
+def run_step(batch) -> None:
+    """What the executor does with a step: compute the tokens, sample where a prompt is done."""
+    for s, n in batch:
+        s.num_computed += n
+        if s.remaining == 0:
+            s.token_ids.append(1)
+
+
+def test_sixteen_prompts_at_once_all_get_a_first_token_before_any_gets_a_tenth():
+    """FCFS chunks under the token budget, decodes first: with 16 prompts of 100 tokens and 256
+    tokens a step, the last prompt's first token comes within 7 steps of the first's."""
+    kv = KVCacheManager(1024, 16)
+    sched = Scheduler(kv, max_batch_size=16, max_num_tokens=256)
+    prompts = [seq(i, range(100), max_tokens=64) for i in range(16)]
+    for s in prompts:
+        sched.add(s)
+    while any(s.num_generated == 0 for s in prompts):
+        run_step(sched.schedule())
+    most = max(s.num_generated for s in prompts)
+    assert most < 10, [s.num_generated for s in prompts]
+
+
 def test_scheduler_preempts_the_newest_when_blocks_run_out():
     kv = KVCacheManager(4, 2)
     sched = Scheduler(kv, max_batch_size=8, max_num_tokens=100)

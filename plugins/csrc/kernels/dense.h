@@ -64,17 +64,23 @@ inline float dot_dp(const bf16* a, const bf16* b, int64_t n) {
 }
 
 inline void dot4_dp(const bf16* x, int64_t stride, const bf16* w, int64_t n, float* out) {
-  __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps(), a2 = _mm512_setzero_ps(), a3 = _mm512_setzero_ps();
+  // each row summed as dot_dp sums it (two chains over 64, a last 32 into the first, the two
+  // added before the reduction, then the tail): a row gets the same bits in a group of four as alone
+  __m512 a[4], b[4];
+  for (int r = 0; r < 4; ++r) a[r] = b[r] = _mm512_setzero_ps();
   int64_t i = 0;
-  for (; i + 32 <= n; i += 32) {
-    const __m512bh wv = load_bf16x32(w + i);
-    a0 = _mm512_dpbf16_ps(a0, load_bf16x32(x + i), wv);
-    a1 = _mm512_dpbf16_ps(a1, load_bf16x32(x + stride + i), wv);
-    a2 = _mm512_dpbf16_ps(a2, load_bf16x32(x + 2 * stride + i), wv);
-    a3 = _mm512_dpbf16_ps(a3, load_bf16x32(x + 3 * stride + i), wv);
+  for (; i + 64 <= n; i += 64) {
+    const __m512bh w0 = load_bf16x32(w + i), w1 = load_bf16x32(w + i + 32);
+    for (int r = 0; r < 4; ++r) {
+      a[r] = _mm512_dpbf16_ps(a[r], load_bf16x32(x + r * stride + i), w0);
+      b[r] = _mm512_dpbf16_ps(b[r], load_bf16x32(x + r * stride + i + 32), w1);
+    }
   }
-  out[0] = _mm512_reduce_add_ps(a0), out[1] = _mm512_reduce_add_ps(a1);
-  out[2] = _mm512_reduce_add_ps(a2), out[3] = _mm512_reduce_add_ps(a3);
+  for (; i + 32 <= n; i += 32) {
+    const __m512bh w0 = load_bf16x32(w + i);
+    for (int r = 0; r < 4; ++r) a[r] = _mm512_dpbf16_ps(a[r], load_bf16x32(x + r * stride + i), w0);
+  }
+  for (int r = 0; r < 4; ++r) out[r] = _mm512_reduce_add_ps(_mm512_add_ps(a[r], b[r]));
   for (; i < n; ++i) {
     const float wi = to_f32(w[i]);
     for (int r = 0; r < 4; ++r) out[r] += to_f32(x[r * stride + i]) * wi;

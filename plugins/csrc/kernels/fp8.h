@@ -100,9 +100,16 @@ inline void fp8_step(const uint8_t* p, __m256* wv) {
 }
 #endif
 
+// Each row in four chains whatever R (so a row gets the same bits among others as alone), at most
+// two rows a pass (4 * R accumulators and the step's four weight vectors in registers)
 template <int R>
 inline void dot_rows_fp8(const float* xp, int64_t k, const uint8_t* wrow, float* sums) {
-  constexpr int C = R == 1 ? 4 : 2;
+  if constexpr (R > 2) {
+    dot_rows_fp8<2>(xp, k, wrow, sums);
+    dot_rows_fp8<R - 2>(xp + 2 * k, k, wrow, sums + 2);
+    return;
+  }
+  constexpr int C = 4;
   vfloat acc[R][C];
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c) acc[r][c] = vzero();

@@ -373,26 +373,34 @@ inline void vstore_as(bf16* p, vfloat x) {
 }
 #endif
 
-// out[r] = sum_i x[r][i] * w[i] for four rows at once: w is loaded (and widened) once.
+// out[r] = sum_i x[r][i] * w[i] for four rows at once: w is loaded (and widened) once. Each row
+// is summed as dot() sums it (two chains over pairs of vectors, a last vector into the first,
+// then the tail), so a row gets the same bits in a group of four as alone.
 template <typename B>
 inline void dot4(const float* x0, const float* x1, const float* x2, const float* x3, const B* w,
                  int64_t n, float* out) {
+  const float* x[4] = {x0, x1, x2, x3};
   int64_t i = 0;
-  float t0 = 0.f, t1 = 0.f, t2 = 0.f, t3 = 0.f;
+  float t[4] = {0.f, 0.f, 0.f, 0.f};
 #if !defined(KILN_ISA_SCALAR)
-  vfloat a0 = vzero(), a1 = vzero(), a2 = vzero(), a3 = vzero();
-  for (; i + kLanes <= n; i += kLanes) {
-    const vfloat wv = vload(w + i);
-    a0 = vfma(vload(x0 + i), wv, a0);
-    a1 = vfma(vload(x1 + i), wv, a1);
-    a2 = vfma(vload(x2 + i), wv, a2);
-    a3 = vfma(vload(x3 + i), wv, a3);
+  vfloat a[4], b[4];
+  for (int r = 0; r < 4; ++r) a[r] = b[r] = vzero();
+  for (; i + 2 * kLanes <= n; i += 2 * kLanes) {
+    const vfloat w0 = vload(w + i), w1 = vload(w + i + kLanes);
+    for (int r = 0; r < 4; ++r) {
+      a[r] = vfma(vload(x[r] + i), w0, a[r]);
+      b[r] = vfma(vload(x[r] + i + kLanes), w1, b[r]);
+    }
   }
-  t0 = vsum(a0), t1 = vsum(a1), t2 = vsum(a2), t3 = vsum(a3);
+  for (; i + kLanes <= n; i += kLanes) {
+    const vfloat w0 = vload(w + i);
+    for (int r = 0; r < 4; ++r) a[r] = vfma(vload(x[r] + i), w0, a[r]);
+  }
+  for (int r = 0; r < 4; ++r) t[r] = vsum(a[r]) + vsum(b[r]);
 #endif
   for (; i < n; ++i) {
     const float wi = to_f32(w[i]);
-    t0 += x0[i] * wi, t1 += x1[i] * wi, t2 += x2[i] * wi, t3 += x3[i] * wi;
+    for (int r = 0; r < 4; ++r) t[r] += x[r][i] * wi;
   }
-  out[0] = t0, out[1] = t1, out[2] = t2, out[3] = t3;
+  for (int r = 0; r < 4; ++r) out[r] = t[r];
 }

@@ -1,0 +1,137 @@
+"""Tactics at build time (builder/tactics.py): the row buckets, the choice of the fastest candidate,
+the fast mode's shortcut, the timing cache, engine.json's record and the loader honouring it (or
+saying why not)."""
+import json
+
+import pytest
+
+from kiln import constants as names
+from kiln.builder import tactics
+from kiln.errors import EngineError
+from kiln.runtime.engine import Engine, sha256_file
+from tests.helpers import build_engine
+
+KILN, TORCH = names.TACTIC_KILN, names.TACTIC_TORCH
+
+
+@pytest.fixture(autouse=True)
+def private_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("KILN_TACTICS_CACHE", str(tmp_path / "tactics.json"))
+
+
+def test_buckets_double_up_to_the_limit():
+    assert tactics.buckets(1) == [1]
+    assert tactics.buckets(48) == [1, 2, 4, 8, 16, 32, 48]
+    assert tactics.buckets(64) == [1, 2, 4, 8, 16, 32, 64]
+
+
+def fake_times(monkeypatch, torch_wins_from: int) -> list:
+    """median_us made to report kiln's kernel faster below `torch_wins_from` rows and PyTorch's GEMM
+    from there on; returns the log of (implementation, rows) timed. The implementation is told
+    apart by what the linear's run() calls."""
+    timed = []
+
+    def median_us(run, repeats):
+        seen = []
+        from kiln.runtime import linear
+
+        real_gemm, real_linear = linear.gemm, linear.ops.linear
+        monkeypatch.setattr(linear, "gemm", lambda x, *a: seen.append((TORCH, x.shape[0])) or real_gemm(x, *a))
+        monkeypatch.setattr(linear.ops, "linear", lambda x, *a: seen.append((KILN, x.shape[0])) or real_linear(x, *a))
+        run()
+        monkeypatch.setattr(linear, "gemm", real_gemm)
+        monkeypatch.setattr(linear.ops, "linear", real_linear)
+        choice, rows = seen[0]
+        timed.append((choice, rows))
+        return float(rows) * (1.0 if (choice == KILN) == (rows < torch_wins_from) else 2.0)
+
+    monkeypatch.setattr(tactics, "median_us", median_us)
+    return timed
+
+
+@pytest.mark.parametrize("mode", ("fast", "exhaustive"))
+def test_the_fastest_candidate_is_chosen_at_each_bucket(tiny_engines, monkeypatch, mode):
+    engine = Engine(tiny_engines("llama", "bfloat16"))
+    timed = fake_times(monkeypatch, torch_wins_from=16)
+    chosen = tactics.choose(engine.model, mode, max_num_tokens=256, max_batch_size=4,
+                            library=engine.dir / engine.meta["plugins"]["file"])
+    assert chosen["mode"] == mode and chosen["isa"] == engine.isa
+    keys = {linear.tactic_key() for linear in engine.model.linears()}
+    assert set(chosen["linears"]) == keys
+    head = engine.model.lm_head.tactic_key()
+    for key, entry in chosen["linears"].items():
+        assert entry["buckets"] == ([1, 2, 4] if key == head else [1, 2, 4, 8, 16, 32, 64, 128, 256])
+        assert entry["choices"] == [KILN if rows < 16 else TORCH for rows in entry["buckets"]]
+        untimed = [rows for rows, us in zip(entry["buckets"], entry["torch_us"]) if us is None]
+        # fast: once the GEMM has won two buckets running (16, 32) the larger ones are not timed
+        assert untimed == ([64, 128, 256] if mode == "fast" and key != head else [])
+    assert all(rows <= (256 if mode == "exhaustive" else 32) for _, rows in timed)
+
+
+def test_a_rebuild_times_nothing_it_has_timed_before(tiny_engines, monkeypatch):
+    engine = Engine(tiny_engines("llama", "bfloat16"))
+    library = engine.dir / engine.meta["plugins"]["file"]
+    first = tactics.choose(engine.model, "fast", 64, 4, library)
+    monkeypatch.setattr(tactics, "median_us", lambda run, repeats: pytest.fail("timed again"))
+    assert tactics.choose(engine.model, "fast", 64, 4, library) == first
+    # exhaustive wants more calls a bucket than fast timed: it times again
+    with pytest.raises(pytest.fail.Exception, match="timed again"):
+        tactics.choose(engine.model, "exhaustive", 64, 4, library)
+
+
+def test_linears_with_one_route_get_no_tactic(tiny_engines, monkeypatch):
+    """float32 dense linears have only PyTorch's GEMM: nothing is timed or recorded."""
+    engine = Engine(tiny_engines("llama", "float32"))
+    monkeypatch.setattr(tactics, "median_us", lambda run, repeats: pytest.fail("nothing to choose between"))
+    chosen = tactics.choose(engine.model, "fast", 64, 4, engine.dir / engine.meta["plugins"]["file"])
+    assert chosen["linears"] == {}
+
+
+@pytest.fixture(scope="module")
+def engine_with_tactics(tiny_models, tmp_path_factory):
+    root = tmp_path_factory.mktemp("tactics")
+    return build_engine(root / "llama", tiny_models["llama"], "bfloat16", tactics="fast", max_num_tokens=64)
+
+
+def test_the_build_records_tactics_and_the_loader_takes_them(engine_with_tactics, caplog):
+    meta = json.loads((engine_with_tactics / names.ENGINE_JSON).read_text())
+    section = meta[names.TACTICS]
+    assert section["mode"] == "fast" and section["isa"] == meta["target"]["isa"]
+    engine = Engine(engine_with_tactics)
+    assert engine.tactics.startswith(f"tactics of {section['cpu']} (fast) for ")
+    for linear in engine.model.linears():
+        entry = section["linears"][linear.tactic_key()]
+        assert linear.tactic is not None and linear.tactic.choices == entry["choices"]
+        for rows, choice, kiln_us, torch_us in zip(entry["buckets"], entry["choices"], entry["kiln_us"],
+                                                   entry["torch_us"]):
+            if kiln_us is not None and torch_us is not None:  # the winner is the faster one measured
+                assert choice == (KILN if kiln_us <= torch_us else TORCH), (linear.tactic_key(), rows)
+
+
+def test_tactics_of_other_kernels_are_not_taken(engine_with_tactics, monkeypatch, caplog):
+    from kiln.plugins import ops
+
+    built = json.loads((engine_with_tactics / names.ENGINE_JSON).read_text())["target"]["isa"]
+    other = "scalar" if built != "scalar" else "avx2"
+    monkeypatch.setattr(ops, "active_isa", lambda: other)
+    with caplog.at_level("WARNING", logger="kiln.engine"):
+        engine = Engine(engine_with_tactics)
+    assert engine.tactics == f"defaults (tactics timed on {built} kernels, this host runs {other})"
+    assert f"this host runs {other} kernels" in caplog.text
+    assert all(linear.tactic is None for linear in engine.model.linears())
+
+
+def test_malformed_tactics_are_refused(engine_with_tactics, tmp_path):
+    import shutil
+
+    copy = tmp_path / "engine"
+    shutil.copytree(engine_with_tactics, copy)
+    meta = json.loads((copy / names.ENGINE_JSON).read_text())
+    entry = next(iter(meta[names.TACTICS]["linears"].values()))
+    entry["choices"][0] = "onednn"
+    (copy / names.ENGINE_JSON).write_text(json.dumps(meta))
+    manifest = json.loads((copy / names.MANIFEST_FILE).read_text())
+    manifest["files"][names.ENGINE_JSON] = sha256_file(copy / names.ENGINE_JSON)
+    (copy / names.MANIFEST_FILE).write_text(json.dumps(manifest))
+    with pytest.raises(EngineError, match="tactics are malformed.*unknown tactic choice.*rebuild"):
+        Engine(copy)
