@@ -59,12 +59,21 @@ def choose_tactics(config, spec, weights: dict, dtype, quant_meta: dict | None, 
         chosen = tactics.choose(model, config.build.tactics, config.build.max_num_tokens,
                                 config.build.max_batch_size, library, advance)
     for key, entry in chosen["linears"].items():
-        kernel_up_to = [rows for rows, choice in zip(entry["buckets"], entry["choices"]) if choice == names.TACTIC_KILN]
-        routes = "kiln's kernel at every row count" if len(kernel_up_to) == len(entry["buckets"]) else (
-            f"kiln's kernel for {', '.join(map(str, kernel_up_to))} rows, else PyTorch's GEMM" if kernel_up_to
-            else "PyTorch's GEMM")
-        console.print(f"      {key}: {routes}")
+        console.print(f"      {key}: {describe_routes(entry['buckets'], entry['choices'])}")
     return chosen
+
+
+def describe_routes(buckets: list[int], choices: list[str]) -> str:
+    """"kiln up to 32 rows, torch above": each run of buckets with one choice."""
+    runs = []
+    for rows, choice in zip(buckets, choices):
+        if runs and runs[-1][1] == choice:
+            runs[-1][0] = rows
+        else:
+            runs.append([rows, choice])
+    if len(runs) == 1:
+        return f"{runs[0][1]} at every row count"
+    return ", ".join(f"{choice} up to {rows} rows" for rows, choice in runs[:-1]) + f", {runs[-1][1]} above"
 
 
 def build(config_path: Path, output: Path | None) -> tuple[Path, Path]:

@@ -13,21 +13,28 @@
 
 // The dense driver: each weight row o of w against the input rows four at a time (four(m, o,
 // sums) fills sums[0, 4)), the rows left over one by one (one(m, o)); out = sums + bias, rounded
-// once.
+// once. Many rows go a block at a time (row_blocks) against a block of weight rows, so neither
+// is fetched from further than L2 for every row of the other.
 template <typename T, typename Four, typename One>
 void dense_rows(const T* w, int64_t k, const T* bias, T* out, int64_t rows, int64_t n, Four four, One one) {
-  const int64_t grouped = rows / 4 * 4;
   const WeightRows stream{w, k * static_cast<int64_t>(sizeof(T))};
+  const RowBlocks blocks = row_blocks(k * static_cast<int64_t>(sizeof(float)), stream.row_bytes);
   parallel_for(0, n, 32, [&](int64_t begin, int64_t end) {
     float sums[4];
-    for (int64_t o = begin; o < end; ++o) {
-      stream.ahead(o);
-      const float b = bias ? to_f32(bias[o]) : 0.f;
-      for (int64_t m = 0; m < grouped; m += 4) {
-        four(m, o, sums);
-        for (int64_t r = 0; r < 4; ++r) store_as(out + (m + r) * n + o, sums[r] + b);
+    for (int64_t o0 = begin; o0 < end; o0 += blocks.weights) {
+      const int64_t o1 = std::min(end, o0 + blocks.weights);
+      for (int64_t m0 = 0; m0 < rows; m0 += blocks.inputs) {
+        const int64_t m1 = std::min(rows, m0 + blocks.inputs), grouped = m0 + (m1 - m0) / 4 * 4;
+        for (int64_t o = o0; o < o1; ++o) {
+          if (m0 == 0) stream.ahead(o);  // later blocks find the weights in L2
+          const float b = bias ? to_f32(bias[o]) : 0.f;
+          for (int64_t m = m0; m < grouped; m += 4) {
+            four(m, o, sums);
+            for (int64_t r = 0; r < 4; ++r) store_as(out + (m + r) * n + o, sums[r] + b);
+          }
+          for (int64_t m = grouped; m < m1; ++m) store_as(out + m * n + o, one(m, o) + b);
+        }
       }
-      for (int64_t m = grouped; m < rows; ++m) store_as(out + m * n + o, one(m, o) + b);
     }
   });
 }

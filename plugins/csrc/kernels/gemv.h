@@ -25,19 +25,27 @@ inline void with_rows(int64_t mr, F&& f) {
   }
 }
 
-// The GEMV driver: each weight row o against the input rows xs (as the kernel reads them) four at
-// a time; dot(R, xs + m0 * k, o, sums) fills sums[0, R) and out = sums + bias.
+// The GEMV driver: each weight row o against the input rows (as the kernel reads them) four at
+// a time; dot(R, xs + m0 * k, o, sums) fills sums[0, R) and out = sums + bias. Many rows go a
+// block at a time against a block of weight rows (row_blocks, as dense_rows).
 template <typename X, typename T, typename Dot>
 void gemv_rows(WeightRows w, const X* xs, const T* bias, T* out, int64_t rows, int64_t k, int64_t n, Dot dot) {
+  const RowBlocks blocks = row_blocks(k * static_cast<int64_t>(sizeof(X)), w.row_bytes);
   parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
     float sums[4];
-    for (int64_t o = begin; o < end; ++o) {
-      w.ahead(o);
-      const float b = bias ? to_f32(bias[o]) : 0.f;
-      for (int64_t m0 = 0; m0 < rows; m0 += 4) {
-        const int64_t mr = std::min<int64_t>(4, rows - m0);
-        with_rows(mr, [&](auto R) { dot(R, xs + m0 * k, o, sums); });
-        for (int64_t r = 0; r < mr; ++r) store_as(out + (m0 + r) * n + o, sums[r] + b);
+    for (int64_t o0 = begin; o0 < end; o0 += blocks.weights) {
+      const int64_t o1 = std::min(end, o0 + blocks.weights);
+      for (int64_t b0 = 0; b0 < rows; b0 += blocks.inputs) {
+        const int64_t b1 = std::min(rows, b0 + blocks.inputs);
+        for (int64_t o = o0; o < o1; ++o) {
+          if (b0 == 0) w.ahead(o);
+          const float b = bias ? to_f32(bias[o]) : 0.f;
+          for (int64_t m0 = b0; m0 < b1; m0 += 4) {
+            const int64_t mr = std::min<int64_t>(4, b1 - m0);
+            with_rows(mr, [&](auto R) { dot(R, xs + m0 * k, o, sums); });
+            for (int64_t r = 0; r < mr; ++r) store_as(out + (m0 + r) * n + o, sums[r] + b);
+          }
+        }
       }
     }
   });

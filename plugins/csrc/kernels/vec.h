@@ -78,6 +78,19 @@ struct WeightRows {
   }
 };
 
+// How a GEMV over many rows blocks its loops: `inputs` rows at a time (a multiple of 4 whose
+// bytes fit in half of L1) against `weights` weight rows at a time (within 128 KB of L2), so each
+// weight row is read from L2, not memory, for every block of inputs after the first, and each
+// input block from L1 for every weight row.
+struct RowBlocks {
+  int64_t inputs, weights;
+};
+inline RowBlocks row_blocks(int64_t input_row_bytes, int64_t weight_row_bytes) {
+  constexpr int64_t kInputBytes = 16 << 10, kWeightBytes = 128 << 10;
+  return {std::max<int64_t>(4, kInputBytes / std::max<int64_t>(input_row_bytes, 1) / 4 * 4),
+          std::max<int64_t>(16, kWeightBytes / std::max<int64_t>(weight_row_bytes, 1))};
+}
+
 #if defined(KILN_ISA_AVX512)
 constexpr int kLanes = 16;
 using vfloat = __m512;
