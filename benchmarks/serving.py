@@ -124,6 +124,8 @@ def main() -> None:
     parser.add_argument("--output-tokens", type=int, default=64)
     parser.add_argument("--requests-per-level", type=int, default=3, help="requests = this x concurrency (min 4)")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--runtime", nargs="*", default=[], metavar="KEY=VALUE",
+                        help="run-time options over the engine's, as JSON values (max_prefill_share=0.25)")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
 
@@ -133,7 +135,8 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     from kiln.runtime.llm import LLM
 
-    llm = LLM(args.engine)
+    runtime = {key: json.loads(value) for key, value in (item.split("=", 1) for item in args.runtime)}
+    llm = LLM(args.engine, **runtime)
     tokenizer = llm.tokenizer
     block_size = llm.limits.kv_block_size
     spec = llm.engine.spec
@@ -158,7 +161,7 @@ def main() -> None:
     if args.repo and not url:
         from kiln.triton_repo.serve import TritonServer
 
-        server = TritonServer(args.repo).start()
+        server = TritonServer(args.repo, runtime=runtime).start()
         url = server.grpc_url
     try:
         if url:

@@ -169,6 +169,10 @@ class RuntimeSection(_Section):
     scheduler: Literal["max_utilization", "guaranteed_no_evict"] = "max_utilization"
     enable_prefix_reuse: bool = True
     max_queue_size: int = Field(256, ge=1)
+    max_prefill_share: float = Field(0.25, gt=0, le=1, description="run-time: the share of build.max_num_tokens "
+                                     "a step that also decodes gives to prefill chunks: lower shortens the "
+                                     "steps decoding streams wait on (inter-token latency) and lengthens "
+                                     "new prompts' time to first token")
     batch_invariant: bool = Field(True, description="run-time: true: each linear takes one route at every batch "
                                                      "size (kiln's kernel where it has one), so a request's tokens "
                                                      "are the same bits whatever else runs; false: the tactics' "

@@ -28,7 +28,8 @@ def _serve(args) -> int:
 
     runtime = {"kv_cache_memory": args.kv_cache_memory, "max_queue_size": args.max_queue_size,
                "scheduler": args.scheduler, "enable_prefix_reuse": args.enable_prefix_reuse,
-               "request_timeout": args.request_timeout, "batch_invariant": args.batch_invariant}
+               "request_timeout": args.request_timeout, "batch_invariant": args.batch_invariant,
+               "max_prefill_share": args.max_prefill_share}
     server = TritonServer(args.repo, args.grpc_port, args.http_port, args.metrics_port, args.log_file, args.address,
                           {key: value for key, value in runtime.items() if value is not None})
     openai = None
@@ -143,6 +144,9 @@ def main(argv: list[str] | None = None) -> int:
     runtime.add_argument("--scheduler", choices=["max_utilization", "guaranteed_no_evict"], default=None)
     runtime.add_argument("--enable-prefix-reuse", type=lambda v: v.lower() in ("1", "true", "yes"), default=None,
                          metavar="true|false")
+    runtime.add_argument("--max-prefill-share", type=float, default=None, metavar="SHARE",
+                         help="of max_num_tokens, what prefill chunks may take in a step that also decodes "
+                              "(0, 1]: lower trades time to first token for inter-token latency")
     runtime.add_argument("--batch-invariant", type=lambda v: v.lower() in ("1", "true", "yes"), default=None,
                          metavar="true|false",
                          help="true: a request's tokens are the same bits whatever else runs (each linear one "

@@ -104,7 +104,7 @@ class Executor:
         self.pool = KVPool(spec, num_blocks, block_size, engine.model.kv_dtype, grouped=True)
         log.info("KV cache: %d blocks of %d tokens, %s", num_blocks, block_size, self.pool.layout.describe())
         self.scheduler = Scheduler(self.kv, self.limits.max_batch_size, self.limits.max_num_tokens,
-                                   options.scheduler)
+                                   options.scheduler, options.max_prefill_share)
         self.runner = ModelRunner(engine.model, self.pool)
         self._ids = itertools.count(1)
         self._lock = threading.Condition()

@@ -34,12 +34,15 @@ class RuntimeOptions:
     enable_prefix_reuse: bool = True
     max_queue_size: int = 256
     request_timeout: float = 0.0  # seconds from arrival after which a request ends ("timeout"); 0: never
+    max_prefill_share: float = 0.25  # of max_num_tokens, for prefill chunks in a step that also decodes
     batch_invariant: bool = True  # every linear one route at every row count (LlamaModel.make_batch_invariant)
 
     def __post_init__(self):
         if not (self.request_timeout >= 0 and self.request_timeout != float("inf")):
             raise ValueError(f"request_timeout must be a finite number of seconds >= 0 (0: none), "
                              f"got {self.request_timeout}")
+        if not 0 < self.max_prefill_share <= 1:
+            raise ValueError(f"max_prefill_share must be in (0, 1], got {self.max_prefill_share}")
 
     def kv_cache_bytes(self) -> int:
         if isinstance(self.kv_cache_memory, str):

@@ -2,7 +2,10 @@
 
 Every step packs decode tokens of running sequences and prefill chunks of waiting ones into
 one batch, without padding, under max_num_tokens and max_batch_size. Long prompts spread over
-steps (chunked prefill). First come, first served. When the pool runs out of blocks the newest
+steps (chunked prefill). First come, first served. `prefill_share` (runtime.max_prefill_share)
+caps the prefill tokens of a step that also decodes at that share of max_num_tokens, so a
+decoding stream's step is never longer than that many prefill rows make it; a step with nothing
+to decode takes the whole budget. When the pool runs out of blocks the newest
 running sequence is preempted: its blocks are released and it is recomputed later
 (`max_utilization`); `guaranteed_no_evict` admits a request only when the most blocks it can
 hold at once (its whole length, prompt + max_tokens; a sliding-window group only its window's) are
@@ -19,9 +22,12 @@ POLICIES = ("max_utilization", "guaranteed_no_evict")
 
 class Scheduler:
     def __init__(self, kv: KVCacheManager, max_batch_size: int, max_num_tokens: int,
-                 policy: str = "max_utilization"):
+                 policy: str = "max_utilization", prefill_share: float = 1.0):
         if policy not in POLICIES:
             raise ValueError(f"scheduler policy {policy!r} is not one of {POLICIES}")
+        if not 0 < prefill_share <= 1:
+            raise ValueError(f"max_prefill_share must be in (0, 1], got {prefill_share}")
+        self.prefill_share = prefill_share
         self.kv = kv
         self.max_batch_size = max_batch_size
         self.max_num_tokens = max_num_tokens
@@ -40,12 +46,17 @@ class Scheduler:
         """[(sequence, number of its tokens to compute this step)]."""
         batch: list[tuple[Sequence, int]] = []
         budget = self.max_num_tokens
+        decoding = sum(seq.remaining == 1 for seq in self.running)
+        # prefill tokens this step may take: all the budget, or its share beside decoding streams
+        prefill = self.max_num_tokens if not decoding else max(1, int(self.prefill_share * self.max_num_tokens))
         for seq in list(self.running):
             if budget == 0:
                 break
             if seq.status is not Status.RUNNING:  # preempted earlier in this loop
                 continue
-            count = min(seq.remaining, budget)
+            count = min(seq.remaining, budget if seq.remaining == 1 else min(budget, prefill))
+            if count == 0:
+                continue
             while not self.kv.allocate(seq, seq.num_computed + count):
                 victim = self.running[-1]
                 self.preempt(victim)
@@ -54,11 +65,13 @@ class Scheduler:
             if seq.status is Status.RUNNING:
                 batch.append((seq, count))
                 budget -= count
-        while self.waiting and budget > 0 and len(self.running) < self.max_batch_size:
+                if seq.remaining > 1:
+                    prefill -= count
+        while self.waiting and min(budget, prefill) > 0 and len(self.running) < self.max_batch_size:
             seq = self.waiting[0]
             if not seq.block_tables and not seq.params.return_context_logits:  # those need every row
                 self.kv.match_prefix(seq)
-            count = min(seq.remaining, budget)
+            count = min(seq.remaining, budget, prefill)
             if not self._admissible(seq) or not self.kv.allocate(seq, seq.num_computed + count):
                 self.kv.release(seq)  # don't sit on matched blocks while waiting
                 break
@@ -67,6 +80,7 @@ class Scheduler:
             self.running.append(seq)
             batch.append((seq, count))
             budget -= count
+            prefill -= count
         return batch
 
     def _admissible(self, seq: Sequence) -> bool:

@@ -5,6 +5,8 @@ all B together. Shows how a step's time grows with its rows (tok/s = B / step ti
 
     PYTHONPATH=. python benchmarks/ablations/batch_steps.py out/smollm2-int4-awq/engine \
         --rows 1 4 8 16 32 64 --threads 2 --json out/batch-steps.json
+    PYTHONPATH=. python benchmarks/ablations/batch_steps.py out/smollm2-bf16/engine --rows 16 64 --prefill 128 512 \
+        --batch-invariant off    # the tactics' routes instead of one route at every row count
     PYTHONPATH=. python benchmarks/ablations/batch_steps.py out/smollm2-int4-awq/engine --profile 16
 
 Prints medians of --rounds rounds and writes JSON. No timing is asserted anywhere."""
@@ -51,6 +53,22 @@ def batch_timer(engine, rows: int, cached: int, steps: int):
     return run
 
 
+def prefill_ms(engine, tokens: int, rounds: int) -> float:
+    """The median time of one `tokens`-token prompt's prefill (a step of that many rows)."""
+    from kiln.runtime.model import KVPool, StepContext
+
+    model, block = engine.model, engine.limits.kv_block_size
+    table = list(range(-(-tokens // block)))
+    pool = KVPool(engine.spec, len(table), block, model.kv_dtype)
+    prompt = torch.arange(100, 100 + tokens)
+    times = []
+    for _ in range(rounds + 1):  # the first warms up
+        start = time.perf_counter()
+        model.forward(prompt, StepContext.single(0, tokens, table), pool)
+        times.append((time.perf_counter() - start) * 1000)
+    return statistics.median(times[1:])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("engine")
@@ -62,6 +80,8 @@ def main() -> None:
     parser.add_argument("--batch-invariant", choices=["on", "off"], default="on",
                         help="on: the runtime's default routes (LlamaModel.make_batch_invariant); off: the tactics'")
     parser.add_argument("--profile", type=int, default=None, metavar="ROWS", help="profile a ROWS-row step instead")
+    parser.add_argument("--prefill", type=int, nargs="*", default=[], metavar="TOKENS",
+                        help="also time one prompt of each of these lengths (a step of that many rows)")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
     from kiln.runtime.engine import Engine
@@ -87,6 +107,10 @@ def main() -> None:
             ms = statistics.median(run() for _ in range(args.rounds))
             results.append({"threads": threads, "rows": rows, "step_ms": ms, "tok_s": rows / ms * 1000})
             print(f"threads {threads} rows {rows:>3}: {ms:8.2f} ms a step, {rows / ms * 1000:8.1f} tok/s", flush=True)
+        for tokens in args.prefill:
+            ms = prefill_ms(engine, tokens, args.rounds)
+            results.append({"threads": threads, "prefill_tokens": tokens, "prefill_ms": ms})
+            print(f"threads {threads} prefill {tokens:>4}: {ms:8.2f} ms", flush=True)
     if args.json:
         args.json.write_text(json.dumps({"host": host_info(), "command": " ".join(sys.argv), "engine": args.engine,
                                          "tactics": engine.tactics, "batch_invariant": args.batch_invariant,

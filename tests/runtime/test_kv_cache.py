@@ -97,6 +97,22 @@ def test_sixteen_prompts_at_once_all_get_a_first_token_before_any_gets_a_tenth()
     assert most < 10, [s.num_generated for s in prompts]
 
 
+def test_prefill_share_caps_prefill_beside_decoding_streams_only():
+    kv = KVCacheManager(256, 4)
+    sched = Scheduler(kv, max_batch_size=8, max_num_tokens=64, prefill_share=0.25)
+    first, second = seq(1, range(100)), seq(2, range(100))
+    sched.add(first)
+    batch = sched.schedule()  # nothing decodes: the whole budget
+    assert [(s.request_id, n) for s, n in batch] == [(1, 64)]
+    run_step(batch)
+    run_step(sched.schedule())  # first's last 36 prompt tokens: it samples and decodes next
+    sched.add(second)
+    batch = sched.schedule()
+    assert [(s.request_id, n) for s, n in batch] == [(1, 1), (2, 16)]  # 0.25 x 64 beside a decode
+    with pytest.raises(ValueError, match="max_prefill_share must be in"):
+        Scheduler(kv, max_batch_size=8, max_num_tokens=64, prefill_share=0)
+
+
 def test_scheduler_preempts_the_newest_when_blocks_run_out():
     kv = KVCacheManager(4, 2)
     sched = Scheduler(kv, max_batch_size=8, max_num_tokens=100)
