@@ -54,7 +54,7 @@ def choose_tactics(config, spec, weights: dict, dtype, quant_meta: dict | None, 
     from kiln.runtime.model import LlamaModel
 
     model = LlamaModel(spec, weights, config.build.max_seq_len, quant_meta)
-    keys = {linear.tactic_key() for linear in model.linears()}
+    keys = {linear.tactic_key() for linear in model.linears() if len(linear.candidates()) > 1}
     with progress_bar("linear shapes", len(keys)) as advance:
         chosen = tactics.choose(model, config.build.tactics, config.build.max_num_tokens,
                                 config.build.max_batch_size, library, advance)
