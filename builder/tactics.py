@@ -47,8 +47,11 @@ def buckets(max_rows: int) -> list[int]:
     return found + [max_rows]
 
 
-def median_us(run: Callable[[], object], repeats: int) -> float:
-    run()  # warm: first-touch pages, the GEMM's packing buffers
+def median_us(run: Callable[[], object], repeats: int, warmup: int = 1) -> float:
+    """Median microseconds of `repeats` timed calls after `warmup` untimed ones (first-touch pages,
+    the GEMM's packing buffers); benchmarks/ablations time with it too."""
+    for _ in range(warmup):
+        run()
     times = []
     for _ in range(repeats):
         start = time.perf_counter()

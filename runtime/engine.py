@@ -147,6 +147,7 @@ class Engine:
             taken = self.model.apply_tactics(tactics_from_json(tactics))
         except (KeyError, TypeError, ValueError) as exc:
             raise EngineError(f"{self.dir}: engine.json's tactics are malformed ({exc}); rebuild the engine") from None
-        if tactics["cpu"] != cpu_model():
-            log.info("%s: tactics timed on %s, this host is %s (the same kernels)", self.dir, tactics["cpu"], cpu_model())
+        host = cpu_model()
+        if tactics["cpu"] != host:
+            log.info("%s: tactics timed on %s, this host is %s (the same kernels)", self.dir, tactics["cpu"], host)
         return f"tactics of {tactics['cpu']} ({tactics['mode']}) for {taken} linears"

@@ -98,9 +98,11 @@ class Routed:
     tactic: Tactic | None = None
 
     def candidates(self) -> tuple[str, ...]:
-        """The implementations a tactic chooses among: kiln's kernel and the dense route, where
-        they give the same accuracy (bf16 activations); none where a linear has one route."""
-        return names.TACTIC_KILN, names.TACTIC_TORCH
+        """The implementations a tactic chooses among: kiln's kernel and the dense route where
+        they give the same accuracy (bf16 activations); none where a linear has one route (float32
+        dense: PyTorch's GEMM only; float32 quantized: the routes differ in accuracy, the default
+        route stands)."""
+        return (names.TACTIC_KILN, names.TACTIC_TORCH) if self.dtype == torch.bfloat16 else ()
 
     def uses_kernel(self, rows: int) -> bool:
         if self.tactic is not None:
@@ -128,18 +130,18 @@ class DenseLinear(Routed):
         """(in, out)"""
         return self.weight.shape[1], self.weight.shape[0]
 
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.weight.dtype
+
     def tactic_key(self) -> str:
         """What tactics are chosen by (builder/tactics.py): the implementation, dtype and shape."""
         in_features, out_features = self.features
-        return f"dense {str(self.weight.dtype).removeprefix('torch.')} {in_features}x{out_features}"
-
-    def candidates(self) -> tuple[str, ...]:
-        """float32: PyTorch's GEMM only (kiln's dense GEMV is bf16)."""
-        return (names.TACTIC_KILN, names.TACTIC_TORCH) if self.weight.dtype == torch.bfloat16 else ()
+        return f"dense {str(self.dtype).removeprefix('torch.')} {in_features}x{out_features}"
 
     def fuses(self, rows: int) -> bool:
         """float32: decode_layers takes PyTorch's GEMM too."""
-        return self.weight.dtype != torch.bfloat16 or self.uses_kernel(rows)
+        return self.dtype != torch.bfloat16 or self.uses_kernel(rows)
 
     def plan(self) -> dict:
         """This linear as a record of ops.decode_plan."""
@@ -189,10 +191,6 @@ class QuantLinear(Routed):
 
     def gemv(self, x: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
-
-    def candidates(self) -> tuple[str, ...]:
-        """float32 activations: none (the routes differ in accuracy: the default route stands)."""
-        return (names.TACTIC_KILN, names.TACTIC_TORCH) if self.dtype == torch.bfloat16 else ()
 
     def tactic_key(self) -> str:
         """As DenseLinear.tactic_key (int4: the packed width, even)."""

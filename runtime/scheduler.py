@@ -46,9 +46,9 @@ class Scheduler:
         """[(sequence, number of its tokens to compute this step)]."""
         batch: list[tuple[Sequence, int]] = []
         budget = self.max_num_tokens
-        decoding = sum(seq.remaining == 1 for seq in self.running)
         # prefill tokens this step may take: all the budget, or its share beside decoding streams
-        prefill = self.max_num_tokens if not decoding else max(1, int(self.prefill_share * self.max_num_tokens))
+        decoding = any(seq.remaining == 1 for seq in self.running)
+        prefill = max(1, int(self.prefill_share * self.max_num_tokens)) if decoding else self.max_num_tokens
         for seq in list(self.running):
             if budget == 0:
                 break

@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
+
+from kiln.builder.tactics import median_us  # noqa: F401  (row_ops.py and w8a8_rows.py time with it)
 
 
 def in_turns(script: str, libraries: list[str], rounds: int, args: list[str]) -> dict[str, list]:
@@ -41,18 +41,6 @@ def levels_and_rows(ops, isas: list[str], row_counts: list[int]):
         ops.select_isa(isa)
         for rows in row_counts:
             yield isa, rows
-
-
-def median_us(call, count: int, warmup: int) -> float:
-    """Median microseconds of `count` timed calls, after `warmup` untimed ones."""
-    for _ in range(warmup):
-        call()
-    times = []
-    for _ in range(count):
-        t0 = time.perf_counter()
-        call()
-        times.append(time.perf_counter() - t0)
-    return 1e6 * statistics.median(times)
 
 
 def command_line(script: str, description: str, measure, calls: int, rows: list[int], two: bool = False):

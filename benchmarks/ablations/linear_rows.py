@@ -22,49 +22,38 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from host import host_info  # noqa: E402
 
 
-def linears(engine) -> dict[str, tuple[object, int]]:
-    """name -> (linear, its input width): layer 0's and the output projection."""
-    spec, model = engine.spec, engine.model
-    width = {"qkv": spec.hidden_size, "gate_up": spec.hidden_size, "out": spec.num_heads * spec.head_dim,
-             "down": spec.intermediate_size}
-    return {**{name: (lin, width[name]) for name, lin in model.layers[0].linears().items() if name in width},
-            "lm_head": (model.lm_head, spec.hidden_size)}
+def linears(engine) -> dict[str, object]:
+    """name -> linear: layer 0's and the output projection."""
+    return {**engine.model.layers[0].linears(), "lm_head": engine.model.lm_head}
 
 
 def time_engine(engine_dir: str, row_counts: list[int], threads: list[int], repeats: int) -> list[dict]:
     from kiln.builder.tactics import median_us  # the build's own timing: one warm call, then the median
+    from kiln import constants as names
     from kiln.runtime.engine import Engine
-    from kiln.runtime.linear import DenseLinear, gemm
 
     engine = Engine(engine_dir)
     gen = torch.Generator().manual_seed(0)
     results = []
     for t in threads:
         torch.set_num_threads(t)
-        for name, (lin, in_features) in linears(engine).items():
-            if isinstance(lin, DenseLinear):
-                kernel, dense = (lambda x, lin=lin: ops_linear(x, lin)), (lambda x, lin=lin: gemm(x, lin.weight, lin.bias))
-            else:
-                kernel, dense = lin.gemv, lin.dense
+        for name, lin in linears(engine).items():
+            kernel = lambda x, lin=lin: lin.run(x, names.TACTIC_KILN)  # noqa: E731
+            dense = lambda x, lin=lin: lin.run(x, names.TACTIC_TORCH)  # noqa: E731
             for rows in row_counts:
-                x = torch.randn(rows, in_features, generator=gen).to(engine.model.dtype)
+                x = torch.randn(rows, lin.features[0], generator=gen).to(engine.model.dtype)
                 k_us, d_us = [], []
                 for _ in range(3):  # turns
                     k_us.append(median_us(lambda: kernel(x), repeats))
                     d_us.append(median_us(lambda: dense(x), repeats))
                 k, d = statistics.median(k_us), statistics.median(d_us)
-                out_features = kernel(x[:1]).shape[1]
+                out_features = lin.features[1]
                 row = {"engine": engine_dir, "linear": name, "kind": type(lin).__name__, "threads": t, "rows": rows,
                        "in": x.shape[1], "out": out_features, "kernel_us": k, "dense_us": d, "dense_over_kernel": d / k}
                 results.append(row)
                 print(f"{type(lin).__name__:>12} {name:>8} {x.shape[1]:>5}x{out_features:<6} threads {t} rows {rows:>4}: "
                       f"kernel {k:9.1f} us, dense {d:9.1f} us, dense/kernel {d / k:5.2f}", flush=True)
     return results
-
-
-def ops_linear(x, lin):
-    from kiln.plugins import ops
-    return ops.linear(x, lin.weight, lin.bias)
 
 
 def main() -> None:
