@@ -165,7 +165,12 @@ class BuildSection(_Section):
 
 
 class RuntimeSection(_Section):
-    kv_cache_memory: str | float = Field("2GiB", description="run-time: bytes like 2GiB, or a fraction of free RAM")
+    kv_cache_memory: str | float = Field("2GiB", description="run-time: bytes like 2GiB, or a fraction of the RAM "
+                                                             "available once the weights are loaded")
+    kv_cache_reserve: bool = Field(True, description="run-time: true: every page of the KV pool is written at "
+                                                     "load, so the engine's memory is what it will be under load "
+                                                     "and a pool the machine cannot hold fails at load; false: "
+                                                     "pages become resident as sequences first use them")
     scheduler: Literal["max_utilization", "guaranteed_no_evict"] = "max_utilization"
     enable_prefix_reuse: bool = True
     max_queue_size: int = Field(256, ge=1)

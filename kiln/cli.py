@@ -23,13 +23,22 @@ def _seconds(text: str) -> float:
     return value
 
 
+def _true_false(text: str) -> bool:
+    value = text.strip().lower()
+    if value in ("1", "true", "yes"):
+        return True
+    if value in ("0", "false", "no"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+
+
 def _serve(args) -> int:
     from kiln.triton_repo.serve import TritonServer
 
     runtime = {"kv_cache_memory": args.kv_cache_memory, "max_queue_size": args.max_queue_size,
                "scheduler": args.scheduler, "enable_prefix_reuse": args.enable_prefix_reuse,
                "request_timeout": args.request_timeout, "batch_invariant": args.batch_invariant,
-               "max_prefill_share": args.max_prefill_share}
+               "max_prefill_share": args.max_prefill_share, "kv_cache_reserve": args.kv_cache_reserve}
     server = TritonServer(args.repo, args.grpc_port, args.http_port, args.metrics_port, args.log_file, args.address,
                           {key: value for key, value in runtime.items() if value is not None})
     openai = None
@@ -139,15 +148,19 @@ def main(argv: list[str] | None = None) -> int:
                        help="the model id OpenAI clients send (default: the build output folder's name)")
     runtime = serve.add_argument_group("run-time options (default: the engine's build config)")
     runtime.add_argument("--kv-cache-memory", default=None, type=_size_or_fraction,
-                         help="the KV block pool: bytes ('4GiB') or a fraction of available memory ('0.5')")
+                         help="the KV block pool: bytes ('4GiB') or a fraction of the memory available once "
+                              "the weights are loaded ('0.5')")
+    runtime.add_argument("--kv-cache-reserve", type=_true_false, default=None, metavar="true|false",
+                         help="true: write the whole KV pool at load (memory as under load from the start); "
+                              "false: pages become resident as sequences first use them")
     runtime.add_argument("--max-queue-size", type=int, default=None, help="waiting requests before 'busy'")
     runtime.add_argument("--scheduler", choices=["max_utilization", "guaranteed_no_evict"], default=None)
-    runtime.add_argument("--enable-prefix-reuse", type=lambda v: v.lower() in ("1", "true", "yes"), default=None,
+    runtime.add_argument("--enable-prefix-reuse", type=_true_false, default=None,
                          metavar="true|false")
     runtime.add_argument("--max-prefill-share", type=float, default=None, metavar="SHARE",
                          help="of max_num_tokens, what prefill chunks may take in a step that also decodes "
                               "(0, 1]: lower trades time to first token for inter-token latency")
-    runtime.add_argument("--batch-invariant", type=lambda v: v.lower() in ("1", "true", "yes"), default=None,
+    runtime.add_argument("--batch-invariant", type=_true_false, default=None,
                          metavar="true|false",
                          help="true: a request's tokens are the same bits whatever else runs (each linear one "
                               "route at every batch size); false: the tactics' fastest route per batch size")

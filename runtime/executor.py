@@ -24,7 +24,7 @@ from kiln.runtime.engine import Engine
 from kiln.runtime.kv_cache import KVCacheManager
 from kiln.runtime.model import KVPool
 from kiln.runtime.model_runner import ModelRunner, Sample
-from kiln.runtime.options import RuntimeOptions
+from kiln.runtime.options import RuntimeOptions, available_memory
 from kiln.runtime.sampling import SamplingParams, ends_with_stop_word
 from kiln.runtime.scheduler import Scheduler
 from kiln.runtime.sequence import Sequence
@@ -92,6 +92,12 @@ class Executor:
         # layers of one sliding window share block tables: a window's blocks are released as it moves
         per_block = KVPool.bytes_per_block(spec, block_size, engine.model.kv_dtype, grouped=True)
         num_blocks = options.kv_cache_bytes() // per_block
+        if num_blocks * per_block > (available := available_memory()):
+            raise ConfigError(
+                f"runtime.kv_cache_memory {options.kv_cache_memory!r} is {num_blocks * per_block / 2**30:.2f} GiB "
+                f"of KV blocks, more than the {available / 2**30:.2f} GiB this machine has available; give it "
+                f"less (bytes, or a fraction of available memory such as 0.5)"
+            )
         self.kv = KVCacheManager(num_blocks, block_size, options.enable_prefix_reuse,
                                  KVPool.layout_for(spec, grouped=True).windows)
         needed = self.kv.peak_blocks(self.limits.max_seq_len, self.limits.max_num_tokens)
@@ -102,7 +108,13 @@ class Executor:
                 f"sequence needs ({needed}, {needed * per_block} bytes); give it more memory"
             )
         self.pool = KVPool(spec, num_blocks, block_size, engine.model.kv_dtype, grouped=True)
-        log.info("KV cache: %d blocks of %d tokens, %s", num_blocks, block_size, self.pool.layout.describe())
+        started = time.perf_counter()
+        if options.kv_cache_reserve:
+            self.pool.reserve()
+        log.info("KV cache: %d blocks of %d tokens (%.2f GiB%s), %s", num_blocks, block_size,
+                 num_blocks * per_block / 2**30,
+                 f", reserved in {time.perf_counter() - started:.2f} s" if options.kv_cache_reserve else
+                 ", pages resident as first used", self.pool.layout.describe())
         self.scheduler = Scheduler(self.kv, self.limits.max_batch_size, self.limits.max_num_tokens,
                                    options.scheduler, options.max_prefill_share)
         self.runner = ModelRunner(engine.model, self.pool)

@@ -110,8 +110,8 @@ class KVPool:
     at its slot of the layout (kv_layout). grouped=False (a private pool, e.g. one sequence's): one
     group, every layer a slot of its own, one block table. grouped=True (the executor's): layers of
     one sliding window share a table, so a window's blocks can be released as it moves. One
-    allocation, left uninitialized: attention reads only slots written before, and pages the pool
-    never touches cost no memory."""
+    allocation, left uninitialized (attention reads only slots written before): its pages become
+    resident as they are first written, unless reserve() writes them all up front."""
 
     def __init__(self, spec: ModelSpec, num_blocks: int, block_size: int, dtype: torch.dtype,
                  grouped: bool = False):
@@ -126,6 +126,11 @@ class KVPool:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.bytes_per_token = spec.num_layers * 2 * spec.num_kv_heads * spec.head_dim * self.storage.element_size()
+
+    def reserve(self) -> None:
+        """Write every page now, so the pool is resident from the start (as it will be once
+        sequences have used it) and not grown into under load."""
+        self.storage.zero_()
 
     @staticmethod
     def layout_for(spec: ModelSpec, grouped: bool) -> KVLayout:

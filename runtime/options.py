@@ -29,7 +29,8 @@ def available_memory() -> int:
 
 @dataclass(frozen=True)
 class RuntimeOptions:
-    kv_cache_memory: str | float = "2GiB"  # bytes, or a fraction of available memory
+    kv_cache_memory: str | float = "2GiB"  # bytes, or a fraction of the memory available once the weights are loaded
+    kv_cache_reserve: bool = True  # write every page of the pool at load: resident from the start
     scheduler: str = "max_utilization"
     enable_prefix_reuse: bool = True
     max_queue_size: int = 256

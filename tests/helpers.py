@@ -167,7 +167,9 @@ def write_config(path: Path, checkpoint: str | Path, dtype: str = "float32", qua
     # tactics none: which route a linear takes must not depend on timings (tests/builder/test_tactics.py times them)
     limits = dict(max_batch_size=4, max_input_len=256, max_seq_len=512, max_num_tokens=512, tactics="none")
     limits.update(build)
-    config = {"model": {"checkpoint": str(checkpoint), "dtype": dtype}, "build": limits}
+    # a small KV pool: it is reserved (written) at load, and a session keeps many engines open
+    config = {"model": {"checkpoint": str(checkpoint), "dtype": dtype}, "build": limits,
+              "runtime": {"kv_cache_memory": "128MiB"}}
     if quantization:
         config["quantization"] = quantization
     path.write_text(yaml.safe_dump(config))

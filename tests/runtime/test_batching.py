@@ -159,6 +159,44 @@ def test_pool_too_small_for_one_sequence_is_refused(batch_engine):
         LLM(batch_engine, kv_cache_memory="64KiB")
 
 
+def resident_bytes() -> int:
+    import os
+
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+@pytest.mark.parametrize("reserve", [True, False])
+def test_the_pool_is_resident_from_load_when_reserved(batch_engine, reserve):
+    """kv_cache_reserve writes the whole pool at load (memory as under load from the start);
+    without it, a pool no sequence has used yet costs next to nothing."""
+    import gc
+
+    from kiln.runtime.llm import LLM
+
+    gc.collect()
+    before = resident_bytes()
+    llm = LLM(batch_engine, kv_cache_memory="256MiB", kv_cache_reserve=reserve)
+    try:
+        grown, pool = resident_bytes() - before, llm.executor.pool.storage.nbytes
+        assert pool > 250 * 2**20
+        if reserve:
+            assert grown >= 0.95 * pool, (grown, pool)
+        else:
+            assert grown < 0.25 * pool, (grown, pool)
+    finally:
+        llm.close()
+
+
+def test_a_pool_over_available_memory_is_refused_at_load(batch_engine):
+    from kiln.errors import ConfigError
+    from kiln.runtime.llm import LLM
+
+    with pytest.raises(ConfigError, match=r"runtime.kv_cache_memory '64TiB' is [\d.]+ GiB of KV blocks, more than "
+                                          r"the [\d.]+ GiB this machine has available"):
+        LLM(batch_engine, kv_cache_memory="64TiB")
+
+
 def test_pool_sized_from_a_fraction_of_free_memory(batch_engine, llm_for):
     from kiln.runtime.options import available_memory
 

@@ -1,0 +1,32 @@
+"""kiln serve's run-time flags: a true / false flag takes only a true or false word, and each
+reaches the engine model's run-time options."""
+import pytest
+
+from kiln.cli import main
+
+FLAGS = ["--enable-prefix-reuse", "--batch-invariant", "--kv-cache-reserve"]
+
+
+@pytest.mark.parametrize("flag", FLAGS)
+def test_a_true_false_flag_refuses_other_words(flag, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["serve", "/nonexistent/repo", flag, "ture"])
+    assert exit_.value.code == 2
+    assert f"argument {flag}: expected true or false, got 'ture'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("word, value", [("true", True), ("False", False), ("yes", True), ("0", False)])
+def test_the_flags_reach_the_run_time_options(word, value, monkeypatch):
+    seen = {}
+
+    class Refused(Exception):
+        pass
+
+    def server(repo, *args):  # stands in for TritonServer's constructor: records, starts nothing
+        seen.update(args[-1])
+        raise Refused
+
+    monkeypatch.setattr("kiln.triton_repo.serve.TritonServer", server)
+    with pytest.raises(Refused):
+        main(["serve", "/nonexistent/repo", *[part for flag in FLAGS for part in (flag, word)]])
+    assert seen == {"enable_prefix_reuse": value, "batch_invariant": value, "kv_cache_reserve": value}
