@@ -60,3 +60,31 @@ def read_bandwidth(threads: int, gib: float = 1.0, repeats: int = 5) -> float:
         x.sum()
         times.append(time.perf_counter() - start)
     return x.nbytes / statistics.median(times)
+
+
+def gemm_macs(threads: int, size: int = 1024, repeats: int = 5) -> dict:
+    """Multiply-accumulates/s of PyTorch's (oneDNN's) square GEMMs on `threads` threads (median):
+    float32, bfloat16 and int8 (torch._int_mm) where this build runs them. The largest is the
+    compute ceiling the concurrency benchmarks quote. Leaves torch on that many threads."""
+    import torch
+
+    torch.set_num_threads(threads)
+    rates = {}
+    for name, dtype in (("float32", torch.float32), ("bfloat16", torch.bfloat16), ("int8", torch.int8)):
+        if dtype is torch.int8:
+            a = torch.randint(-64, 64, (size, size), dtype=dtype)
+            b = torch.randint(-64, 64, (size, size), dtype=dtype)
+            mm = torch._int_mm
+        else:
+            a, b, mm = torch.randn(size, size).to(dtype), torch.randn(size, size).to(dtype), torch.mm
+        try:
+            mm(a, b)
+        except RuntimeError:  # not on this build / CPU
+            continue
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            mm(a, b)
+            times.append(time.perf_counter() - start)
+        rates[name] = size**3 / statistics.median(times)
+    return rates

@@ -21,8 +21,16 @@ OpenVINO GenAI (--openvino DIR) runs in its own environment on exports of the sa
     python benchmarks/peers/run.py --kiln ... --openvino out/peers/openvino
 
 and is compared at matching weight bits too (bf16 vs fp16, int8 kinds vs int8, int4 kinds vs
-int4). Its weights' size on disk stands for the bytes a token reads. Prints a table and writes
-JSON; no timing is asserted anywhere."""
+int4). Its weights' size on disk stands for the bytes a token reads.
+
+--parallel 1 4 16 64 also gives N prompts at once to kiln's executor (in-flight batching), to
+llama.cpp's multi-sequence batch decoding and, with --openvino, to OpenVINO GenAI's
+ContinuousBatchingPipeline, each decoding the same number of greedy tokens: output tokens/s over
+the whole run, prefill included; each kiln row's ratio to the fastest peer of the same weight
+bits; and the multiply-adds a second each run reaches, against PyTorch's fastest square GEMM on
+the host (host.gemm_macs: the compute ceiling; int8 dot products can pass a float32 one).
+--no-batch1 skips the batch-1 table; --plot draws output
+tokens/s against streams. Prints tables and writes JSON; no timing is asserted anywhere."""
 from __future__ import annotations
 
 import argparse
@@ -38,7 +46,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from decode_latency import time_hf_gguf, time_kiln  # noqa: E402
-from host import host_info, read_bandwidth  # noqa: E402
+from host import gemm_macs, host_info, read_bandwidth  # noqa: E402
 
 SOURCE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 LLAMA_FTYPES = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 7, "F16": 1}  # llama_ftype values (llama.h)
@@ -64,6 +72,13 @@ def time_kiln_parallel(engine_dir: str, prompts: list[list[int]], decode: int) -
         llm.generate(prompts, max_tokens=decode, end_id=-1)
         duration = time.perf_counter() - start
     return {"streams": len(prompts), "output_tokens_per_s": len(prompts) * decode / duration}
+
+
+def engine_weights(engine_dir: str) -> str:
+    """The engine's weight kind as KILN_PEER names it: its quantization algorithm, or its dtype."""
+    config = json.loads((Path(engine_dir) / "engine.json").read_text())
+    algo = config.get("quantization", {}).get("algo", "none")
+    return algo if algo != "none" else config.get("dtype", "bfloat16")
 
 
 def make_variant(kind: str, out_dir: Path) -> Path:
@@ -162,23 +177,81 @@ def time_llama_cpp_parallel(path: Path, prompts: list[list[int]], decode: int, t
 OPENVINO_PEER = Path(__file__).with_name("openvino_peer.py")
 
 
-def time_openvino(python: Path, model: Path, prompt_tokens: int, decode: int, repeats: int, threads: int) -> dict:
-    """OpenVINO GenAI in its own environment (openvino_peer.py). OpenVINO's CPU plugin picks its
-    inference precision itself; where that run dies (OpenVINO 2026.4's fp16 model at bf16 on one
-    thread stops with SIGFPE on some hosts) the row is the f32 run, and says so."""
+def openvino_peer(python: Path, model: Path, args: list[str]) -> dict:
+    """One openvino_peer.py run in OpenVINO's own environment; its JSON line. OpenVINO's CPU plugin
+    picks its inference precision itself; where that run dies (OpenVINO 2026.4's fp16 model at
+    bf16 on one thread stops with SIGFPE on some hosts) the result is the f32 run's, and says so
+    (`precision`, `failed_first`)."""
     import subprocess
 
-    command = [str(python), str(OPENVINO_PEER), "time", "--model", str(model), "--threads", str(threads),
-               "--prompt-tokens", str(prompt_tokens), "--decode-tokens", str(decode), "--repeats", str(repeats)]
+    command = [str(python), str(OPENVINO_PEER), *args[:1], "--model", str(model), *args[1:]]
     failures = []
     for precision in (None, "f32"):
         run = subprocess.run(command + (["--precision", precision] if precision else []), capture_output=True,
-                             text=True, timeout=1800)
+                             text=True, timeout=3600)
         if run.returncode == 0:
             result = json.loads(run.stdout.strip().splitlines()[-1])
             return {**result, "failed_first": "; ".join(failures) or None}
         failures.append(f"{precision or 'default precision'}: exit {run.returncode} {run.stderr.strip()[-200:]}")
     raise RuntimeError(f"OpenVINO could not run {model}: {' | '.join(failures)}")
+
+
+def time_openvino(python: Path, model: Path, prompt_tokens: int, decode: int, repeats: int, threads: int) -> dict:
+    """OpenVINO GenAI's batch-1 decode (openvino_peer.py time)."""
+    return openvino_peer(python, model, ["time", "--threads", str(threads), "--prompt-tokens", str(prompt_tokens),
+                                         "--decode-tokens", str(decode), "--repeats", str(repeats)])
+
+
+def time_openvino_parallel(python: Path, model: Path, streams: int, prompt_tokens: int, decode: int,
+                           threads: int) -> dict:
+    """OpenVINO GenAI's continuous batching (openvino_peer.py parallel)."""
+    return openvino_peer(python, model, ["parallel", "--threads", str(threads), "--streams", str(streams),
+                                         "--prompt-tokens", str(prompt_tokens), "--decode-tokens", str(decode)])
+
+
+def macs_per_token(context: int) -> tuple[int, int]:
+    """Multiply-adds one token costs in SmolLM2 (the shipped GGUF's shapes): (the layers: every
+    weight matrix once plus attention over `context` positions, scores and weighted values; the
+    output projection, which a prompt runs for its last position only)."""
+    import gguf
+
+    reader = gguf.GGUFReader(source_gguf())
+    field = lambda key: int(reader.fields[key].parts[-1][0])  # noqa: E731
+    layers, heads, hidden = field("llama.block_count"), field("llama.attention.head_count"), field("llama.embedding_length")
+    matrices = {t.name: int(t.n_elements) for t in reader.tensors if len(t.shape) == 2}
+    head = matrices.get("output.weight", matrices["token_embd.weight"])
+    body = sum(n for name, n in matrices.items() if name not in ("output.weight", "token_embd.weight"))
+    return body + 2 * layers * heads * (hidden // heads) * context, head
+
+
+def plot_parallel(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    threads = sorted({r["threads"] for r in rows})
+    figure, axes = plt.subplots(1, len(threads), figsize=(6 * len(threads), 4.5), squeeze=False)
+    engines = list(dict.fromkeys(r["engine"] for r in rows))
+    colours = plt.get_cmap("tab20")
+    for axis, t in zip(axes[0], threads):
+        for i, engine in enumerate(engines):
+            points = sorted((r["streams"], r["output_tokens_per_s"]) for r in rows
+                            if r["threads"] == t and r["engine"] == engine)
+            if not points:
+                continue
+            kiln = engine.startswith("kiln")
+            axis.plot(*zip(*points), marker="o" if kiln else "s", label=engine, color=colours(i % 20),
+                      linestyle="-" if kiln else "--", linewidth=2.2 if kiln else 1.2)
+        axis.set_xscale("log", base=2)
+        axis.set_xlabel("streams given at once")
+        axis.set_ylabel("output tokens/s (prefill included)")
+        axis.set_title(f"{t} thread{'s' if t > 1 else ''}")
+        axis.grid(True, alpha=0.3)
+        axis.legend(fontsize=7)
+    figure.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, dpi=120)
 
 
 def gguf_bytes_per_token(path: Path) -> int:
@@ -227,6 +300,8 @@ def main() -> None:
     parser.add_argument("--out-dir", type=Path, default=Path("out/peers"))
     parser.add_argument("--parallel", type=int, nargs="*", default=[],
                         help="also decode N sequences together (llama.cpp batch vs kiln executor)")
+    parser.add_argument("--no-batch1", action="store_true", help="only the --parallel runs")
+    parser.add_argument("--plot", type=Path, default=None, help="the --parallel runs' output tok/s (PNG)")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
 
@@ -237,7 +312,7 @@ def main() -> None:
     variants = {kind: make_variant(kind, args.out_dir) for kind in args.llama_cpp}
     engines = dict(item.split("=", 1) for item in args.kiln)
     rows = []
-    for threads in args.threads:
+    for threads in [] if args.no_batch1 else args.threads:
         bandwidth = read_bandwidth(threads)  # (and leaves torch on that many threads)
         for label, engine in engines.items():
             [result] = time_kiln(engine, prompt, args.decode_tokens, args.repeats)
@@ -277,11 +352,11 @@ def main() -> None:
         row["openvino_peer"] = ov_peer["engine"] if ov_peer else None
         row["vs_openvino_same_bits"] = row["decode_tok_s"] / ov_peer["decode_tok_s"] if ov_peer else None
 
-    table = Table(title=f"batch-1: prompt {args.prompt_tokens}, decode {args.decode_tokens} tokens, "
+    table = None if args.no_batch1 else Table(title=f"batch-1: prompt {args.prompt_tokens}, decode {args.decode_tokens} tokens, "
                         f"median of {args.repeats}")
     for column in ("threads", "engine", "MB/token", "prefill ms", "decode tok/s", "ceiling tok/s",
                    "of ceiling", "vs llama.cpp same bits", "peer", "vs OpenVINO same bits"):
-        table.add_column(column, justify="right")
+        table and table.add_column(column, justify="right")
     for r in rows:
         table.add_row(str(r["threads"]), r["engine"],
                       f"{r['bytes_per_token'] / 1e6:.0f}" if r["bytes_per_token"] else "-",
@@ -291,34 +366,70 @@ def main() -> None:
                       f"{r['vs_llama_cpp_same_bits']:.2f}x" if r["vs_llama_cpp_same_bits"] else "-",
                       (r.get("peer") or "-").removeprefix("llama.cpp "),
                       f"{r['vs_openvino_same_bits']:.2f}x" if r.get("vs_openvino_same_bits") else "-")
-    Console(width=160).print(table)
-    for threads in args.threads:
+    if table:
+        Console(width=160).print(table)
+    for threads in [] if args.no_batch1 else args.threads:
         bw = next(r["bandwidth_GBps"] for r in rows if r["threads"] == threads)
         Console().print(f"read bandwidth at {threads} thread(s): {bw:.1f} GB/s")
     parallel = []
+    ceilings = {threads: gemm_macs(threads) for threads in args.threads} if args.parallel else {}
+    ov_kinds = (sorted(p.name for p in args.openvino.iterdir() if (p / "openvino_model.xml").exists())
+                if args.openvino and args.parallel else [])
     for streams in args.parallel:
         prompts = [[(i * 7919 + s * 104729) % 40000 + 100 for i in range(args.prompt_tokens)] for s in range(streams)]
         for threads in args.threads:
             torch.set_num_threads(threads)
             for label, engine in engines.items():
-                parallel.append({"threads": threads, "engine": f"kiln {label}",
+                parallel.append({"threads": threads, "engine": f"kiln {label}", "weights": engine_weights(engine),
                                  **time_kiln_parallel(engine, prompts, args.decode_tokens)})
             for kind, path in variants.items():
-                parallel.append({"threads": threads, "engine": f"llama.cpp {kind}",
+                parallel.append({"threads": threads, "engine": f"llama.cpp {kind}", "weights": kind,
                                  **time_llama_cpp_parallel(path, prompts, args.decode_tokens, threads)})
+            for kind in ov_kinds:
+                result = time_openvino_parallel(args.openvino_python, args.openvino / kind, streams,
+                                                args.prompt_tokens, args.decode_tokens, threads)
+                note = f" ({result['precision']} inference)" if result["precision"] != "default" else ""
+                parallel.append({"threads": threads, "engine": f"OpenVINO {kind}{note}", "weights": kind, **result})
+            print(f"{streams} streams, {threads} thread(s): done", file=sys.stderr)
+    body, head = macs_per_token(args.prompt_tokens + args.decode_tokens // 2)
+    # a stream's work: every prompt token and every output token but the last through the layers,
+    # the output projection once per output token
+    macs = (args.prompt_tokens + args.decode_tokens - 1) * body + args.decode_tokens * head
+    for r in parallel:
+        ceiling = max(ceilings[r["threads"]].values())
+        r["macs_per_s"] = r["output_tokens_per_s"] / args.decode_tokens * macs
+        r["of_compute_ceiling"] = r["macs_per_s"] / ceiling
+        r["compute_ceiling_macs_per_s"] = ceiling
+        same = {f"llama.cpp {k}" for k in KILN_PEER.get(r["weights"], ())} if r["engine"].startswith("kiln") else set()
+        ov_kind = OPENVINO_PEER_OF.get(r["weights"]) if r["engine"].startswith("kiln") else None
+        peers = [p for p in parallel if p["threads"] == r["threads"] and p["streams"] == r["streams"]
+                 and (p["engine"] in same or (p["engine"].startswith("OpenVINO ") and p["weights"] == ov_kind))]
+        best = max(peers, key=lambda p: p["output_tokens_per_s"], default=None)
+        r["best_peer_same_bits"] = best["engine"] if best else None
+        r["vs_best_peer_same_bits"] = r["output_tokens_per_s"] / best["output_tokens_per_s"] if best else None
     if parallel:
         ptable = Table(title=f"{'/'.join(map(str, args.parallel))} sequences at once: prompt {args.prompt_tokens}, "
                              f"decode {args.decode_tokens} tokens each, prefill included")
-        for column in ("threads", "streams", "engine", "output tok/s"):
+        for column in ("threads", "streams", "engine", "output tok/s", "GMAC/s", "of GEMM ceiling",
+                       "vs best peer same bits", "best peer"):
             ptable.add_column(column, justify="right")
         for r in parallel:
-            ptable.add_row(str(r["threads"]), str(r["streams"]), r["engine"], f"{r['output_tokens_per_s']:.1f}")
+            ptable.add_row(str(r["threads"]), str(r["streams"]), r["engine"], f"{r['output_tokens_per_s']:.1f}",
+                           f"{r['macs_per_s'] / 1e9:.1f}", f"{100 * r['of_compute_ceiling']:.0f}%",
+                           f"{r['vs_best_peer_same_bits']:.2f}x" if r["vs_best_peer_same_bits"] else "-",
+                           r["best_peer_same_bits"] or "-")
         Console(width=160).print(ptable)
+        for threads, rates in ceilings.items():
+            Console().print(f"GEMM GMAC/s at {threads} thread(s): "
+                            + ", ".join(f"{k} {v / 1e9:.1f}" for k, v in rates.items()))
+        if args.plot:
+            plot_parallel(parallel, args.plot)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         meta = {"cpus": os.cpu_count(), "load_avg": list(os.getloadavg()), "torch": torch.__version__,
                 "host": host_info(), "args": {k: str(v) for k, v in vars(args).items()}}
-        args.json.write_text(json.dumps({"meta": meta, "rows": rows, "parallel": parallel}, indent=2))
+        args.json.write_text(json.dumps({"meta": meta, "rows": rows, "parallel": parallel, "gemm_macs_per_s": ceilings,
+                                         "macs_per_stream": macs if parallel else None}, indent=2))
 
 
 if __name__ == "__main__":
