@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import datetime
 import os
-import statistics
 import subprocess
-import time
 from pathlib import Path
 
+from kiln.builder.tactics import median_us
 from kiln.plugins.host import cpu_model
 
 
@@ -53,13 +52,7 @@ def read_bandwidth(threads: int, gib: float = 1.0, repeats: int = 5) -> float:
 
     torch.set_num_threads(threads)
     x = torch.ones(int(gib * 2**30 / 4))
-    x.sum()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        x.sum()
-        times.append(time.perf_counter() - start)
-    return x.nbytes / statistics.median(times)
+    return x.nbytes / (median_us(x.sum, repeats) / 1e6)
 
 
 def gemm_macs(threads: int, size: int = 1024, repeats: int = 5) -> dict:
@@ -78,13 +71,7 @@ def gemm_macs(threads: int, size: int = 1024, repeats: int = 5) -> dict:
         else:
             a, b, mm = torch.randn(size, size).to(dtype), torch.randn(size, size).to(dtype), torch.mm
         try:
-            mm(a, b)
+            rates[name] = size**3 / (median_us(lambda: mm(a, b), repeats) / 1e6)
         except RuntimeError:  # not on this build / CPU
             continue
-        times = []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            mm(a, b)
-            times.append(time.perf_counter() - start)
-        rates[name] = size**3 / statistics.median(times)
     return rates

@@ -92,9 +92,10 @@ class Executor:
         # layers of one sliding window share block tables: a window's blocks are released as it moves
         per_block = KVPool.bytes_per_block(spec, block_size, engine.model.kv_dtype, grouped=True)
         num_blocks = options.kv_cache_bytes() // per_block
-        if num_blocks * per_block > (available := available_memory()):
+        pool_bytes = num_blocks * per_block
+        if pool_bytes > (available := available_memory()):
             raise ConfigError(
-                f"runtime.kv_cache_memory {options.kv_cache_memory!r} is {num_blocks * per_block / 2**30:.2f} GiB "
+                f"runtime.kv_cache_memory {options.kv_cache_memory!r} is {pool_bytes / 2**30:.2f} GiB "
                 f"of KV blocks, more than the {available / 2**30:.2f} GiB this machine has available; give it "
                 f"less (bytes, or a fraction of available memory such as 0.5)"
             )
@@ -108,13 +109,13 @@ class Executor:
                 f"sequence needs ({needed}, {needed * per_block} bytes); give it more memory"
             )
         self.pool = KVPool(spec, num_blocks, block_size, engine.model.kv_dtype, grouped=True)
-        started = time.perf_counter()
+        resident = "pages resident as first used"
         if options.kv_cache_reserve:
+            started = time.perf_counter()
             self.pool.reserve()
-        log.info("KV cache: %d blocks of %d tokens (%.2f GiB%s), %s", num_blocks, block_size,
-                 num_blocks * per_block / 2**30,
-                 f", reserved in {time.perf_counter() - started:.2f} s" if options.kv_cache_reserve else
-                 ", pages resident as first used", self.pool.layout.describe())
+            resident = f"reserved in {time.perf_counter() - started:.2f} s"
+        log.info("KV cache: %d blocks of %d tokens (%.2f GiB, %s), %s", num_blocks, block_size, pool_bytes / 2**30,
+                 resident, self.pool.layout.describe())
         self.scheduler = Scheduler(self.kv, self.limits.max_batch_size, self.limits.max_num_tokens,
                                    options.scheduler, options.max_prefill_share)
         self.runner = ModelRunner(engine.model, self.pool)

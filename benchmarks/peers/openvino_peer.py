@@ -57,19 +57,35 @@ def export(gguf: Path, out: Path, formats: list[str]) -> None:
                         *FORMATS[kind], str(target)], check=True)
 
 
+def cpu_options(threads: int, precision: str | None) -> dict:
+    options = {"INFERENCE_NUM_THREADS": threads}
+    if precision:
+        options["INFERENCE_PRECISION_HINT"] = precision
+    return options
+
+
+def greedy(decode_tokens: int):
+    """Exactly `decode_tokens` greedy tokens."""
+    import openvino_genai as genai
+
+    config = genai.GenerationConfig()
+    config.max_new_tokens = config.min_new_tokens = decode_tokens
+    config.do_sample = False
+    return config
+
+
+def weight_bytes(model: Path) -> int:
+    return sum(p.stat().st_size for p in model.glob("openvino_model.bin"))
+
+
 def time_decode(model: Path, threads: int, prompt_tokens: int, decode_tokens: int, repeats: int,
                 precision: str | None) -> dict:
     import numpy as np
     import openvino as ov
     import openvino_genai as genai
 
-    options = {"INFERENCE_NUM_THREADS": threads, "PERFORMANCE_HINT": "LATENCY"}
-    if precision:
-        options["INFERENCE_PRECISION_HINT"] = precision
-    pipe = genai.LLMPipeline(str(model), "CPU", **options)
-    config = genai.GenerationConfig()
-    config.max_new_tokens = config.min_new_tokens = decode_tokens
-    config.do_sample = False
+    pipe = genai.LLMPipeline(str(model), "CPU", **cpu_options(threads, precision), PERFORMANCE_HINT="LATENCY")
+    config = greedy(decode_tokens)
     prefill, rates = [], []
     for r in range(repeats + 1):  # the first run warms up
         # a prompt of its own each run: the pipeline keeps the previous prompt's KV cache and,
@@ -86,9 +102,8 @@ def time_decode(model: Path, threads: int, prompt_tokens: int, decode_tokens: in
         if r:
             prefill.append(metrics.get_ttft().mean)
             rates.append(1000.0 / metrics.get_tpot().mean)
-    weights = sum(p.stat().st_size for p in model.glob("openvino_model.bin"))
     return {"prefill_ms": statistics.median(prefill), "decode_tok_s": statistics.median(rates),
-            "weight_bytes": weights, "precision": precision or "default", "openvino_genai": genai.__version__}
+            "weight_bytes": weight_bytes(model), "precision": precision or "default", "openvino_genai": genai.__version__}
 
 
 def time_parallel(model: Path, threads: int, streams: int, prompt_tokens: int, decode_tokens: int,
@@ -105,13 +120,8 @@ def time_parallel(model: Path, threads: int, streams: int, prompt_tokens: int, d
     scheduler.cache_size = 1  # GB of KV cache: 64 streams of 192 tokens need ~0.3
     scheduler.dynamic_split_fuse = True
     scheduler.enable_prefix_caching = False
-    options = {"INFERENCE_NUM_THREADS": threads}
-    if precision:
-        options["INFERENCE_PRECISION_HINT"] = precision
-    pipe = genai.ContinuousBatchingPipeline(str(model), scheduler, "CPU", options)
-    config = genai.GenerationConfig()
-    config.max_new_tokens = config.min_new_tokens = decode_tokens
-    config.do_sample = False
+    pipe = genai.ContinuousBatchingPipeline(str(model), scheduler, "CPU", cpu_options(threads, precision))
+    config = greedy(decode_tokens)
 
     def prompts(count: int, salt: int) -> list:
         return [ov.Tensor(np.array([[(i * 7919 + (s + salt) * 104729) % 40000 + 100 for i in range(prompt_tokens)]],
@@ -124,8 +134,8 @@ def time_parallel(model: Path, threads: int, streams: int, prompt_tokens: int, d
     produced = [len(r.m_generation_ids[0]) for r in results]
     if any(n != decode_tokens for n in produced):
         raise RuntimeError(f"OpenVINO produced {produced} tokens, not {decode_tokens} each")
-    weights = sum(p.stat().st_size for p in model.glob("openvino_model.bin"))
-    return {"streams": streams, "output_tokens_per_s": streams * decode_tokens / duration, "weight_bytes": weights,
+    return {"streams": streams, "output_tokens_per_s": streams * decode_tokens / duration,
+            "weight_bytes": weight_bytes(model),
             "precision": precision or "default", "openvino_genai": genai.__version__}
 
 

@@ -311,8 +311,11 @@ def main() -> None:
     prompt = [(i * 7919) % 40000 + 100 for i in range(args.prompt_tokens)]
     variants = {kind: make_variant(kind, args.out_dir) for kind in args.llama_cpp}
     engines = dict(item.split("=", 1) for item in args.kiln)
+    ov_kinds = (sorted(p.name for p in args.openvino.iterdir() if (p / "openvino_model.xml").exists())
+                if args.openvino else [])  # the exports openvino_peer.py made
+    batch1_threads = [] if args.no_batch1 else args.threads
     rows = []
-    for threads in [] if args.no_batch1 else args.threads:
+    for threads in batch1_threads:
         bandwidth = read_bandwidth(threads)  # (and leaves torch on that many threads)
         for label, engine in engines.items():
             [result] = time_kiln(engine, prompt, args.decode_tokens, args.repeats)
@@ -326,8 +329,7 @@ def main() -> None:
             rows.append({"threads": threads, "engine": f"llama.cpp {kind}", "weights": kind,
                          "bytes_per_token": per_token, **result, "bandwidth_GBps": bandwidth / 1e9,
                          "ceiling_tok_s": bandwidth / per_token})
-        for kind in (sorted(p.name for p in args.openvino.iterdir() if (p / "openvino_model.xml").exists())
-                     if args.openvino else []):
+        for kind in ov_kinds:
             result = time_openvino(args.openvino_python, args.openvino / kind, args.prompt_tokens,
                                    args.decode_tokens, args.repeats, threads)
             note = f" ({result['precision']} inference)" if result["precision"] != "default" else ""
@@ -352,29 +354,27 @@ def main() -> None:
         row["openvino_peer"] = ov_peer["engine"] if ov_peer else None
         row["vs_openvino_same_bits"] = row["decode_tok_s"] / ov_peer["decode_tok_s"] if ov_peer else None
 
-    table = None if args.no_batch1 else Table(title=f"batch-1: prompt {args.prompt_tokens}, decode {args.decode_tokens} tokens, "
-                        f"median of {args.repeats}")
-    for column in ("threads", "engine", "MB/token", "prefill ms", "decode tok/s", "ceiling tok/s",
-                   "of ceiling", "vs llama.cpp same bits", "peer", "vs OpenVINO same bits"):
-        table and table.add_column(column, justify="right")
-    for r in rows:
-        table.add_row(str(r["threads"]), r["engine"],
-                      f"{r['bytes_per_token'] / 1e6:.0f}" if r["bytes_per_token"] else "-",
-                      f"{r['prefill_ms']:.1f}", f"{r['decode_tok_s']:.1f}",
-                      f"{r['ceiling_tok_s']:.0f}" if r["ceiling_tok_s"] else "-",
-                      f"{100 * r['of_ceiling']:.0f}%" if r["of_ceiling"] else "-",
-                      f"{r['vs_llama_cpp_same_bits']:.2f}x" if r["vs_llama_cpp_same_bits"] else "-",
-                      (r.get("peer") or "-").removeprefix("llama.cpp "),
-                      f"{r['vs_openvino_same_bits']:.2f}x" if r.get("vs_openvino_same_bits") else "-")
-    if table:
+    if rows:
+        table = Table(title=f"batch-1: prompt {args.prompt_tokens}, decode {args.decode_tokens} tokens, "
+                            f"median of {args.repeats}")
+        for column in ("threads", "engine", "MB/token", "prefill ms", "decode tok/s", "ceiling tok/s",
+                       "of ceiling", "vs llama.cpp same bits", "peer", "vs OpenVINO same bits"):
+            table.add_column(column, justify="right")
+        for r in rows:
+            table.add_row(str(r["threads"]), r["engine"],
+                          f"{r['bytes_per_token'] / 1e6:.0f}" if r["bytes_per_token"] else "-",
+                          f"{r['prefill_ms']:.1f}", f"{r['decode_tok_s']:.1f}",
+                          f"{r['ceiling_tok_s']:.0f}" if r["ceiling_tok_s"] else "-",
+                          f"{100 * r['of_ceiling']:.0f}%" if r["of_ceiling"] else "-",
+                          f"{r['vs_llama_cpp_same_bits']:.2f}x" if r["vs_llama_cpp_same_bits"] else "-",
+                          (r.get("peer") or "-").removeprefix("llama.cpp "),
+                          f"{r['vs_openvino_same_bits']:.2f}x" if r.get("vs_openvino_same_bits") else "-")
         Console(width=160).print(table)
-    for threads in [] if args.no_batch1 else args.threads:
+    for threads in batch1_threads:
         bw = next(r["bandwidth_GBps"] for r in rows if r["threads"] == threads)
         Console().print(f"read bandwidth at {threads} thread(s): {bw:.1f} GB/s")
     parallel = []
     ceilings = {threads: gemm_macs(threads) for threads in args.threads} if args.parallel else {}
-    ov_kinds = (sorted(p.name for p in args.openvino.iterdir() if (p / "openvino_model.xml").exists())
-                if args.openvino and args.parallel else [])
     for streams in args.parallel:
         prompts = [[(i * 7919 + s * 104729) % 40000 + 100 for i in range(args.prompt_tokens)] for s in range(streams)]
         for threads in args.threads:
