@@ -4,13 +4,15 @@ Engine directory files, engine tensor names, Triton model and tensor names. Chan
 these changes a format: bump ENGINE_FORMAT_VERSION for engine names."""
 
 # --- engine directory -------------------------------------------------------------------
-ENGINE_FORMAT_VERSION = 9  # 2: paged attention; 3: fused rope/norm/SwiGLU; 4: GEMV; 5: AVX512-BF16 kernels;
+ENGINE_FORMAT_VERSION = 10  # 2: paged attention; 3: fused rope/norm/SwiGLU; 4: GEMV; 5: AVX512-BF16 kernels;
 # 6: quantized linears (int8 / int4 weights, W8A8); 7: FP8 linears, input_scale, int8 / FP8 KV cache;
 # 8: the KV cache's key rotation (quantization.key_rotation); 9: sliding-window attention (engines
 # may hold a window shorter than max_seq_len), Gemma 3's options (spec fields, output norms),
 # LongRoPE and partial rotary, Mixture-of-Experts layers (router, experts; experts' pre-scales),
 # head norms over the whole projection (OLMoE: the spec's head_norms_span), shared experts
 # (Qwen2-MoE: a MoE layer's mlp.gate_up / mlp.down and mlp.shared_gate).
+# 10: the KV pool's blocks head-major, [kv_heads, block_size, head_dim] (an engine's plugin library
+# and the runtime's pool must agree on it).
 # (Qwen3's head norms were new tensors and a new spec field that older engines simply lack: no new
 # version.)
 ENGINE_JSON = "engine.json"

@@ -187,7 +187,7 @@ def decode_layers(h, x, tensors, ints, floats, kv, kv_layers, block_tables, quer
     """Every decoder layer of a step of a few rows in one call (LlamaModel.forward's loop with
     the same kernels in the same order): h, the residual stream, is updated in place; returns
     the last layer's output after the next norm. (tensors, ints, floats): the plan, from
-    decode_plan. kv: the KV pool's storage [slots, 2, blocks, block_size, kv_heads, head_dim];
+    decode_plan. kv: the KV pool's storage [slots, 2, blocks, kv_heads, block_size, head_dim];
     kv_layers: int64 [layers, 2], each layer's slot of kv and its group of block_tables
     [groups, sequences, blocks] (layers with different sliding windows keep blocks of their own);
     key_hadamard as for paged_attention."""

@@ -59,8 +59,7 @@ def paged_attention(qkv, k_pool, v_pool, block_tables, query_start, context_lens
     (then, with key_hadamard, multiply q and k by the dense block-Hadamard matrix), write the new
     k/v into the pool (quantized per channel for an int8 / fp8 pool), gather each sequence's
     context densely, then plain causal softmax attention in fp32."""
-    kv_heads, head_dim = k_pool.shape[2], k_pool.shape[3]
-    block_size = k_pool.shape[1]
+    kv_heads, block_size, head_dim = k_pool.shape[1], k_pool.shape[2], k_pool.shape[3]
     tokens = qkv.shape[0]
     q, k, v = qkv.split((heads * head_dim, kv_heads * head_dim, kv_heads * head_dim), dim=-1)
     q, k, v = (t.reshape(tokens, -1, head_dim) for t in (q, k, v))
@@ -75,12 +74,12 @@ def paged_attention(qkv, k_pool, v_pool, block_tables, query_start, context_lens
             qs, ks = hadamard_transform(qs, key_hadamard), hadamard_transform(ks, key_hadamard)
         blocks = block_tables[s, positions // block_size].long()
         k_scale, v_scale = (None, None) if kv_scales is None else (kv_scales[0], kv_scales[1])
-        k_pool[blocks, positions % block_size] = store_kv(ks, k_pool.dtype, k_scale)
-        v_pool[blocks, positions % block_size] = store_kv(v[first:last], v_pool.dtype, v_scale)
+        k_pool[blocks, :, positions % block_size] = store_kv(ks, k_pool.dtype, k_scale)
+        v_pool[blocks, :, positions % block_size] = store_kv(v[first:last], v_pool.dtype, v_scale)
         context = torch.arange(start + count)
         ctx_blocks = block_tables[s, context // block_size].long()
-        keys = k_pool[ctx_blocks, context % block_size].float()
-        values = v_pool[ctx_blocks, context % block_size].float()
+        keys = k_pool[ctx_blocks, :, context % block_size].float()  # [positions, kv_heads, head_dim]
+        values = v_pool[ctx_blocks, :, context % block_size].float()
         if kv_scales is not None:
             keys = keys * k_scale.reshape(kv_heads, head_dim)
             values = values * v_scale.reshape(kv_heads, head_dim)

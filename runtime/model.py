@@ -106,7 +106,7 @@ class StepContext:
 
 
 class KVPool:
-    """The key/value blocks: [slots, 2, num_blocks, block_size, kv_heads, head_dim], each layer
+    """The key/value blocks: [slots, 2, num_blocks, kv_heads, block_size, head_dim], each layer
     at its slot of the layout (kv_layout). grouped=False (a private pool, e.g. one sequence's): one
     group, every layer a slot of its own, one block table. grouped=True (the executor's): layers of
     one sliding window share a table, so a window's blocks can be released as it moves. One
@@ -116,7 +116,7 @@ class KVPool:
     def __init__(self, spec: ModelSpec, num_blocks: int, block_size: int, dtype: torch.dtype,
                  grouped: bool = False):
         self.layout = self.layout_for(spec, grouped)
-        self.storage = torch.empty(self.layout.slots, 2, num_blocks, block_size, spec.num_kv_heads,
+        self.storage = torch.empty(self.layout.slots, 2, num_blocks, spec.num_kv_heads, block_size,
                                    spec.head_dim, dtype=dtype)
         where = self.layout.slot_and_group()
         self.keys = [self.storage[slot, 0] for slot, _ in where]

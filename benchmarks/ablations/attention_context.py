@@ -1,14 +1,17 @@
 """kiln::paged_attention for one decode token (SmolLM2's 9 heads / 3 KV heads / 64, bf16 pool) at
-several cached lengths, and for a 128-token prefill chunk, on 1 and 2 threads: warm (called again
-and again) and cold (64 MB read between calls, as the weights a decode step streams evict the KV
-cache). Median of the calls.
+several cached lengths, for a 128-token prefill chunk, and for 16 and 64 sequences decoding
+together at 136 cached tokens each (their blocks scattered over a pool, as a serving pool's are),
+on 1 and 2 threads: warm (called again and again) and cold (64 MB read between calls, as the
+weights a decode step streams evict the KV cache). Median of the calls.
 
     PYTHONPATH=. python benchmarks/ablations/attention_context.py --threads 1 2 --isa avx2
 
 With --library NAME=PATH (twice or more) it compares plugin libraries (e.g. the one inside an
 engine built by another version of kiln against this tree's): one process per library and
 thread count, the libraries taking turns for --rounds rounds, medians over the rounds, each
-against the first. No timing is asserted anywhere."""
+against the first. A library older than engine format 10 reads token-major blocks: name it with
+--token-major NAME and its pools are made [blocks, block_size, kv_heads, head_dim]. No timing is
+asserted anywhere."""
 from __future__ import annotations
 
 import argparse
@@ -19,13 +22,15 @@ import sys
 import time
 from pathlib import Path
 
-# (label, cached tokens, new tokens): one decode token at several cached lengths, and a
-# 128-token prefill chunk (its RoPE, KV write and causal attention)
-CASES = (("1", 1, 1), ("190", 190, 1), ("1000", 1000, 1), ("4000", 4000, 1), ("prefill128", 0, 128))
+# (label, sequences, cached tokens, new tokens each): one decode token at several cached lengths,
+# a 128-token prefill chunk (its RoPE, KV write and causal attention), and many sequences' decode
+# tokens together
+CASES = (("1", 1, 1, 1), ("190", 1, 190, 1), ("1000", 1, 1000, 1), ("4000", 1, 4000, 1), ("prefill128", 1, 0, 128),
+         ("16x136", 16, 136, 1), ("64x136", 64, 136, 1))
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 32
 
 
-def measure(library: str | None, threads: int, isa: str | None, calls: int) -> dict[str, float]:
+def measure(library: str | None, threads: int, isa: str | None, calls: int, token_major: bool) -> dict[str, float]:
     """{"<case> warm|cold": median µs} in this process."""
     import torch
 
@@ -40,13 +45,17 @@ def measure(library: str | None, threads: int, isa: str | None, calls: int) -> d
     junk = torch.randn(16 << 20)
     cos, sin = torch.randn(8192, HEAD_DIM).bfloat16(), torch.randn(8192, HEAD_DIM).bfloat16()
     out = {}
-    for label, cached, new in CASES:
-        blocks = (cached + new) // BLOCK + 2
-        k_pool = torch.randn(blocks, BLOCK, KV_HEADS, HEAD_DIM).bfloat16()
-        v_pool = torch.randn(blocks, BLOCK, KV_HEADS, HEAD_DIM).bfloat16()
-        qkv = torch.randn(new, (HEADS + 2 * KV_HEADS) * HEAD_DIM).bfloat16()
-        tables = torch.arange(blocks, dtype=torch.int32)[None]
-        starts, lens = torch.tensor([0, new], dtype=torch.int32), torch.tensor([cached], dtype=torch.int32)
+    for label, seqs, cached, new in CASES:
+        per_seq = (cached + new) // BLOCK + 2
+        blocks = seqs * per_seq * (8 if seqs > 1 else 1)  # many sequences: theirs among 8x as many
+        block_shape = (BLOCK, KV_HEADS) if token_major else (KV_HEADS, BLOCK)
+        k_pool = torch.randn(blocks, *block_shape, HEAD_DIM).bfloat16()
+        v_pool = torch.randn(blocks, *block_shape, HEAD_DIM).bfloat16()
+        qkv = torch.randn(seqs * new, (HEADS + 2 * KV_HEADS) * HEAD_DIM).bfloat16()
+        order = torch.randperm(blocks, generator=torch.Generator().manual_seed(1)) if seqs > 1 else torch.arange(blocks)
+        tables = order[: seqs * per_seq].to(torch.int32).reshape(seqs, per_seq).contiguous()
+        starts = torch.arange(0, seqs * new + 1, new, dtype=torch.int32)
+        lens = torch.full((seqs,), cached, dtype=torch.int32)
         for cold in (False, True):
             times = []
             for _ in range(calls if not cold else max(calls // 10, 20)):
@@ -59,8 +68,10 @@ def measure(library: str | None, threads: int, isa: str | None, calls: int) -> d
     return out
 
 
-def child(library: str, threads: int, isa: str | None, calls: int) -> dict[str, float]:
+def child(library: str, threads: int, isa: str | None, calls: int, token_major: bool) -> dict[str, float]:
     command = [sys.executable, __file__, "--child", library, "--threads", str(threads), "--calls", str(calls)]
+    if token_major:
+        command.append("--child-token-major")
     if isa:
         command += ["--isa", isa]
     done = subprocess.run(command, capture_output=True, text=True)
@@ -77,10 +88,13 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--calls", type=int, default=500)
     parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--token-major", action="append", default=[], metavar="NAME",
+                        help="a --library before engine format 10: its pools are token-major")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--child-token-major", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child is not None:
-        print(json.dumps(measure(args.child or None, args.threads[0], args.isa, args.calls)))
+        print(json.dumps(measure(args.child or None, args.threads[0], args.isa, args.calls, args.child_token_major)))
         return
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -92,7 +106,8 @@ def main() -> None:
     for r in range(rounds):
         for threads in args.threads:
             for name, path in libraries.items():
-                runs.setdefault((name, threads), []).append(child(path, threads, args.isa, args.calls))
+                runs.setdefault((name, threads), []).append(
+                    child(path, threads, args.isa, args.calls, name in args.token_major))
         print(f"round {r + 1}/{rounds} done", file=sys.stderr, flush=True)
     rows = []
     for (name, threads), results in runs.items():

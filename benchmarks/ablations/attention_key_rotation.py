@@ -21,7 +21,7 @@ def timed(tokens: int, context: int, pool_dtype: torch.dtype) -> dict[int, float
     g = torch.Generator().manual_seed(0)
     blocks = -(-(tokens + context) // block)
     qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, generator=g).bfloat16()
-    pools = [(torch.randn(blocks, block, kv_heads, head_dim, generator=g) * 10).to(pool_dtype) for _ in range(2)]
+    pools = [(torch.randn(blocks, kv_heads, block, head_dim, generator=g) * 10).to(pool_dtype) for _ in range(2)]
     angles = torch.rand(tokens + context + 1, head_dim, generator=g) * 6.3
     quantized = pool_dtype == torch.float8_e4m3fn
     args = dict(block_tables=torch.arange(blocks, dtype=torch.int32)[None],

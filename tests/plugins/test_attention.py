@@ -30,7 +30,7 @@ def random_batch(rng: random.Random, dtype, heads, kv_heads, head_dim, block_siz
     angles = torch.rand(max_context + max_new + 1, head_dim, generator=g) * 6.3
     return dict(
         qkv=rnd(tokens, (heads + 2 * kv_heads) * head_dim),
-        k_pool=rnd(num_blocks, block_size, kv_heads, head_dim), v_pool=rnd(num_blocks, block_size, kv_heads, head_dim),
+        k_pool=rnd(num_blocks, kv_heads, block_size, head_dim), v_pool=rnd(num_blocks, kv_heads, block_size, head_dim),
         block_tables=tables,
         query_start=torch.tensor([0] + list(torch.tensor(news).cumsum(0)), dtype=torch.int32),
         context_lens=torch.tensor(contexts, dtype=torch.int32),
@@ -134,7 +134,7 @@ def quantized_pools(batch, pool_dtype, g):
     """The batch with int8 / fp8 pools (earlier contexts: random stored values) and random
     per-channel scales, some small enough to saturate."""
     shape = batch["k_pool"].shape
-    kv_size = shape[2] * shape[3]
+    kv_size = shape[1] * shape[3]
     if pool_dtype == torch.int8:
         pools = [torch.randint(-127, 128, shape, generator=g, dtype=torch.int8) for _ in range(2)]
     else:
@@ -210,7 +210,7 @@ def test_quantized_kv_write_rounds_edge_values_as_torch(isa, pool_dtype):
                  context_lens=torch.tensor([0], dtype=torch.int32),
                  cos=torch.ones(tokens, head_dim), sin=torch.zeros(tokens, head_dim), heads=1, scale=0.1,
                  kv_scales=torch.ones(2, head_dim))  # rotary embedding and scales leave the values as they are
-    got = [torch.zeros(1, 8, 1, head_dim).to(pool_dtype) for _ in range(2)]
+    got = [torch.zeros(1, 1, 8, head_dim).to(pool_dtype) for _ in range(2)]
     want = [p.clone() for p in got]
     ops.paged_attention(k_pool=got[0], v_pool=got[1], **batch)
     reference.paged_attention(k_pool=want[0], v_pool=want[1], **batch)
@@ -244,7 +244,7 @@ def test_chunked_prefill_equals_one_pass(plugin_isas):
         return ops.paged_attention(qkv[a:b], k_pool, v_pool, table, qs, torch.tensor([a], dtype=torch.int32),
                                    angles.cos(), angles.sin(), heads, 0.2)
 
-    pools = lambda: (torch.zeros(8, bs, kv_heads, dim), torch.zeros(8, bs, kv_heads, dim))  # noqa: E731
+    pools = lambda: (torch.zeros(8, kv_heads, bs, dim), torch.zeros(8, kv_heads, bs, dim))  # noqa: E731
     whole = run(0, total, *pools())
     kp, vp = pools()
     parts = [run(a, b, kp, vp) for a, b in ((0, 9), (9, 10), (10, 22), (22, 23))]
@@ -268,7 +268,7 @@ def test_prefill_over_a_quantized_pool_equals_one_token_at_a_time(isa, pool_dtyp
                                    angles.cos().bfloat16(), angles.sin().bfloat16(), heads, 0.125, scales,
                                    key_hadamard=dim)
 
-    chunked = [torch.zeros(6, bs, kv_heads, dim).to(pool_dtype) for _ in range(2)]
+    chunked = [torch.zeros(6, kv_heads, bs, dim).to(pool_dtype) for _ in range(2)]
     single = [p.clone() for p in chunked]
     got = torch.cat([run(a, b, chunked) for a, b in ((0, 20), (20, 21), (21, 37))])
     want = torch.cat([run(i, i + 1, single) for i in range(total)])

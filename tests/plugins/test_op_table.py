@@ -35,7 +35,7 @@ def decode_layers_sample(g):
     angles = torch.rand(16, head_dim, generator=g) * 6.3
     h = torch.randn(2, hidden, generator=g)
     # the two layers share one slot of the pool, each with a block table of its own (two groups)
-    return (h, h.clone(), tensors, ints, floats, torch.zeros(1, 2, 4, block, kv_heads, head_dim),
+    return (h, h.clone(), tensors, ints, floats, torch.zeros(1, 2, 4, kv_heads, block, head_dim),
             torch.tensor([[0, 0], [0, 1]]), torch.tensor([[[2, 0, 1, 3]], [[1, 3, 0, 2]]], dtype=torch.int32), torch.tensor([0, 2], dtype=torch.int32),
             torch.tensor([0], dtype=torch.int32), angles.cos(), angles.sin(), heads, 0.25, 1e-5)
 
@@ -55,7 +55,7 @@ def moe_mlp_sample(g, shared: bool = False):
 def paged_attention_sample(g, pool_dtype):
     kv_heads, head_dim, block = 2, 16, 4
     qkv = torch.randn(5, (4 + 2 * kv_heads) * head_dim, generator=g)
-    pools = [torch.randn(6, block, kv_heads, head_dim, generator=g) for _ in range(2)]
+    pools = [torch.randn(6, kv_heads, block, head_dim, generator=g) for _ in range(2)]
     scales = None
     if pool_dtype == torch.int8:
         pools = [p.mul(10).round().clamp(-127, 127).to(torch.int8) for p in pools]

@@ -432,8 +432,8 @@ def test_kv_calibration_bounds_the_rotated_keys(arch, tiny_engines):
     pool = KVPool(spec, 2, 32, model.kv_dtype)
     model.forward(torch.tensor(ids), StepContext.single(0, len(ids), [0, 1]), pool)
     for i in range(spec.num_layers):
-        keys = pool.keys[i].reshape(-1, spec.kv_size)[: len(ids)].float().abs().amax(dim=0)
-        values = pool.values[i].reshape(-1, spec.kv_size)[: len(ids)].float().abs().amax(dim=0)
+        keys = pool.keys[i].transpose(1, 2).reshape(-1, spec.kv_size)[: len(ids)].float().abs().amax(dim=0)
+        values = pool.values[i].transpose(1, 2).reshape(-1, spec.kv_size)[: len(ids)].float().abs().amax(dim=0)
         assert (keys <= stats[i, "kv"].k_absmax * (1 + 1e-5) + 1e-6).all()
         torch.testing.assert_close(values, stats[i, "kv"].v_absmax)
 

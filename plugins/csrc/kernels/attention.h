@@ -3,8 +3,9 @@
 // The batch holds, back to back, the new tokens of several sequences (decode steps and
 // prefill chunks together, no padding): sequence s owns tokens [query_start[s],
 // query_start[s+1]) at positions context_lens[s] + 0, 1, ... Keys and values live in a pool
-// of blocks [num_blocks, block_size, kv_heads, head_dim]; block_tables[s][i] is the pool
-// block holding the sequence's positions [i * block_size, (i + 1) * block_size).
+// of blocks [num_blocks, kv_heads, block_size, head_dim]; block_tables[s][i] is the pool
+// block holding the sequence's positions [i * block_size, (i + 1) * block_size). Within a block
+// each KV head's keys (and values) are one contiguous run, the order its attention reads them.
 //
 // The input is the fused QKV projection [tokens, (heads + 2 kv_heads) * head_dim]. Rotary
 // embedding (rotate-half convention, cos/sin tables [positions, rotary_dim] in the model dtype,
@@ -289,17 +290,16 @@ inline void group_pv(float* acc, int64_t heads, int64_t a_stride, const float* p
   });
 }
 
-// n keys and values of one KV head (at from, from + row, ...; head_dim each) requested ahead of
-// their use: a head's vectors are 2 lines in every 6 of a block (SmolLM2's bf16 pool), too sparse
-// and too few for the CPU's prefetchers, and after the rest of a decode step they come from memory
+// n keys and values of one KV head (a contiguous run of n x head_dim at from) requested ahead of
+// their use: after the rest of a decode step they come from memory, and a block's run is too short
+// for the CPU's prefetchers to ramp up on
 template <typename P>
-inline void prefetch_rows(const P* keys, const P* values, int64_t from, int64_t n, int64_t row, int64_t head_dim) {
-  const int64_t bytes = head_dim * static_cast<int64_t>(sizeof(P));
-  for (int64_t i = 0; i < n; ++i)
-    for (int64_t at_byte = 0; at_byte < bytes; at_byte += 64) {
-      prefetch_line(reinterpret_cast<const char*>(keys + from + i * row) + at_byte);
-      prefetch_line(reinterpret_cast<const char*>(values + from + i * row) + at_byte);
-    }
+inline void prefetch_rows(const P* keys, const P* values, int64_t from, int64_t n, int64_t head_dim) {
+  const int64_t bytes = n * head_dim * static_cast<int64_t>(sizeof(P));
+  for (int64_t at_byte = 0; at_byte < bytes; at_byte += 64) {
+    prefetch_line(reinterpret_cast<const char*>(keys + from) + at_byte);
+    prefetch_line(reinterpret_cast<const char*>(values + from) + at_byte);
+  }
 }
 
 // a context's chunk for the work split (in tokens, rounded down to whole blocks), and the most
@@ -312,8 +312,9 @@ void paged_attention_impl(const T* qkv, const T* cos, const T* sin, P* k_pool, P
                           const int32_t* context_lens, const int32_t* token_seq,
                           const PagedShape& shape, float scale, const float* kv_scales) {
   constexpr bool quantized = !std::is_same_v<P, T>;
-  const int64_t row = shape.kv_heads * shape.head_dim;  // one token's keys in a block
+  const int64_t row = shape.kv_heads * shape.head_dim;  // one token's keys (qkv's and the scales' layout)
   const int64_t block_stride = shape.block_size * row;
+  const int64_t head_run = shape.block_size * shape.head_dim;  // one KV head's keys in a block
   const int64_t head_dim = shape.head_dim, bs = shape.block_size, rotary = shape.rotary_dim;
   auto position_of = [&](int64_t token) {
     const int32_t s = token_seq[token];
@@ -323,7 +324,7 @@ void paged_attention_impl(const T* qkv, const T* cos, const T* sin, P* k_pool, P
     return shape.window > 0 ? std::max<int64_t>(0, position + 1 - shape.window) : int64_t{0};
   };
   auto slot_of = [&](int64_t seq, int64_t position) {
-    return block_tables[seq * shape.max_blocks + position / bs] * block_stride + (position % bs) * row;
+    return block_tables[seq * shape.max_blocks + position / bs] * block_stride + (position % bs) * head_dim;
   };
 
   const int64_t qkv_row = (shape.heads + 2 * shape.kv_heads) * head_dim;
@@ -354,14 +355,16 @@ void paged_attention_impl(const T* qkv, const T* cos, const T* sin, P* k_pool, P
                   head_dim, rotary);
         if (shape.key_hadamard) hadamard_inplace(rotated.data(), head_dim, shape.key_hadamard);
         if constexpr (quantized)
-          store_scaled(k_pool + slot + g * head_dim, rotated.data(), inv_scales.data() + g * head_dim, head_dim);
+          store_scaled(k_pool + slot + g * head_run, rotated.data(), inv_scales.data() + g * head_dim, head_dim);
         else
-          for (int64_t d = 0; d < head_dim; ++d) store_as(k_pool + slot + g * head_dim + d, rotated[d]);
+          for (int64_t d = 0; d < head_dim; ++d) store_as(k_pool + slot + g * head_run + d, rotated[d]);
       }
-      if constexpr (quantized) {
-        store_scaled(v_pool + slot, k + row, inv_scales.data() + row, row);
-      } else {
-        std::memcpy(v_pool + slot, k + row, sizeof(T) * row);
+      for (int64_t g = 0; g < shape.kv_heads; ++g) {
+        const T* v = k + row + g * head_dim;
+        if constexpr (quantized)
+          store_scaled(v_pool + slot + g * head_run, v, inv_scales.data() + row + g * head_dim, head_dim);
+        else
+          std::memcpy(v_pool + slot + g * head_run, v, sizeof(T) * head_dim);
       }
     }
   });
@@ -446,19 +449,19 @@ void paged_attention_impl(const T* qkv, const T* cos, const T* sin, P* k_pool, P
         // keys / values: the block storage; block_at(b): the storage block holding block b
         auto attend = [&](const auto* keys, const auto* values, auto block_at) {
           for (int64_t b = b_first; b < std::min(b_last, b_first + ahead); ++b)
-            prefetch_rows(keys, values, block_at(b) * block_stride + g * head_dim, std::min(bs, context - b * bs), row,
+            prefetch_rows(keys, values, block_at(b) * block_stride + g * head_run, std::min(bs, context - b * bs),
                           head_dim);
           for (int64_t b = b_first; b < b_last; ++b) {
             const int64_t skip = std::max<int64_t>(0, first - b * bs);  // keys before the window
             const int64_t n = std::min(bs, context - b * bs) - skip;
-            const int64_t at = block_at(b) * block_stride + skip * row + g * head_dim;
+            const int64_t at = block_at(b) * block_stride + g * head_run + skip * head_dim;
             if (b + 1 < b_last)  // again: a prefetch the CPU dropped while many were in flight gets another chance
-              prefetch_rows(keys, values, block_at(b + 1) * block_stride + g * head_dim,
-                            std::min(bs, context - (b + 1) * bs), row, head_dim);
+              prefetch_rows(keys, values, block_at(b + 1) * block_stride + g * head_run,
+                            std::min(bs, context - (b + 1) * bs), head_dim);
             if (ahead > 1 && b + ahead < b_last)
-              prefetch_rows(keys, values, block_at(b + ahead) * block_stride + g * head_dim,
-                            std::min(bs, context - (b + ahead) * bs), row, head_dim);
-            group_scores(qf, group, head_dim, keys + at, row, n, head_dim, scores.data(), bs);
+              prefetch_rows(keys, values, block_at(b + ahead) * block_stride + g * head_run,
+                            std::min(bs, context - (b + ahead) * bs), head_dim);
+            group_scores(qf, group, head_dim, keys + at, head_dim, n, head_dim, scores.data(), bs);
             for (int64_t j = 0; j < group; ++j) {
               float* sj = scores.data() + j * bs;
               const float block_max = max_of(sj, n);
@@ -470,7 +473,7 @@ void paged_attention_impl(const T* qkv, const T* cos, const T* sin, P* k_pool, P
               }
               denom[j] += exp_shifted(sj, n, running_max[j]);
             }
-            group_pv(acc.data(), group, head_dim, scores.data(), bs, values + at, row, n, head_dim);
+            group_pv(acc.data(), group, head_dim, scores.data(), bs, values + at, head_dim, n, head_dim);
           }
         };
         if (widened.empty() || widened[s].empty()) {

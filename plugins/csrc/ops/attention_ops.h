@@ -19,7 +19,7 @@ static PagedShape check_paged(const at::Tensor& qkv, const at::Tensor& k_pool, c
   const bool quantized = pool_type == at::kChar || pool_type == at::kFloat8_e4m3fn;
   TORCH_CHECK(k_pool.dim() == 4 && k_pool.is_contiguous() && v_pool.is_contiguous() &&
                   v_pool.sizes() == k_pool.sizes(),
-              "kiln::paged_attention: pools must be contiguous [blocks, block_size, kv_heads, head_dim]");
+              "kiln::paged_attention: pools must be contiguous [blocks, kv_heads, block_size, head_dim]");
   for (const auto& [t, name] : {std::pair<const at::Tensor&, const char*>{cos, "cos"}, {sin, "sin"}})
     TORCH_CHECK(t.scalar_type() == qkv.scalar_type(), "kiln::paged_attention: ", name, " dtype ",
                 t.scalar_type(), " differs from qkv dtype ", qkv.scalar_type());
@@ -29,8 +29,8 @@ static PagedShape check_paged(const at::Tensor& qkv, const at::Tensor& k_pool, c
   check_int32_vector(block_tables, "block_tables", 2);
   check_int32_vector(query_start, "query_start", 1);
   check_int32_vector(context_lens, "context_lens", 1);
-  const int64_t kv_heads = k_pool.size(2), head_dim = k_pool.size(3);
-  PagedShape shape{qkv.size(0), context_lens.size(0), heads, kv_heads, head_dim, k_pool.size(1),
+  const int64_t kv_heads = k_pool.size(1), head_dim = k_pool.size(3);
+  PagedShape shape{qkv.size(0), context_lens.size(0), heads, kv_heads, head_dim, k_pool.size(2),
                    block_tables.size(1), key_hadamard, window, cos.dim() == 2 ? cos.size(1) : 0};
   TORCH_CHECK(window >= 0, "kiln::paged_attention: window must be 0 (none) or a number of positions, got ", window);
   TORCH_CHECK(qkv.dim() == 2 && qkv.size(1) == (heads + 2 * kv_heads) * head_dim,

@@ -96,7 +96,7 @@ static at::Tensor layer_loop(at::Tensor& h, const at::Tensor& x0, const Optional
                              int64_t heads, double scale, double eps, int64_t key_hadamard) {
   using namespace plan;
   TORCH_CHECK(kv.dim() == 6 && kv.size(1) == 2 && kv.is_contiguous(),
-              "kiln::decode_layers: kv must be the pool's contiguous [slots, 2, blocks, block_size, kv_heads, "
+              "kiln::decode_layers: kv must be the pool's contiguous [slots, 2, blocks, kv_heads, block_size, "
               "head_dim] storage, got ", kv.sizes());
   TORCH_CHECK(kv_layers.scalar_type() == at::kLong && kv_layers.dim() == 2 && kv_layers.size(1) == 2 &&
                   kv_layers.size(0) > 0 && kv_layers.is_contiguous(),
