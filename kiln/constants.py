@@ -10,11 +10,10 @@ ENGINE_FORMAT_VERSION = 10  # 2: paged attention; 3: fused rope/norm/SwiGLU; 4: 
 # may hold a window shorter than max_seq_len), Gemma 3's options (spec fields, output norms),
 # LongRoPE and partial rotary, Mixture-of-Experts layers (router, experts; experts' pre-scales),
 # head norms over the whole projection (OLMoE: the spec's head_norms_span), shared experts
-# (Qwen2-MoE: a MoE layer's mlp.gate_up / mlp.down and mlp.shared_gate).
+# (Qwen2-MoE: a MoE layer's mlp.gate_up / mlp.down and mlp.shared_gate). (Qwen3's head norms were
+# new tensors and a new spec field that older engines simply lack: no new version.)
 # 10: the KV pool's blocks head-major, [kv_heads, block_size, head_dim] (an engine's plugin library
 # and the runtime's pool must agree on it).
-# (Qwen3's head norms were new tensors and a new spec field that older engines simply lack: no new
-# version.)
 ENGINE_JSON = "engine.json"
 WEIGHTS_FILE = "weights.safetensors"
 MANIFEST_FILE = "MANIFEST.json"

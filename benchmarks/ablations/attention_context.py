@@ -47,12 +47,13 @@ def measure(library: str | None, threads: int, isa: str | None, calls: int, toke
     out = {}
     for label, seqs, cached, new in CASES:
         per_seq = (cached + new) // BLOCK + 2
-        blocks = seqs * per_seq * (8 if seqs > 1 else 1)  # many sequences: theirs among 8x as many
+        scattered = seqs > 1  # many sequences: theirs in random order among 8x as many blocks
+        blocks = seqs * per_seq * (8 if scattered else 1)
         block_shape = (BLOCK, KV_HEADS) if token_major else (KV_HEADS, BLOCK)
         k_pool = torch.randn(blocks, *block_shape, HEAD_DIM).bfloat16()
         v_pool = torch.randn(blocks, *block_shape, HEAD_DIM).bfloat16()
         qkv = torch.randn(seqs * new, (HEADS + 2 * KV_HEADS) * HEAD_DIM).bfloat16()
-        order = torch.randperm(blocks, generator=torch.Generator().manual_seed(1)) if seqs > 1 else torch.arange(blocks)
+        order = torch.randperm(blocks, generator=torch.Generator().manual_seed(1)) if scattered else torch.arange(blocks)
         tables = order[: seqs * per_seq].to(torch.int32).reshape(seqs, per_seq).contiguous()
         starts = torch.arange(0, seqs * new + 1, new, dtype=torch.int32)
         lens = torch.full((seqs,), cached, dtype=torch.int32)

@@ -290,11 +290,11 @@ inline void group_pv(float* acc, int64_t heads, int64_t a_stride, const float* p
   });
 }
 
-// n keys and values of one KV head (a contiguous run of n x head_dim at from) requested ahead of
-// their use: after the rest of a decode step they come from memory, and a block's run is too short
-// for the CPU's prefetchers to ramp up on
+// One KV head's keys and values for n positions of a block (a contiguous run of n x head_dim at
+// `from` in each) requested ahead of their use: after the rest of a decode step they come from
+// memory
 template <typename P>
-inline void prefetch_rows(const P* keys, const P* values, int64_t from, int64_t n, int64_t head_dim) {
+inline void prefetch_run(const P* keys, const P* values, int64_t from, int64_t n, int64_t head_dim) {
   const int64_t bytes = n * head_dim * static_cast<int64_t>(sizeof(P));
   for (int64_t at_byte = 0; at_byte < bytes; at_byte += 64) {
     prefetch_line(reinterpret_cast<const char*>(keys + from) + at_byte);
@@ -449,17 +449,17 @@ void paged_attention_impl(const T* qkv, const T* cos, const T* sin, P* k_pool, P
         // keys / values: the block storage; block_at(b): the storage block holding block b
         auto attend = [&](const auto* keys, const auto* values, auto block_at) {
           for (int64_t b = b_first; b < std::min(b_last, b_first + ahead); ++b)
-            prefetch_rows(keys, values, block_at(b) * block_stride + g * head_run, std::min(bs, context - b * bs),
+            prefetch_run(keys, values, block_at(b) * block_stride + g * head_run, std::min(bs, context - b * bs),
                           head_dim);
           for (int64_t b = b_first; b < b_last; ++b) {
             const int64_t skip = std::max<int64_t>(0, first - b * bs);  // keys before the window
             const int64_t n = std::min(bs, context - b * bs) - skip;
             const int64_t at = block_at(b) * block_stride + g * head_run + skip * head_dim;
             if (b + 1 < b_last)  // again: a prefetch the CPU dropped while many were in flight gets another chance
-              prefetch_rows(keys, values, block_at(b + 1) * block_stride + g * head_run,
+              prefetch_run(keys, values, block_at(b + 1) * block_stride + g * head_run,
                             std::min(bs, context - (b + 1) * bs), head_dim);
             if (ahead > 1 && b + ahead < b_last)
-              prefetch_rows(keys, values, block_at(b + ahead) * block_stride + g * head_run,
+              prefetch_run(keys, values, block_at(b + ahead) * block_stride + g * head_run,
                             std::min(bs, context - (b + ahead) * bs), head_dim);
             group_scores(qf, group, head_dim, keys + at, head_dim, n, head_dim, scores.data(), bs);
             for (int64_t j = 0; j < group; ++j) {
