@@ -10,7 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from kiln.builder.tactics import median_us  # noqa: F401  (row_ops.py and w8a8_rows.py time with it)
+from kiln.builder.tactics import median_us  # noqa: F401  (row_ops.py and quant_rows.py time with it)
 
 
 def in_turns(script: str, libraries: list[str], rounds: int, args: list[str]) -> dict[str, list]:
@@ -43,10 +43,12 @@ def levels_and_rows(ops, isas: list[str], row_counts: list[int]):
             yield isa, rows
 
 
-def command_line(script: str, description: str, measure, calls: int, rows: list[int], two: bool = False):
+def command_line(script: str, description: str, measure, calls: int, rows: list[int], two: bool = False,
+                 passed_on: tuple[str, ...] = ()):
     """Parse --libraries (two only, A and B, where `two`), --isa, --threads, --calls, --rounds, --rows,
     --json. In the subprocess (--measure LIBRARY): print measure(library, isas, threads, calls,
-    rows)'s JSON and exit. Otherwise -> (args, in_turns's runs)."""
+    rows)'s JSON and exit. Otherwise -> (args, in_turns's runs); the subprocesses get `passed_on`
+    (the script's own options, parsed before this) too."""
     parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     if two:
         parser.add_argument("--libraries", nargs=2, required=True, metavar=("A", "B"))
@@ -64,4 +66,5 @@ def command_line(script: str, description: str, measure, calls: int, rows: list[
         print(json.dumps(measure(args.measure, args.isa, args.threads, args.calls, args.rows)))
         sys.exit(0)
     return args, in_turns(script, args.libraries, args.rounds, ["--isa", *args.isa, "--threads", str(args.threads),
-                                                               "--calls", str(args.calls), "--rows", *map(str, args.rows)])
+                                                               "--calls", str(args.calls), "--rows", *map(str, args.rows),
+                                                               *passed_on])

@@ -6,7 +6,9 @@
 //                               dot products (tiles_w4t, shared with W4A8 in w4a8.h): on AVX-512
 //                               one vpdpbusd multiplies 16 rows by four inputs; on AVX2 two
 //                               vpmaddubsw multiply 8 rows by four inputs into int16 pairs
-//                               (with AVX-VNNI, one 256-bit vpdpbusd)
+//                               (with AVX-VNNI, one 256-bit vpdpbusd); from 16 rows on plain
+//                               AVX2, tiled_w4_lanes: the rows in the lanes, one vpmaddwd
+//                               multiplies 8 rows by two inputs
 //   dequantize_int4_tiled_avx512 / _rows  the weights back to [out, in] in the model dtype
 //                               (prefill's GEMM)
 
@@ -178,6 +180,161 @@ void tiles_w4t(const int8_t* hi, const int8_t* lo, const int32_t* xsum8, const f
                                   A8 ? xs + 2 * L.groups : xs, w, s, L, U, u0, k, group, acc + 2);
   }
 }
+
+// W4A16 at many rows on AVX2: the input rows in the vector lanes. Each input is one 15-bit
+// int16 (256 * hi + lo: the integer the two planes make) and each weight a signed int16 (nibble
+// - 8), so one vpmaddwd multiplies 8 rows by a pair of one output's weights: 16 multiply-adds a
+// multiplying instruction, where tiles_w4t_pairs spends six (four vpmaddubsw, two vpmaddwd) on 64.
+// A tile's weights are widened once per call and serve every row; the rows go 16 at a time (two
+// vectors), 4 outputs of the tile at a time in 8 accumulators. The int32 sums per group are the
+// same integers (no overflow: 8 * 16,383 * kTiledMaxGroup < 2^31), turned to float and scaled in
+// the same order, so every output has the bits tiles_w4t_pairs gives it (the tests compare the
+// rows together with each row alone). Plain AVX2 only: AVX-VNNI's path (vpdpbusd) is not
+// measured against it. docs/benchmarks.md: 1.12-1.24x tiles_w4t_pairs at 16-128 rows, one thread.
+constexpr int64_t kLaneRows = 16;   // input rows a pass holds in its lanes
+constexpr int64_t kLanesFrom = 16;  // rows from which linear_w4_tiled_dp takes this path (8 would fill half the lanes)
+
+// A block of 8 inputs as 4 pairs in the order a tile vector's nibbles widen to (lanes_weights):
+// inputs (0, 2), (4, 6), (1, 3), (5, 7)
+constexpr int kLanePairFirst[4] = {0, 4, 1, 5}, kLanePairSecond[4] = {2, 6, 3, 7};
+
+// The planes' rows as int16 pairs: X [chunk of kLaneRows rows][k / 2 pairs][kLaneRows] dwords, the
+// rows past `rows` zero
+inline void lanes_inputs(const int8_t* hi, const int8_t* lo, int64_t rows, int64_t k, int32_t* X) {
+  const int64_t pairs = k / 2, chunks = (rows + kLaneRows - 1) / kLaneRows;
+  std::memset(X, 0, sizeof(int32_t) * chunks * pairs * kLaneRows);
+  for (int64_t m = 0; m < rows; ++m) {
+    int32_t* xm = X + (m / kLaneRows) * pairs * kLaneRows + m % kLaneRows;
+    const int8_t *h = hi + m * k, *l = lo + m * k;
+    for (int64_t b = 0; b < k / 8; ++b)
+      for (int p = 0; p < 4; ++p) {
+        const int64_t i = 8 * b + kLanePairFirst[p], j = 8 * b + kLanePairSecond[p];
+        const uint32_t first = static_cast<uint16_t>(256 * h[i] + l[i]), second = static_cast<uint16_t>(256 * h[j] + l[j]);
+        xm[(4 * b + p) * kLaneRows] = static_cast<int32_t>(first | second << 16);
+      }
+  }
+}
+
+// Tile u0 of the tile group at w (U tiles wide) widened: Wt [k / 2 pairs][16 outputs] dwords of two
+// signed int16 weights, the pairs as lanes_inputs orders the inputs. A row's 4 bytes of a block
+// hold inputs 0-3 in their low nibbles and 4-7 in their high ones, so as two int16 the nibbles at
+// bit 0 of each are inputs (0, 2), at bit 4 (4, 6), at bit 8 (1, 3), at bit 12 (5, 7).
+inline void lanes_weights(const uint8_t* w, int64_t kb, int64_t U, int64_t u0, int32_t* Wt) {
+  const __m256i nib = _mm256_set1_epi16(0x0F), eight = _mm256_set1_epi16(8);
+  for (int64_t b = 0; b < kb; ++b)
+    for (int half = 0; half < 2; ++half) {
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + (b * U + u0) * 64 + 32 * half));
+      const __m256i pairs[4] = {v, _mm256_srli_epi16(v, 4), _mm256_srli_epi16(v, 8), _mm256_srli_epi16(v, 12)};
+      for (int p = 0; p < 4; ++p)
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(Wt + (4 * b + p) * kTileRows + 8 * half),
+                            _mm256_sub_epi16(_mm256_and_si256(pairs[p], nib), eight));
+    }
+}
+
+// sums [4 outputs][kLaneRows rows] = the int32 dot products over `count` pairs of X (one chunk,
+// from a pair on) with 4 outputs of Wt (from the same pair and output). Written in assembly: GCC
+// kept the 8 accumulators in registers only by copying each one every pass (8 extra moves) or
+// spilled them, which cost a third of the loop's speed.
+inline void lanes_four_outputs(const int32_t* X, const int32_t* Wt, int64_t count, int32_t* sums) {
+  if (count <= 0) {
+    std::memset(sums, 0, sizeof(int32_t) * 4 * kLaneRows);
+    return;
+  }
+  asm volatile(
+      "vpxor %%ymm8, %%ymm8, %%ymm8\n\t"
+      "vpxor %%ymm9, %%ymm9, %%ymm9\n\t"
+      "vpxor %%ymm10, %%ymm10, %%ymm10\n\t"
+      "vpxor %%ymm11, %%ymm11, %%ymm11\n\t"
+      "vpxor %%ymm12, %%ymm12, %%ymm12\n\t"
+      "vpxor %%ymm13, %%ymm13, %%ymm13\n\t"
+      "vpxor %%ymm14, %%ymm14, %%ymm14\n\t"
+      "vpxor %%ymm15, %%ymm15, %%ymm15\n\t"
+      "1:\n\t"
+      "vmovdqu (%[x]), %%ymm0\n\t"  // rows 0-7 of this pair
+      "vmovdqu 32(%[x]), %%ymm1\n\t"  // rows 8-15
+      "vpbroadcastd (%[w]), %%ymm2\n\t"  // output 0's weight pair
+      "vpbroadcastd 4(%[w]), %%ymm3\n\t"  // output 1's
+      "vpmaddwd %%ymm2, %%ymm0, %%ymm4\n\t"
+      "vpmaddwd %%ymm2, %%ymm1, %%ymm5\n\t"
+      "vpmaddwd %%ymm3, %%ymm0, %%ymm6\n\t"
+      "vpmaddwd %%ymm3, %%ymm1, %%ymm7\n\t"
+      "vpaddd %%ymm4, %%ymm8, %%ymm8\n\t"
+      "vpaddd %%ymm5, %%ymm9, %%ymm9\n\t"
+      "vpaddd %%ymm6, %%ymm10, %%ymm10\n\t"
+      "vpaddd %%ymm7, %%ymm11, %%ymm11\n\t"
+      "vpbroadcastd 8(%[w]), %%ymm2\n\t"  // outputs 2 and 3
+      "vpbroadcastd 12(%[w]), %%ymm3\n\t"
+      "vpmaddwd %%ymm2, %%ymm0, %%ymm4\n\t"
+      "vpmaddwd %%ymm2, %%ymm1, %%ymm5\n\t"
+      "vpmaddwd %%ymm3, %%ymm0, %%ymm6\n\t"
+      "vpmaddwd %%ymm3, %%ymm1, %%ymm7\n\t"
+      "vpaddd %%ymm4, %%ymm12, %%ymm12\n\t"
+      "vpaddd %%ymm5, %%ymm13, %%ymm13\n\t"
+      "vpaddd %%ymm6, %%ymm14, %%ymm14\n\t"
+      "vpaddd %%ymm7, %%ymm15, %%ymm15\n\t"
+      "add $64, %[x]\n\t"  // the next pair: kLaneRows dwords of X, 16 of Wt
+      "add $64, %[w]\n\t"
+      "dec %[n]\n\t"
+      "jnz 1b\n\t"
+      "vmovdqu %%ymm8, (%[s])\n\t"
+      "vmovdqu %%ymm9, 32(%[s])\n\t"
+      "vmovdqu %%ymm10, 64(%[s])\n\t"
+      "vmovdqu %%ymm11, 96(%[s])\n\t"
+      "vmovdqu %%ymm12, 128(%[s])\n\t"
+      "vmovdqu %%ymm13, 160(%[s])\n\t"
+      "vmovdqu %%ymm14, 192(%[s])\n\t"
+      "vmovdqu %%ymm15, 224(%[s])\n\t"
+      : [x] "+r"(X), [w] "+r"(Wt), [n] "+r"(count)
+      : [s] "r"(sums)
+      : "xmm0", "xmm1", "xmm2", "xmm3", "xmm4", "xmm5", "xmm6", "xmm7", "xmm8", "xmm9", "xmm10", "xmm11", "xmm12",
+        "xmm13", "xmm14", "xmm15", "memory", "cc");
+  static_assert(kLaneRows == 16 && kTileRows == 16, "the assembly's strides");
+}
+
+// out [rows, n] from the planes (split_rows_i8), xs_row each row's scale, as tiled_w4_rows<false>
+template <typename T>
+void tiled_w4_lanes(const int8_t* hi, const int8_t* lo, const float* xs_row, const uint8_t* w, const float* s,
+                    int64_t group, const T* bias, T* out, int64_t rows, int64_t k, int64_t n) {
+  const TiledLayout L = tiled_int4_layout(k, n, group);
+  const int64_t pairs = k / 2, chunks = (rows + kLaneRows - 1) / kLaneRows;
+  std::vector<int32_t> X(chunks * pairs * kLaneRows);
+  lanes_inputs(hi, lo, rows, k, X.data());
+  parallel_for(0, L.tiles, 1, [&](int64_t begin, int64_t end) {
+    std::vector<int32_t> Wt(pairs * kTileRows);
+    alignas(32) int32_t sums[4 * kLaneRows];
+    alignas(32) float facc[kTileRows * kLaneRows];  // [output][row]
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t t0 = t / kTileGroup * kTileGroup, U = L.width(t0), u = t - t0;
+      lanes_weights(w + t0 * L.kb * 64, L.kb, U, u, Wt.data());
+      for (int64_t c = 0; c < chunks; ++c) {
+        const int32_t* Xc = X.data() + c * pairs * kLaneRows;
+        for (float& f : facc) f = 0.f;
+        for (int64_t g = 0; g < L.groups; ++g) {
+          const int64_t j0 = g * group / 2, j1 = std::min(pairs, (g + 1) * group / 2);
+          const float* sg = s + (t0 * L.groups + g * U + u) * kTileRows;  // L.scale(16 t .. 16 t + 15, g)
+          for (int o0 = 0; o0 < kTileRows; o0 += 4) {
+            lanes_four_outputs(Xc + j0 * kLaneRows, Wt.data() + j0 * kTileRows + o0, j1 - j0, sums);
+            for (int o = 0; o < 4; ++o) {
+              const __m256 scale = _mm256_set1_ps(sg[o0 + o]);
+              float* f = facc + (o0 + o) * kLaneRows;
+              for (int h = 0; h < kLaneRows; h += 8) {
+                const __m256i sum = _mm256_load_si256(reinterpret_cast<const __m256i*>(sums + o * kLaneRows + h));
+                _mm256_store_ps(f + h, _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), scale, _mm256_load_ps(f + h)));
+              }
+            }
+          }
+        }
+        for (int64_t r = 0; r < std::min(kLaneRows, rows - c * kLaneRows); ++r) {
+          const int64_t m = c * kLaneRows + r;
+          for (int64_t o = 0; o < kTileRows; ++o) {
+            const int64_t at = t * kTileRows + o;
+            store_as(out + m * n + at, facc[o * kLaneRows + r] * xs_row[m] + (bias ? to_f32(bias[at]) : 0.f));
+          }
+        }
+      }
+    }
+  });
+}
 #endif
 
 #if !defined(KILN_ISA_SCALAR)
@@ -206,6 +363,9 @@ void linear_w4_tiled_dp(const T* x, const uint8_t* w, const float* s, int64_t gr
   std::vector<float> xs(rows);
   std::vector<int32_t> hsum(rows * groups), xsum8(rows * groups);
   split_rows_i8(x, rows, k, k, group, hi.data(), lo.data(), xs.data(), hsum.data(), xsum8.data());
+#if defined(KILN_ISA_AVX2) && !defined(KILN_ISA_AVXVNNI)
+  if (rows >= kLanesFrom) return tiled_w4_lanes(hi.data(), lo.data(), xs.data(), w, s, group, bias, out, rows, k, n);
+#endif
   for (int64_t i = 0; i < rows * groups; ++i) xsum8[i] = 8 * (256 * hsum[i] + xsum8[i]);  // the nibbles' + 8
   tiled_w4_rows<false>(hi.data(), lo.data(), xsum8.data(), nullptr, xs.data(), w, s, group, bias, out, rows, k, n);
 }

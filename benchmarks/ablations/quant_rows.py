@@ -1,0 +1,100 @@
+"""A quantized linear kernel at 1 to 512 rows of SmolLM2's linear shapes, for two builds of the
+plugin library side by side: each round runs every library in a process of its own, in turn, so a
+noisy neighbour slows them alike. Prints the median over rounds of each library's median time
+and the second library's speed against the first's; writes JSON. No timing is asserted anywhere.
+
+    python benchmarks/ablations/quant_rows.py --kernel linear_w8a8 --libraries OLD.so NEW.so \\
+        --isa avx2 avx512bf16 --threads 1 --json out/w8a8-rows.json
+    python benchmarks/ablations/quant_rows.py --kernel linear_w4_tiled --libraries OLD.so NEW.so \\
+        --isa avx2 --rows 1 8 16 64 128 --json out/w4-rows.json
+
+Kernels: linear_w8a8 (SmoothQuant's W8A8, int8_sq engines' every row count), linear_w4_tiled
+(W4A16 on the tiled int4 layout: int4_awq / int4_wo) and linear_w4a8_tiled (W4A8), these two in
+groups of 64 as SmolLM2's int4 engines. (A library is a built kiln_plugins.so: build_plugins()
+prints the path of the current sources' one; an older commit's stays in the build cache.)"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+from library_turns import command_line, levels_and_rows, load, median_us
+
+SMOLLM2_SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # (out, in): qkv, o_proj, gate_up, down
+ROWS = [1, 8, 32, 128]
+KERNELS = ("linear_w8a8", "linear_w4_tiled", "linear_w4a8_tiled")
+GROUP = 64  # the int4 kernels' group size
+
+
+def kernel_of_argv() -> str:
+    """--kernel from the command line (the subprocess gets it too: command_line passes the rest on)."""
+    parser = argparse.ArgumentParser(add_help=False)
+    parser.add_argument("--kernel", choices=KERNELS, default="linear_w8a8")
+    known, rest = parser.parse_known_args()
+    sys.argv = [sys.argv[0], *rest]
+    return known.kernel
+
+
+def call(ops, kernel: str, n: int, k: int, rows: int, g: torch.Generator):
+    """One call of `kernel` on fresh weights of [n, k] and `rows` bf16 input rows."""
+    x = torch.randn(rows, k, generator=g).bfloat16()
+    if kernel == "linear_w8a8":
+        w = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=g)
+        s = torch.rand(n, generator=g) + 0.5
+        wsum = w.to(torch.int32).sum(dim=1, dtype=torch.int32)
+        return lambda: ops.linear_w8a8(x, w, s, wsum)
+    packed = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=g)
+    scales = torch.rand(n, k // GROUP, generator=g) * 0.01
+    tiled, tiled_scales = ops.pack_int4_tiled(packed, scales, GROUP)
+    op = getattr(ops, kernel)
+    return lambda: op(x, tiled, tiled_scales, GROUP)
+
+
+def measure(library: str, isas: list[str], threads: int, calls: int, row_counts: list[int]) -> list[dict]:
+    """Median microseconds of each (isa, rows, shape) in this process, on `library`."""
+    ops, g = load(library, threads, 20261202)
+    out = []
+    for isa, rows in levels_and_rows(ops, isas, row_counts):
+        for n, k in SMOLLM2_SHAPES:
+            out.append({"isa": isa, "rows": rows, "shape": f"{n}x{k}",
+                        "median_us": median_us(call(ops, KERNEL, n, k, rows, g), calls, 3)})
+    return out
+
+
+KERNEL = kernel_of_argv()
+
+
+def main() -> None:
+    args, runs = command_line(__file__, __doc__, measure, 50, ROWS, two=True, passed_on=("--kernel", KERNEL))
+    a, b = args.libraries
+    rows = []
+    for i, entry in enumerate(runs[a][0]):
+        ta = statistics.median(r[i]["median_us"] for r in runs[a])
+        tb = statistics.median(r[i]["median_us"] for r in runs[b])
+        rows.append({**{k: entry[k] for k in ("isa", "rows", "shape")}, "a_us": ta, "b_us": tb, "b_speedup": ta / tb})
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"{KERNEL}, bf16 rows, {args.threads} thread(s), median of {args.rounds} rounds x "
+                        f"{args.calls} calls; A = {Path(a).parent.name}, B = {Path(b).parent.name}")
+    for column in ("isa", "rows", "shape", "A µs", "B µs", "A / B"):
+        table.add_column(column, justify="right")
+    for r in rows:
+        table.add_row(r["isa"], str(r["rows"]), r["shape"], f"{r['a_us']:.1f}", f"{r['b_us']:.1f}",
+                      f"{r['b_speedup']:.2f}x")
+    Console(width=160).print(table)
+    if args.json:
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+        from host import host_info
+
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        meta = {**host_info(), "kernel": KERNEL, "threads": args.threads, "calls": args.calls, "rounds": args.rounds,
+                "libraries": args.libraries}
+        args.json.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
