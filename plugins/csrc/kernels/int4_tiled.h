@@ -190,7 +190,7 @@ void tiles_w4t(const int8_t* hi, const int8_t* lo, const int32_t* xsum8, const f
 // same integers (no overflow: 8 * 16,383 * kTiledMaxGroup < 2^31), turned to float and scaled in
 // the same order, so every output has the bits tiles_w4t_pairs gives it (the tests compare the
 // rows together with each row alone). Plain AVX2 only: AVX-VNNI's path (vpdpbusd) is not
-// measured against it. docs/benchmarks.md: 1.12-1.24x tiles_w4t_pairs at 16-128 rows, one thread.
+// measured against it. docs/benchmarks.md: 1.13-1.27x tiles_w4t_pairs at 16-128 rows, one thread.
 constexpr int64_t kLaneRows = 16;   // input rows a pass holds in its lanes
 constexpr int64_t kLanesFrom = 16;  // rows from which linear_w4_tiled_dp takes this path (8 would fill half the lanes)
 
