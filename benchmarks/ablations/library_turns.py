@@ -44,11 +44,11 @@ def levels_and_rows(ops, isas: list[str], row_counts: list[int]):
 
 
 def command_line(script: str, description: str, measure, calls: int, rows: list[int], two: bool = False,
-                 passed_on: tuple[str, ...] = ()):
+                 options: dict[str, dict] | None = None):
     """Parse --libraries (two only, A and B, where `two`), --isa, --threads, --calls, --rounds, --rows,
-    --json. In the subprocess (--measure LIBRARY): print measure(library, isas, threads, calls,
-    rows)'s JSON and exit. Otherwise -> (args, in_turns's runs); the subprocesses get `passed_on`
-    (the script's own options, parsed before this) too."""
+    --json, and the script's own `options` ({flag: add_argument's keywords}). In the subprocess
+    (--measure LIBRARY): print measure(library, isas, threads, calls, rows, **options' values)'s JSON
+    and exit. Otherwise -> (args, in_turns's runs), the subprocesses given the same options."""
     parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     if two:
         parser.add_argument("--libraries", nargs=2, required=True, metavar=("A", "B"))
@@ -61,10 +61,15 @@ def command_line(script: str, description: str, measure, calls: int, rows: list[
     parser.add_argument("--rows", type=int, nargs="+", default=rows)
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--measure", default=None, help=argparse.SUPPRESS)  # (one library, in a subprocess)
+    for flag, keywords in (options or {}).items():
+        parser.add_argument(flag, **keywords)
     args = parser.parse_args()
+    own = {flag: getattr(args, flag.lstrip("-").replace("-", "_")) for flag in options or {}}
     if args.measure:
-        print(json.dumps(measure(args.measure, args.isa, args.threads, args.calls, args.rows)))
+        values = {flag.lstrip("-").replace("-", "_"): value for flag, value in own.items()}
+        print(json.dumps(measure(args.measure, args.isa, args.threads, args.calls, args.rows, **values)))
         sys.exit(0)
+    passed_on = [word for flag, value in own.items() for word in (flag, str(value))]
     return args, in_turns(script, args.libraries, args.rounds, ["--isa", *args.isa, "--threads", str(args.threads),
                                                                "--calls", str(args.calls), "--rows", *map(str, args.rows),
                                                                *passed_on])

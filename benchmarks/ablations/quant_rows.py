@@ -14,7 +14,6 @@ groups of 64 as SmolLM2's int4 engines. (A library is a built kiln_plugins.so: b
 prints the path of the current sources' one; an older commit's stays in the build cache.)"""
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import sys
@@ -27,15 +26,6 @@ SMOLLM2_SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # (out, in)
 ROWS = [1, 8, 32, 128]
 KERNELS = ("linear_w8a8", "linear_w4_tiled", "linear_w4a8_tiled")
 GROUP = 64  # the int4 kernels' group size
-
-
-def kernel_of_argv() -> str:
-    """--kernel from the command line (the subprocess gets it too: command_line passes the rest on)."""
-    parser = argparse.ArgumentParser(add_help=False)
-    parser.add_argument("--kernel", choices=KERNELS, default="linear_w8a8")
-    known, rest = parser.parse_known_args()
-    sys.argv = [sys.argv[0], *rest]
-    return known.kernel
 
 
 def call(ops, kernel: str, n: int, k: int, rows: int, g: torch.Generator):
@@ -53,22 +43,20 @@ def call(ops, kernel: str, n: int, k: int, rows: int, g: torch.Generator):
     return lambda: op(x, tiled, tiled_scales, GROUP)
 
 
-def measure(library: str, isas: list[str], threads: int, calls: int, row_counts: list[int]) -> list[dict]:
-    """Median microseconds of each (isa, rows, shape) in this process, on `library`."""
+def measure(library: str, isas: list[str], threads: int, calls: int, row_counts: list[int], kernel: str) -> list[dict]:
+    """Median microseconds of `kernel` at each (isa, rows, shape) in this process, on `library`."""
     ops, g = load(library, threads, 20261202)
     out = []
     for isa, rows in levels_and_rows(ops, isas, row_counts):
         for n, k in SMOLLM2_SHAPES:
             out.append({"isa": isa, "rows": rows, "shape": f"{n}x{k}",
-                        "median_us": median_us(call(ops, KERNEL, n, k, rows, g), calls, 3)})
+                        "median_us": median_us(call(ops, kernel, n, k, rows, g), calls, 3)})
     return out
 
 
-KERNEL = kernel_of_argv()
-
-
 def main() -> None:
-    args, runs = command_line(__file__, __doc__, measure, 50, ROWS, two=True, passed_on=("--kernel", KERNEL))
+    args, runs = command_line(__file__, __doc__, measure, 50, ROWS, two=True,
+                              options={"--kernel": dict(choices=KERNELS, default="linear_w8a8")})
     a, b = args.libraries
     rows = []
     for i, entry in enumerate(runs[a][0]):
@@ -78,7 +66,7 @@ def main() -> None:
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title=f"{KERNEL}, bf16 rows, {args.threads} thread(s), median of {args.rounds} rounds x "
+    table = Table(title=f"{args.kernel}, bf16 rows, {args.threads} thread(s), median of {args.rounds} rounds x "
                         f"{args.calls} calls; A = {Path(a).parent.name}, B = {Path(b).parent.name}")
     for column in ("isa", "rows", "shape", "A µs", "B µs", "A / B"):
         table.add_column(column, justify="right")
@@ -91,7 +79,7 @@ def main() -> None:
         from host import host_info
 
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        meta = {**host_info(), "kernel": KERNEL, "threads": args.threads, "calls": args.calls, "rounds": args.rounds,
+        meta = {**host_info(), "kernel": args.kernel, "threads": args.threads, "calls": args.calls, "rounds": args.rounds,
                 "libraries": args.libraries}
         args.json.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
 

@@ -231,15 +231,12 @@ inline void lanes_weights(const uint8_t* w, int64_t kb, int64_t U, int64_t u0, i
     }
 }
 
-// sums [4 outputs][kLaneRows rows] = the int32 dot products over `count` pairs of X (one chunk,
-// from a pair on) with 4 outputs of Wt (from the same pair and output). Written in assembly: GCC
-// kept the 8 accumulators in registers only by copying each one every pass (8 extra moves) or
-// spilled them, which cost a third of the loop's speed.
+// sums [4 outputs][kLaneRows rows] = the int32 dot products over `count` > 0 pairs of X (one
+// chunk, from a pair on) with 4 outputs of Wt (from the same pair and output). Written in
+// assembly: GCC kept the 8 accumulators in registers only by copying each one every pass (8 extra
+// moves) or spilled them (a scratch copy of the kernel, not kept: 43-45 and 30 GMAC/s against
+// 48-49 with this loop, one thread).
 inline void lanes_four_outputs(const int32_t* X, const int32_t* Wt, int64_t count, int32_t* sums) {
-  if (count <= 0) {
-    std::memset(sums, 0, sizeof(int32_t) * 4 * kLaneRows);
-    return;
-  }
   asm volatile(
       "vpxor %%ymm8, %%ymm8, %%ymm8\n\t"
       "vpxor %%ymm9, %%ymm9, %%ymm9\n\t"
@@ -291,6 +288,29 @@ inline void lanes_four_outputs(const int32_t* X, const int32_t* Wt, int64_t coun
   static_assert(kLaneRows == 16 && kTileRows == 16, "the assembly's strides");
 }
 
+// facc [16 outputs][kLaneRows rows] = one tile's float sums for one chunk of rows: each group's
+// int32 sums (lanes_four_outputs) times the group's scales (group g's 16 at s_tile + g U 16),
+// added in group order as tiles_w4t_pairs adds them
+inline void lanes_tile(const int32_t* Xc, const int32_t* Wt, const float* s_tile, const TiledLayout& L, int64_t U,
+                       int64_t group, float* facc) {
+  const int64_t pairs = 4 * L.kb;
+  alignas(32) int32_t sums[4 * kLaneRows];
+  std::fill(facc, facc + kTileRows * kLaneRows, 0.f);
+  for (int64_t g = 0; g < L.groups; ++g) {
+    const int64_t j0 = g * group / 2, j1 = std::min(pairs, (g + 1) * group / 2);
+    const float* sg = s_tile + g * U * kTileRows;
+    for (int o0 = 0; o0 < kTileRows; o0 += 4) {
+      lanes_four_outputs(Xc + j0 * kLaneRows, Wt + j0 * kTileRows + o0, j1 - j0, sums);
+      for (int o = 0; o < 4; ++o)
+        for (int h = 0; h < kLaneRows; h += 8) {
+          float* f = facc + (o0 + o) * kLaneRows + h;
+          const __m256i sum = _mm256_load_si256(reinterpret_cast<const __m256i*>(sums + o * kLaneRows + h));
+          _mm256_store_ps(f, vfma(_mm256_cvtepi32_ps(sum), vset1(sg[o0 + o]), _mm256_load_ps(f)));
+        }
+    }
+  }
+}
+
 // out [rows, n] from the planes (split_rows_i8), xs_row each row's scale, as tiled_w4_rows<false>
 template <typename T>
 void tiled_w4_lanes(const int8_t* hi, const int8_t* lo, const float* xs_row, const uint8_t* w, const float* s,
@@ -301,36 +321,18 @@ void tiled_w4_lanes(const int8_t* hi, const int8_t* lo, const float* xs_row, con
   lanes_inputs(hi, lo, rows, k, X.data());
   parallel_for(0, L.tiles, 1, [&](int64_t begin, int64_t end) {
     std::vector<int32_t> Wt(pairs * kTileRows);
-    alignas(32) int32_t sums[4 * kLaneRows];
     alignas(32) float facc[kTileRows * kLaneRows];  // [output][row]
     for (int64_t t = begin; t < end; ++t) {
       const int64_t t0 = t / kTileGroup * kTileGroup, U = L.width(t0), u = t - t0;
       lanes_weights(w + t0 * L.kb * 64, L.kb, U, u, Wt.data());
       for (int64_t c = 0; c < chunks; ++c) {
-        const int32_t* Xc = X.data() + c * pairs * kLaneRows;
-        for (float& f : facc) f = 0.f;
-        for (int64_t g = 0; g < L.groups; ++g) {
-          const int64_t j0 = g * group / 2, j1 = std::min(pairs, (g + 1) * group / 2);
-          const float* sg = s + (t0 * L.groups + g * U + u) * kTileRows;  // L.scale(16 t .. 16 t + 15, g)
-          for (int o0 = 0; o0 < kTileRows; o0 += 4) {
-            lanes_four_outputs(Xc + j0 * kLaneRows, Wt.data() + j0 * kTileRows + o0, j1 - j0, sums);
-            for (int o = 0; o < 4; ++o) {
-              const __m256 scale = _mm256_set1_ps(sg[o0 + o]);
-              float* f = facc + (o0 + o) * kLaneRows;
-              for (int h = 0; h < kLaneRows; h += 8) {
-                const __m256i sum = _mm256_load_si256(reinterpret_cast<const __m256i*>(sums + o * kLaneRows + h));
-                _mm256_store_ps(f + h, _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), scale, _mm256_load_ps(f + h)));
-              }
-            }
-          }
-        }
-        for (int64_t r = 0; r < std::min(kLaneRows, rows - c * kLaneRows); ++r) {
-          const int64_t m = c * kLaneRows + r;
+        lanes_tile(X.data() + c * pairs * kLaneRows, Wt.data(), s + (t0 * L.groups + u) * kTileRows, L, U, group,
+                   facc);
+        for (int64_t m = c * kLaneRows; m < std::min(rows, (c + 1) * kLaneRows); ++m)
           for (int64_t o = 0; o < kTileRows; ++o) {
             const int64_t at = t * kTileRows + o;
-            store_as(out + m * n + at, facc[o * kLaneRows + r] * xs_row[m] + (bias ? to_f32(bias[at]) : 0.f));
+            store_as(out + m * n + at, facc[o * kLaneRows + m % kLaneRows] * xs_row[m] + (bias ? to_f32(bias[at]) : 0.f));
           }
-        }
       }
     }
   });
