@@ -8,7 +8,8 @@ and the second library's speed against the first's; writes JSON. No timing is as
     python benchmarks/ablations/quant_rows.py --kernel linear_w4_tiled --libraries OLD.so NEW.so \\
         --isa avx2 --rows 1 8 16 64 128 --json out/w4-rows.json
 
-Kernels: linear_w8a8 (SmoothQuant's W8A8, int8_sq engines' every row count), linear_w4_tiled
+Kernels: linear_w8a8 (SmoothQuant's W8A8, int8_sq engines' every row count), linear_w8 (W8A16 on
+the int8 row layout: int8_wo engines where the tiled int8 layout is not used), linear_w4_tiled
 (W4A16 on the tiled int4 layout: int4_awq / int4_wo) and linear_w4a8_tiled (W4A8), these two in
 groups of 64 as SmolLM2's int4 engines. (A library is a built kiln_plugins.so: build_plugins()
 prints the path of the current sources' one; an older commit's stays in the build cache.)"""
@@ -24,7 +25,7 @@ from library_turns import command_line, levels_and_rows, load, median_us
 
 SMOLLM2_SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # (out, in): qkv, o_proj, gate_up, down
 ROWS = [1, 8, 32, 128]
-KERNELS = ("linear_w8a8", "linear_w4_tiled", "linear_w4a8_tiled")
+KERNELS = ("linear_w8a8", "linear_w8", "linear_w4_tiled", "linear_w4a8_tiled")
 GROUP = 64  # the int4 kernels' group size
 
 
@@ -36,6 +37,10 @@ def call(ops, kernel: str, n: int, k: int, rows: int, g: torch.Generator):
         s = torch.rand(n, generator=g) + 0.5
         wsum = w.to(torch.int32).sum(dim=1, dtype=torch.int32)
         return lambda: ops.linear_w8a8(x, w, s, wsum)
+    if kernel == "linear_w8":
+        w = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=g)
+        s = torch.rand(n, generator=g) * 0.01
+        return lambda: ops.linear_w8(x, w, s)
     packed = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=g)
     scales = torch.rand(n, k // GROUP, generator=g) * 0.01
     tiled, tiled_scales = ops.pack_int4_tiled(packed, scales, GROUP)

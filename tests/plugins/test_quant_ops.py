@@ -38,10 +38,11 @@ def assert_within_input_quantization(got, want, x, w):
 
 
 LONG_ROWS = [(1, 2280, 24), (4, 4096, 9), (3, 2049, 5)]  # VNNI: rows of >= 2048 take the int8-plane path
+W8_LANE_SHAPES = [(16, 576, 21), (33, 1100, 35), (64, 37, 7), (17, 1536, 64)]  # AVX2: 16 rows on, the lanes
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("rows, k, n", SHAPES + LONG_ROWS)
+@pytest.mark.parametrize("rows, k, n", SHAPES + LONG_ROWS + W8_LANE_SHAPES)
 def test_linear_w8_matches_reference(isa, dtype, rows, k, n):
     g = generator(isa, str(dtype), rows, k, n)
     x = rand(g, rows, k).to(dtype)
@@ -53,11 +54,12 @@ def test_linear_w8_matches_reference(isa, dtype, rows, k, n):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])  # float32: no output rounding to hide a sum's last bits
-@pytest.mark.parametrize("rows, k, n", [(3, 576, 21), (2, 1100, 16), (4, 37, 7), (7, 1536, 35)])
+@pytest.mark.parametrize("rows, k, n", [(3, 576, 21), (2, 1100, 16), (4, 37, 7), (7, 1536, 35)] + W8_LANE_SHAPES)
 def test_linear_w8_rows_are_the_bits_of_each_row_alone(isa, dtype, rows, k, n):
     """W8A16 rows together give each row the bits it gets alone: each weight row against up to
-    four input rows (its own chain count per row count) sums exact int32 lanes, reduced to float
-    alike whatever the rows (k past 1,024 flushes the sums to float midway)."""
+    four input rows (its own chain count per row count), or on AVX2 from 16 rows each row in a
+    vector lane, sums exact integers, reduced to float alike whatever the rows (k past 1,024
+    flushes the sums to float midway)."""
     g = generator(isa, str(dtype), rows, k, n, "w8 alone")
     x = rand(g, rows, k, scale=4).to(dtype)
     q, s = quantize_int8(rand(g, n, k, scale=0.05))

@@ -6,6 +6,7 @@
 #include "hadamard.h"
 #include "attention.h"
 #include "gemv.h"
+#include "lanes.h"
 #include "int8.h"
 #include "int8_tiled.h"
 #include "int4.h"

@@ -202,7 +202,7 @@ void linear_w4_i16(const T* x, const uint8_t* w, const float* scale, int64_t gro
   std::vector<int16_t> xq(rows * kp);
   std::vector<float> xs(rows);
   const bool wide = k % 64 == 0 && group % 64 == 0;
-  quantize_rows_i16(x, rows, k, kp, wide ? 64 : 32, xq.data(), xs.data());
+  quantize_rows_i16(x, rows, k, kp, wide ? 64 : 32, 32767.f, xq.data(), xs.data());
   std::vector<int32_t> xsum8(rows * groups, 0);  // 8 * sum of each row's group (the nibble offset)
   for (int64_t m = 0; m < rows; ++m)
     for (int64_t i = 0; i < k; ++i) xsum8[m * groups + i / group] += 8 * xq[m * kp + i];

@@ -186,12 +186,11 @@ void tiles_w4t(const int8_t* hi, const int8_t* lo, const int32_t* xsum8, const f
 // - 8), so one vpmaddwd multiplies 8 rows by a pair of one output's weights: 16 multiply-adds a
 // multiplying instruction, where tiles_w4t_pairs spends six (four vpmaddubsw, two vpmaddwd) on 64.
 // A tile's weights are widened once per call and serve every row; the rows go 16 at a time (two
-// vectors), 4 outputs of the tile at a time in 8 accumulators. The int32 sums per group are the
+// vectors), 4 outputs of the tile at a time in 8 accumulators (lanes.h). The int32 sums per group are the
 // same integers (no overflow: 8 * 16,383 * kTiledMaxGroup < 2^31), turned to float and scaled in
 // the same order, so every output has the bits tiles_w4t_pairs gives it (the tests compare the
 // rows together with each row alone). Plain AVX2 only: AVX-VNNI's path (vpdpbusd) is not
 // measured against it. docs/benchmarks.md: 1.13-1.27x tiles_w4t_pairs at 16-128 rows, one thread.
-constexpr int64_t kLaneRows = 16;   // input rows a pass holds in its lanes
 constexpr int64_t kLanesFrom = 16;  // rows from which linear_w4_tiled_dp takes this path (8 would fill half the lanes)
 
 // A block of 8 inputs as 4 pairs in the order a tile vector's nibbles widen to (lanes_weights):
@@ -231,63 +230,6 @@ inline void lanes_weights(const uint8_t* w, int64_t kb, int64_t U, int64_t u0, i
     }
 }
 
-// sums [4 outputs][kLaneRows rows] = the int32 dot products over `count` > 0 pairs of X (one
-// chunk, from a pair on) with 4 outputs of Wt (from the same pair and output). Written in
-// assembly: GCC kept the 8 accumulators in registers only by copying each one every pass (8 extra
-// moves) or spilled them (a scratch copy of the kernel, not kept: 43-45 and 30 GMAC/s against
-// 48-49 with this loop, one thread).
-inline void lanes_four_outputs(const int32_t* X, const int32_t* Wt, int64_t count, int32_t* sums) {
-  asm volatile(
-      "vpxor %%ymm8, %%ymm8, %%ymm8\n\t"
-      "vpxor %%ymm9, %%ymm9, %%ymm9\n\t"
-      "vpxor %%ymm10, %%ymm10, %%ymm10\n\t"
-      "vpxor %%ymm11, %%ymm11, %%ymm11\n\t"
-      "vpxor %%ymm12, %%ymm12, %%ymm12\n\t"
-      "vpxor %%ymm13, %%ymm13, %%ymm13\n\t"
-      "vpxor %%ymm14, %%ymm14, %%ymm14\n\t"
-      "vpxor %%ymm15, %%ymm15, %%ymm15\n\t"
-      "1:\n\t"
-      "vmovdqu (%[x]), %%ymm0\n\t"  // rows 0-7 of this pair
-      "vmovdqu 32(%[x]), %%ymm1\n\t"  // rows 8-15
-      "vpbroadcastd (%[w]), %%ymm2\n\t"  // output 0's weight pair
-      "vpbroadcastd 4(%[w]), %%ymm3\n\t"  // output 1's
-      "vpmaddwd %%ymm2, %%ymm0, %%ymm4\n\t"
-      "vpmaddwd %%ymm2, %%ymm1, %%ymm5\n\t"
-      "vpmaddwd %%ymm3, %%ymm0, %%ymm6\n\t"
-      "vpmaddwd %%ymm3, %%ymm1, %%ymm7\n\t"
-      "vpaddd %%ymm4, %%ymm8, %%ymm8\n\t"
-      "vpaddd %%ymm5, %%ymm9, %%ymm9\n\t"
-      "vpaddd %%ymm6, %%ymm10, %%ymm10\n\t"
-      "vpaddd %%ymm7, %%ymm11, %%ymm11\n\t"
-      "vpbroadcastd 8(%[w]), %%ymm2\n\t"  // outputs 2 and 3
-      "vpbroadcastd 12(%[w]), %%ymm3\n\t"
-      "vpmaddwd %%ymm2, %%ymm0, %%ymm4\n\t"
-      "vpmaddwd %%ymm2, %%ymm1, %%ymm5\n\t"
-      "vpmaddwd %%ymm3, %%ymm0, %%ymm6\n\t"
-      "vpmaddwd %%ymm3, %%ymm1, %%ymm7\n\t"
-      "vpaddd %%ymm4, %%ymm12, %%ymm12\n\t"
-      "vpaddd %%ymm5, %%ymm13, %%ymm13\n\t"
-      "vpaddd %%ymm6, %%ymm14, %%ymm14\n\t"
-      "vpaddd %%ymm7, %%ymm15, %%ymm15\n\t"
-      "add $64, %[x]\n\t"  // the next pair: kLaneRows dwords of X, 16 of Wt
-      "add $64, %[w]\n\t"
-      "dec %[n]\n\t"
-      "jnz 1b\n\t"
-      "vmovdqu %%ymm8, (%[s])\n\t"
-      "vmovdqu %%ymm9, 32(%[s])\n\t"
-      "vmovdqu %%ymm10, 64(%[s])\n\t"
-      "vmovdqu %%ymm11, 96(%[s])\n\t"
-      "vmovdqu %%ymm12, 128(%[s])\n\t"
-      "vmovdqu %%ymm13, 160(%[s])\n\t"
-      "vmovdqu %%ymm14, 192(%[s])\n\t"
-      "vmovdqu %%ymm15, 224(%[s])\n\t"
-      : [x] "+r"(X), [w] "+r"(Wt), [n] "+r"(count)
-      : [s] "r"(sums)
-      : "xmm0", "xmm1", "xmm2", "xmm3", "xmm4", "xmm5", "xmm6", "xmm7", "xmm8", "xmm9", "xmm10", "xmm11", "xmm12",
-        "xmm13", "xmm14", "xmm15", "memory", "cc");
-  static_assert(kLaneRows == 16 && kTileRows == 16, "the assembly's strides");
-}
-
 // facc [16 outputs][kLaneRows rows] = one tile's float sums for one chunk of rows: each group's
 // int32 sums (lanes_four_outputs) times the group's scales (group g's 16 at s_tile + g U 16),
 // added in group order as tiles_w4t_pairs adds them
@@ -300,7 +242,7 @@ inline void lanes_tile(const int32_t* Xc, const int32_t* Wt, const float* s_tile
     const int64_t j0 = g * group / 2, j1 = std::min(pairs, (g + 1) * group / 2);
     const float* sg = s_tile + g * U * kTileRows;
     for (int o0 = 0; o0 < kTileRows; o0 += 4) {
-      lanes_four_outputs(Xc + j0 * kLaneRows, Wt + j0 * kTileRows + o0, j1 - j0, sums);
+      lanes_four_outputs<1, kTileRows>(Xc + j0 * kLaneRows, Wt + j0 * kTileRows + o0, j1 - j0, sums);
       for (int o = 0; o < 4; ++o)
         for (int h = 0; h < kLaneRows; h += 8) {
           float* f = facc + (o0 + o) * kLaneRows + h;
