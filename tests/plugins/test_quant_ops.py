@@ -85,7 +85,7 @@ def test_linear_w4_matches_reference(isa, dtype, group, rows, k, n):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("rows, k, n", SHAPES + [(40, 1536, 64), (2, 130, 9)])
+@pytest.mark.parametrize("rows, k, n", SHAPES + [(40, 1536, 64), (2, 130, 9), (17, 37, 7), (16, 2049, 21)])
 def test_linear_w8a8_matches_exact_integer_reference(isa, dtype, rows, k, n):
     g = generator(isa, str(dtype), rows, k, n)
     x = rand(g, rows, k, scale=4).to(dtype)
@@ -102,12 +102,13 @@ def test_linear_w8a8_matches_exact_integer_reference(isa, dtype, rows, k, n):
         torch.testing.assert_close(got.float(), want.float(), rtol=1e-2, atol=0.07)
 
 
-@pytest.mark.parametrize("rows, k, n", [(7, 576, 12), (2, 130, 9), (9, 100, 64), (33, 576, 96)])
+@pytest.mark.parametrize("rows, k, n", [(7, 576, 12), (2, 130, 9), (9, 100, 64), (33, 576, 96), (16, 37, 7),
+                                        (64, 1100, 35)])
 def test_linear_w8a8_rows_are_the_bits_of_each_row_alone(isa, rows, k, n):
     """Several rows (two at a time against four weight rows, odd rows and a partial tile of
-    weight rows on their own; more than 8 through oneDNN's int8 GEMM on the VNNI levels) give
-    each row the bits it gets alone: the dot products are exact integers, then the same float
-    rescale."""
+    weight rows on their own; more than 8 through oneDNN's int8 GEMM on the VNNI levels, 16 or
+    more in the vector lanes on plain AVX2) give each row the bits it gets alone: the dot
+    products are exact integers, then the same float rescale."""
     g = generator(isa, rows, k, n, "alone")
     x = rand(g, rows, k, scale=4).to(torch.bfloat16)
     q, s = quantize_int8(rand(g, n, k, scale=0.05))

@@ -69,12 +69,12 @@ inline void dot_rows_w8_i16(const int16_t* xq, int64_t kp, const int8_t* w, int6
   for (int r = 0; r < R; ++r) sums[r] = static_cast<float>(total[r]);
 }
 
-// W8A16 at many rows: the rows in the vector lanes (lanes.h). A tile of 16 outputs goes a pass
-// of kLanePass input pairs at a time: the pass's weights widened to int16 once (8 KB, kept in L1)
-// serve every chunk of rows; each kFlush inputs' int32 sums add up in double (exact), the
-// totals go to float once, as dot_rows_w8_i16's do, and the outputs are scaled as tiles_i16
-// scales them: every row has the bits it gets alone.
-constexpr int64_t kW8LanesFrom = 16;  // rows from which linear_w8_i16 takes this path
+// int8 weights at many rows: the rows in the vector lanes (lanes.h), W8A16 here and W8A8 on
+// plain AVX2 (w8a8.h). A tile of 16 outputs goes a pass of kLanePass input pairs at a time: the
+// pass's weights widened to int16 once (8 KB, kept in L1) serve every chunk of rows; each
+// kFlush inputs' int32 sums add up in double (exact), and W8A16's totals go to float once, as
+// dot_rows_w8_i16's do, scaled as tiles_i16 scales them: every row has the bits it gets alone.
+constexpr int64_t kW8LanesFrom = 16;  // rows from which linear_w8_i16 and AVX2's W8A8 take this path
 constexpr int64_t kLanePass = 128;    // pairs a pass covers: a chunk's X 8 KB, the tile's weights 8 KB
 
 // Wp [16 outputs][kLanePass pairs] dwords: outputs [0, on) of the int8 rows w (k inputs each), inputs
@@ -95,9 +95,10 @@ inline void lanes_w8_weights(const int8_t* w, int64_t k, int64_t on, int64_t i0,
   }
 }
 
-template <typename T>
-void lanes_w8(const int16_t* xq, int64_t kp, const float* xs, const int8_t* w, const float* scale, const T* bias,
-              T* out, int64_t rows, int64_t k, int64_t n) {
+// store(m, o, total): row m's exact dot product with output o's weights (a double holding an
+// integer), for the rows of int16 inputs xq [rows][kp] against the int8 weights w [n][k]
+template <typename Store>
+void lanes_w8(const int16_t* xq, int64_t kp, const int8_t* w, int64_t rows, int64_t k, int64_t n, Store store) {
   static_assert(kFlush % (2 * kLanePass) == 0, "a pass within one flush");
   const int64_t pairs = kp / 2, chunks = (rows + kLaneRows - 1) / kLaneRows, tile = 16 * kLaneRows;
   std::vector<int32_t> X(chunks * pairs * kLaneRows);
@@ -133,11 +134,7 @@ void lanes_w8(const int16_t* xq, int64_t kp, const float* xs, const int8_t* w, c
           }
       }
       for (int64_t m = 0; m < rows; ++m)
-        for (int64_t o = 0; o < on; ++o) {
-          const float b = bias ? to_f32(bias[o0 + o]) : 0.f;
-          const float total = static_cast<float>(exact[(m / kLaneRows) * tile + o * kLaneRows + m % kLaneRows]);
-          store_as(out + m * n + o0 + o, total * xs[m] * scale[o0 + o] + b);
-        }
+        for (int64_t o = 0; o < on; ++o) store(m, o0 + o, exact[(m / kLaneRows) * tile + o * kLaneRows + m % kLaneRows]);
     }
   });
 }
@@ -149,7 +146,11 @@ void linear_w8_i16(const T* x, const int8_t* w, const float* scale, const T* bia
   std::vector<int16_t> xq(rows * kp);
   std::vector<float> xs(rows);
   quantize_rows_i16(x, rows, k, kp, 0, kExactQmax, xq.data(), xs.data());
-  if (rows >= kW8LanesFrom) return lanes_w8(xq.data(), kp, xs.data(), w, scale, bias, out, rows, k, n);
+  if (rows >= kW8LanesFrom)
+    return lanes_w8(xq.data(), kp, w, rows, k, n, [&](int64_t m, int64_t o, double total) {
+      const float b = bias ? to_f32(bias[o]) : 0.f;
+      store_as(out + m * n + o, static_cast<float>(total) * xs[m] * scale[o] + b);
+    });
   const WeightRows stream{w, k};
   tiles_i16(bias, out, xs.data(), rows, n, [&](auto R, int64_t m0, int64_t o0, int64_t o1, float* sums) {
     constexpr int r = decltype(R)::value;
