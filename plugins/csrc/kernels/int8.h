@@ -95,6 +95,33 @@ inline void lanes_w8_weights(const int8_t* w, int64_t k, int64_t on, int64_t i0,
   }
 }
 
+// One pass (count pairs from the chunks' pair p0) of every chunk of rows against a tile's
+// widened weights Wp (outputs [0, on)): each (chunk, output, row)'s sums added into flush
+// [chunk][output][row]
+inline void lanes_w8_pass(const int32_t* X, int64_t pairs, int64_t chunks, int64_t p0, int64_t count,
+                          const int16_t* Wp, int64_t on, int32_t* flush) {
+  alignas(32) int32_t sums[4 * kLaneRows];
+  for (int64_t c = 0; c < chunks; ++c)
+    for (int64_t q = 0; q < on; q += 4) {
+      lanes_four_outputs<kLanePass, 1>(X + (c * pairs + p0) * kLaneRows,
+                                       reinterpret_cast<const int32_t*>(Wp) + q * kLanePass, count, sums);
+      int32_t* f = flush + (c * 16 + q) * kLaneRows;
+      for (int64_t j = 0; j < 4 * kLaneRows; j += 8)
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(f + j),
+                            _mm256_add_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(f + j)),
+                                             _mm256_load_si256(reinterpret_cast<const __m256i*>(sums + j))));
+    }
+}
+
+// exact[i] += flush[i] (exactly: doubles holding integers below 2^53), flush[i] = 0
+inline void lanes_w8_flush(int32_t* flush, double* exact, int64_t count) {
+  for (int64_t j = 0; j < count; j += 4) {
+    __m128i* f = reinterpret_cast<__m128i*>(flush + j);
+    _mm256_storeu_pd(exact + j, _mm256_add_pd(_mm256_loadu_pd(exact + j), _mm256_cvtepi32_pd(_mm_loadu_si128(f))));
+    _mm_storeu_si128(f, _mm_setzero_si128());
+  }
+}
+
 // store(m, o, total): row m's exact dot product with output o's weights (a double holding an
 // integer), for the rows of int16 inputs xq [rows][kp] against the int8 weights w [n][k]
 template <typename Store>
@@ -105,7 +132,6 @@ void lanes_w8(const int16_t* xq, int64_t kp, const int8_t* w, int64_t rows, int6
   lanes_inputs_i16(xq, rows, kp, X.data());
   parallel_for(0, (n + 15) / 16, 1, [&](int64_t begin, int64_t end) {
     alignas(32) int16_t Wp[16 * 2 * kLanePass];
-    alignas(32) int32_t sums[4 * kLaneRows];
     std::vector<int32_t> flush(chunks * tile);  // [chunk][output][row]: the current kFlush inputs' sums
     std::vector<double> exact(chunks * tile);   // [chunk][output][row]: the sums so far
     for (int64_t t = begin; t < end; ++t) {
@@ -115,26 +141,13 @@ void lanes_w8(const int16_t* xq, int64_t kp, const int8_t* w, int64_t rows, int6
       for (int64_t p0 = 0; p0 < pairs; p0 += kLanePass) {
         const int64_t count = std::min(kLanePass, pairs - p0);
         lanes_w8_weights(w + o0 * k, k, on, 2 * p0, Wp);
-        for (int64_t c = 0; c < chunks; ++c)
-          for (int64_t q = 0; q < on; q += 4) {
-            lanes_four_outputs<kLanePass, 1>(X.data() + (c * pairs + p0) * kLaneRows,
-                                             reinterpret_cast<const int32_t*>(Wp) + q * kLanePass, count, sums);
-            int32_t* f = flush.data() + c * tile + q * kLaneRows;
-            for (int64_t j = 0; j < 4 * kLaneRows; j += 8)
-              _mm256_storeu_si256(reinterpret_cast<__m256i*>(f + j),
-                                  _mm256_add_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(f + j)),
-                                                   _mm256_load_si256(reinterpret_cast<const __m256i*>(sums + j))));
-          }
+        lanes_w8_pass(X.data(), pairs, chunks, p0, count, Wp, on, flush.data());
         if ((p0 + count) % (kFlush / 2) == 0 || p0 + count == pairs)
-          for (int64_t j = 0; j < chunks * tile; j += 4) {
-            __m128i* f = reinterpret_cast<__m128i*>(flush.data() + j);
-            _mm256_storeu_pd(exact.data() + j, _mm256_add_pd(_mm256_loadu_pd(exact.data() + j),
-                                                             _mm256_cvtepi32_pd(_mm_loadu_si128(f))));
-            _mm_storeu_si128(f, _mm_setzero_si128());
-          }
+          lanes_w8_flush(flush.data(), exact.data(), chunks * tile);
       }
       for (int64_t m = 0; m < rows; ++m)
-        for (int64_t o = 0; o < on; ++o) store(m, o0 + o, exact[(m / kLaneRows) * tile + o * kLaneRows + m % kLaneRows]);
+        for (int64_t o = 0; o < on; ++o)
+          store(m, o0 + o, exact[(m / kLaneRows) * tile + o * kLaneRows + m % kLaneRows]);
     }
   });
 }
