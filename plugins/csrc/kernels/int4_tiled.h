@@ -191,25 +191,23 @@ void tiles_w4t(const int8_t* hi, const int8_t* lo, const int32_t* xsum8, const f
 // the same order, so every output has the bits tiles_w4t_pairs gives it (the tests compare the
 // rows together with each row alone). Plain AVX2 only: AVX-VNNI's path (vpdpbusd) is not
 // measured against it. docs/benchmarks.md: 1.13-1.27x tiles_w4t_pairs at 16-128 rows, one thread.
-constexpr int64_t kLanesFrom = 16;  // rows from which linear_w4_tiled_dp takes this path (8 would fill half the lanes)
 
 // A block of 8 inputs as 4 pairs in the order a tile vector's nibbles widen to (lanes_weights):
 // inputs (0, 2), (4, 6), (1, 3), (5, 7)
 constexpr int kLanePairFirst[4] = {0, 4, 1, 5}, kLanePairSecond[4] = {2, 6, 3, 7};
 
-// The planes' rows as int16 pairs: X [chunk of kLaneRows rows][k / 2 pairs][kLaneRows] dwords, the
-// rows past `rows` zero
-inline void lanes_inputs(const int8_t* hi, const int8_t* lo, int64_t rows, int64_t k, int32_t* X) {
-  const int64_t pairs = k / 2, chunks = (rows + kLaneRows - 1) / kLaneRows;
-  std::memset(X, 0, sizeof(int32_t) * chunks * pairs * kLaneRows);
+// The planes' rows as int16 rows q [rows][k] (256 * hi + lo), each block of 8 inputs stored as
+// the pairs (0, 2), (4, 6), (1, 3), (5, 7): the order a tile vector's nibbles widen to
+// (lanes_weights), for lanes_inputs_i16
+inline void lanes_rows_from_planes(const int8_t* hi, const int8_t* lo, int64_t rows, int64_t k, int16_t* q) {
   for (int64_t m = 0; m < rows; ++m) {
-    int32_t* xm = X + (m / kLaneRows) * pairs * kLaneRows + m % kLaneRows;
     const int8_t *h = hi + m * k, *l = lo + m * k;
+    int16_t* qm = q + m * k;
     for (int64_t b = 0; b < k / 8; ++b)
       for (int p = 0; p < 4; ++p) {
         const int64_t i = 8 * b + kLanePairFirst[p], j = 8 * b + kLanePairSecond[p];
-        const uint32_t first = static_cast<uint16_t>(256 * h[i] + l[i]), second = static_cast<uint16_t>(256 * h[j] + l[j]);
-        xm[(4 * b + p) * kLaneRows] = static_cast<int32_t>(first | second << 16);
+        qm[8 * b + 2 * p] = static_cast<int16_t>(256 * h[i] + l[i]);
+        qm[8 * b + 2 * p + 1] = static_cast<int16_t>(256 * h[j] + l[j]);
       }
   }
 }
@@ -259,8 +257,10 @@ void tiled_w4_lanes(const int8_t* hi, const int8_t* lo, const float* xs_row, con
                     int64_t group, const T* bias, T* out, int64_t rows, int64_t k, int64_t n) {
   const TiledLayout L = tiled_int4_layout(k, n, group);
   const int64_t pairs = k / 2, chunks = (rows + kLaneRows - 1) / kLaneRows;
+  std::vector<int16_t> q(rows * k);
   std::vector<int32_t> X(chunks * pairs * kLaneRows);
-  lanes_inputs(hi, lo, rows, k, X.data());
+  lanes_rows_from_planes(hi, lo, rows, k, q.data());
+  lanes_inputs_i16(q.data(), rows, k, X.data());
   parallel_for(0, L.tiles, 1, [&](int64_t begin, int64_t end) {
     std::vector<int32_t> Wt(pairs * kTileRows);
     alignas(32) float facc[kTileRows * kLaneRows];  // [output][row]

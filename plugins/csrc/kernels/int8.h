@@ -70,18 +70,18 @@ inline void dot_rows_w8_i16(const int16_t* xq, int64_t kp, const int8_t* w, int6
 }
 
 // int8 weights at many rows: the rows in the vector lanes (lanes.h), W8A16 here and W8A8 on
-// plain AVX2 (w8a8.h). A tile of 16 outputs goes a pass of kLanePass input pairs at a time: the
-// pass's weights widened to int16 once (8 KB, kept in L1) serve every chunk of rows; each
-// kFlush inputs' int32 sums add up in double (exact), and W8A16's totals go to float once, as
-// dot_rows_w8_i16's do, scaled as tiles_i16 scales them: every row has the bits it gets alone.
-constexpr int64_t kW8LanesFrom = 16;  // rows from which linear_w8_i16 and AVX2's W8A8 take this path
+// plain AVX2 (w8a8.h). A tile of kLaneOutputs outputs goes a pass of kLanePass input pairs at a
+// time: the pass's weights widened to int16 once (8 KB, kept in L1) serve every chunk of rows;
+// each kFlush inputs' int32 sums add up in double (exact), and W8A16's totals go to float once,
+// as dot_rows_w8_i16's do, scaled as tiles_i16 scales them: every row has the bits it gets alone.
+constexpr int64_t kLaneOutputs = 16;  // outputs a tile holds
 constexpr int64_t kLanePass = 128;    // pairs a pass covers: a chunk's X 8 KB, the tile's weights 8 KB
 
-// Wp [16 outputs][kLanePass pairs] dwords: outputs [0, on) of the int8 rows w (k inputs each), inputs
+// Wp [kLaneOutputs][kLanePass pairs] dwords: outputs [0, on) of the int8 rows w (k inputs each), inputs
 // [i0, i0 + 2 * kLanePass) widened to int16, zero past k and past on
 inline void lanes_w8_weights(const int8_t* w, int64_t k, int64_t on, int64_t i0, int16_t* Wp) {
   constexpr int64_t width = 2 * kLanePass;
-  std::fill(Wp + on * width, Wp + 16 * width, int16_t{0});
+  std::fill(Wp + on * width, Wp + kLaneOutputs * width, int16_t{0});
   const int64_t i1 = std::min(k, i0 + width);
   for (int64_t o = 0; o < on; ++o) {
     const int8_t* wr = w + o * k;
@@ -105,7 +105,7 @@ inline void lanes_w8_pass(const int32_t* X, int64_t pairs, int64_t chunks, int64
     for (int64_t q = 0; q < on; q += 4) {
       lanes_four_outputs<kLanePass, 1>(X + (c * pairs + p0) * kLaneRows,
                                        reinterpret_cast<const int32_t*>(Wp) + q * kLanePass, count, sums);
-      int32_t* f = flush + (c * 16 + q) * kLaneRows;
+      int32_t* f = flush + (c * kLaneOutputs + q) * kLaneRows;
       for (int64_t j = 0; j < 4 * kLaneRows; j += 8)
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(f + j),
                             _mm256_add_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(f + j)),
@@ -127,16 +127,16 @@ inline void lanes_w8_flush(int32_t* flush, double* exact, int64_t count) {
 template <typename Store>
 void lanes_w8(const int16_t* xq, int64_t kp, const int8_t* w, int64_t rows, int64_t k, int64_t n, Store store) {
   static_assert(kFlush % (2 * kLanePass) == 0, "a pass within one flush");
-  const int64_t pairs = kp / 2, chunks = (rows + kLaneRows - 1) / kLaneRows, tile = 16 * kLaneRows;
+  const int64_t pairs = kp / 2, chunks = (rows + kLaneRows - 1) / kLaneRows, tile = kLaneOutputs * kLaneRows;
   std::vector<int32_t> X(chunks * pairs * kLaneRows);
   lanes_inputs_i16(xq, rows, kp, X.data());
-  parallel_for(0, (n + 15) / 16, 1, [&](int64_t begin, int64_t end) {
-    alignas(32) int16_t Wp[16 * 2 * kLanePass];
-    std::vector<int32_t> flush(chunks * tile);  // [chunk][output][row]: the current kFlush inputs' sums
-    std::vector<double> exact(chunks * tile);   // [chunk][output][row]: the sums so far
+  parallel_for(0, (n + kLaneOutputs - 1) / kLaneOutputs, 1, [&](int64_t begin, int64_t end) {
+    alignas(32) int16_t Wp[kLaneOutputs * 2 * kLanePass];
+    // [chunk][output][row]: the current kFlush inputs' sums (zero between tiles: a tile's last pass flushes)
+    std::vector<int32_t> flush(chunks * tile);
+    std::vector<double> exact(chunks * tile);  // [chunk][output][row]: the sums so far
     for (int64_t t = begin; t < end; ++t) {
-      const int64_t o0 = 16 * t, on = std::min<int64_t>(16, n - o0);
-      std::fill(flush.begin(), flush.end(), 0);
+      const int64_t o0 = kLaneOutputs * t, on = std::min(kLaneOutputs, n - o0);
       std::fill(exact.begin(), exact.end(), 0.0);
       for (int64_t p0 = 0; p0 < pairs; p0 += kLanePass) {
         const int64_t count = std::min(kLanePass, pairs - p0);
@@ -159,7 +159,7 @@ void linear_w8_i16(const T* x, const int8_t* w, const float* scale, const T* bia
   std::vector<int16_t> xq(rows * kp);
   std::vector<float> xs(rows);
   quantize_rows_i16(x, rows, k, kp, 0, kExactQmax, xq.data(), xs.data());
-  if (rows >= kW8LanesFrom)
+  if (rows >= kLanesFrom)
     return lanes_w8(xq.data(), kp, w, rows, k, n, [&](int64_t m, int64_t o, double total) {
       const float b = bias ? to_f32(bias[o]) : 0.f;
       store_as(out + m * n + o, static_cast<float>(total) * xs[m] * scale[o] + b);

@@ -1,5 +1,5 @@
-// Integer GEMMs with the input rows in the vector lanes (plain AVX2: the int16-weight kernels
-// at many rows, int4_tiled.h and int8.h). Included per ISA inside kiln::<isa> after gemv.h.
+// Integer GEMMs with the input rows in the vector lanes (AVX2: the int16-weight kernels at many
+// rows, int4_tiled.h, int8.h and w8a8.h). Included per ISA inside kiln::<isa> after gemv.h.
 //
 // An input is an int16 and so is a weight; one vpmaddwd multiplies 8 rows by a pair of one
 // output's weights (broadcast), 16 multiply-adds an instruction with no reduction across lanes:
@@ -8,11 +8,13 @@
 // dword a row's two int16 inputs of one pair.
 //
 //   kLaneRows             input rows a pass holds in its lanes (two vectors)
+//   kLanesFrom            rows from which the kernels take the lanes
 //   lanes_inputs_i16      int16 rows [rows][kp] to X (the pairs in order)
 //   lanes_four_outputs    int32 sums of one chunk's 16 rows against 4 outputs over `count` pairs
 
 #if defined(KILN_ISA_AVX2)
 constexpr int64_t kLaneRows = 16;
+constexpr int64_t kLanesFrom = 16;  // (8 would fill half the lanes)
 
 // X [chunk][kp / 2 pairs][kLaneRows] dwords from int16 rows of kp (even) inputs, pair p of a row
 // being its inputs (2p, 2p + 1); the rows past `rows` zero

@@ -201,7 +201,7 @@ template <typename T>
   }
 #endif
 #if defined(KILN_ISA_AVX2) && !defined(KILN_ISA_AVXVNNI)
-  if (rows >= kW8LanesFrom) {  // the rows in the vector lanes (int8.h): the same exact sums
+  if (rows >= kLanesFrom) {  // the rows in the vector lanes (int8.h): the same exact sums
     const int64_t kp = (k + 15) / 16 * 16;
     std::vector<int16_t> x16(rows * kp, 0);
     for (int64_t m = 0; m < rows; ++m)
