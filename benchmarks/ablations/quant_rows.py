@@ -1,7 +1,7 @@
-"""A quantized linear kernel at 1 to 512 rows of SmolLM2's linear shapes, for two builds of the
-plugin library side by side: each round runs every library in a process of its own, in turn, so a
-noisy neighbour slows them alike. Prints the median over rounds of each library's median time
-and the second library's speed against the first's; writes JSON. No timing is asserted anywhere.
+"""A linear kernel (quantized, or dense bf16) at 1 to 512 rows of SmolLM2's linear shapes, for
+two builds of the plugin library side by side: each round runs every library in a process of its
+own, in turn, so a noisy neighbour slows them alike. Prints the median over rounds of each
+library's median time and the second library's speed against the first's; writes JSON. No timing is asserted anywhere.
 
     python benchmarks/ablations/quant_rows.py --kernel linear_w8a8 --libraries OLD.so NEW.so \\
         --isa avx2 avx512bf16 --threads 1 --json out/w8a8-rows.json
@@ -11,7 +11,7 @@ and the second library's speed against the first's; writes JSON. No timing is as
 Kernels: linear_w8a8 (SmoothQuant's W8A8, int8_sq engines' every row count), linear_w8 (W8A16 on
 the int8 row layout: int8_wo engines where the tiled int8 layout is not used), linear_w4_tiled
 (W4A16 on the tiled int4 layout: int4_awq / int4_wo) and linear_w4a8_tiled (W4A8), these two in
-groups of 64 as SmolLM2's int4 engines. (A library is a built kiln_plugins.so: build_plugins()
+groups of 64 as SmolLM2's int4 engines, and linear (the dense bf16 kernel: bf16 engines). (A library is a built kiln_plugins.so: build_plugins()
 prints the path of the current sources' one; an older commit's stays in the build cache.)"""
 from __future__ import annotations
 
@@ -25,13 +25,16 @@ from library_turns import command_line, levels_and_rows, load, median_us
 
 SMOLLM2_SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # (out, in): qkv, o_proj, gate_up, down
 ROWS = [1, 8, 32, 128]
-KERNELS = ("linear_w8a8", "linear_w8", "linear_w4_tiled", "linear_w4a8_tiled")
+KERNELS = ("linear_w8a8", "linear_w8", "linear_w4_tiled", "linear_w4a8_tiled", "linear")
 GROUP = 64  # the int4 kernels' group size
 
 
 def call(ops, kernel: str, n: int, k: int, rows: int, g: torch.Generator):
     """One call of `kernel` on fresh weights of [n, k] and `rows` bf16 input rows."""
     x = torch.randn(rows, k, generator=g).bfloat16()
+    if kernel == "linear":
+        w = (torch.randn(n, k, generator=g) / k ** 0.5).bfloat16()
+        return lambda: ops.linear(x, w)
     if kernel == "linear_w8a8":
         w = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=g)
         s = torch.rand(n, generator=g) + 0.5

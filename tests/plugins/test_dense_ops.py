@@ -1,5 +1,6 @@
 import pytest
 import torch
+import torch.nn.functional as F
 
 from kiln.plugins import ops, reference
 from tests.helpers import generator
@@ -128,3 +129,44 @@ def test_gelu_tanh_float32_is_as_exact_as_float32_allows(isa):
     want = 0.5 * x * (1 + torch.tanh((2 / torch.pi) ** 0.5 * (x + 0.044715 * x**3)))
     assert bool(torch.isfinite(got).all())
     assert float(((got - want).abs() / x.abs().clamp(min=1)).max()) < 2e-7
+
+
+# (rows, in, out). AVX2 takes the rows in its lanes from 16 rows (kernels/dense_lanes.h): input
+# tails of 5, 8 and 12 past the steps of 16, fewer than 8 inputs in all, three passes over the
+# widened weights (1544), output groups of 6 left part empty
+DENSE_SHAPES = [(1, 576, 96), (9, 40, 13), (16, 37, 13), (33, 1100, 37), (64, 24, 7), (17, 5, 11), (20, 1544, 20),
+                (64, 576, 160)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows, k, n", DENSE_SHAPES)
+def test_linear_matches_reference(isa, dtype, rows, k, n):
+    g = generator(isa, str(dtype), rows, k, n, "linear")
+    x = torch.randn(rows, k, generator=g).to(dtype)
+    w = (torch.randn(n, k, generator=g) / k ** 0.5).to(dtype)
+    b = torch.randn(n, generator=g).to(dtype)
+    got = ops.linear(x, w, b)
+    exact = F.linear(x.double(), w.double(), b.double())
+    assert got.dtype == dtype and got.shape == (rows, n)
+    # float32 sums of k + 1 terms in any order: off by at most (k + 1) 2^-24 of the sum of their
+    # magnitudes; bf16 outputs then rounded once (half a step: 2^-8 of the value at most)
+    bound = (k + 1) * 2**-24 * (x.double().abs() @ w.double().abs().T + b.double().abs())
+    if dtype == torch.bfloat16:
+        bound += 2**-8 * (exact.abs() + bound)
+    err = (got.double() - exact).abs()
+    assert (err <= bound).all(), f"error {float((err - bound).max()):.3g} over the bound at {int((err - bound).argmax())}"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])  # float32: no output rounding to hide a sum's last bits
+@pytest.mark.parametrize("rows, k, n", [shape for shape in DENSE_SHAPES if shape[0] > 1])
+def test_linear_rows_are_the_bits_of_each_row_alone(isa, dtype, rows, k, n):
+    """A row among many (AVX2: in the lanes from 16 rows, by fours below) gets the bits it gets
+    alone: every sum in one order whatever the row count."""
+    g = generator(isa, str(dtype), rows, k, n, "linear alone")
+    x = (torch.randn(rows, k, generator=g) * 4).to(dtype)
+    w = (torch.randn(n, k, generator=g) / k ** 0.5).to(dtype)
+    b = torch.randn(n, generator=g).to(dtype)
+    together = ops.linear(x, w, b)
+    alone = torch.cat([ops.linear(x[i:i + 1], w, b) for i in range(rows)])
+    differ = (together != alone).any(dim=1).nonzero().flatten().tolist()
+    assert not differ, f"rows {differ} of {rows} differ from the row alone"

@@ -41,15 +41,16 @@ void dense_rows(const T* w, int64_t k, const T* bias, T* out, int64_t rows, int6
 
 template <typename T>
 void linear_float(const T* x, const T* w, const T* bias, T* out, int64_t rows, int64_t k, int64_t n) {
-  std::vector<float> xf(rows * k);
+  const LineBuffer<float> buffer(rows * k);
+  float* xf = buffer.data;
   for (int64_t i = 0; i < rows * k; ++i) xf[i] = to_f32(x[i]);
   dense_rows(
       w, k, bias, out, rows, n,
       [&](int64_t m, int64_t o, float* sums) {
-        const float* x0 = xf.data() + m * k;
+        const float* x0 = xf + m * k;
         dot4(x0, x0 + k, x0 + 2 * k, x0 + 3 * k, w + o * k, k, sums);
       },
-      [&](int64_t m, int64_t o) { return dot(xf.data() + m * k, w + o * k, k); });
+      [&](int64_t m, int64_t o) { return dot(xf + m * k, w + o * k, k); });
 }
 
 #if defined(KILN_ISA_AVX512BF16)

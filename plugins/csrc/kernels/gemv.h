@@ -54,9 +54,9 @@ void gemv_rows(WeightRows w, const X* xs, const T* bias, T* out, int64_t rows, i
 // The float-input GEMV (AVX2 / scalar paths): the input rows widened to fp32 once first.
 template <typename T, typename Dot>
 void gemv_float_rows(WeightRows w, const T* x, const T* bias, T* out, int64_t rows, int64_t k, int64_t n, Dot dot) {
-  std::vector<float> xf(rows * k);
-  for (int64_t i = 0; i < rows * k; ++i) xf[i] = to_f32(x[i]);
-  gemv_rows(w, xf.data(), bias, out, rows, k, n, dot);
+  const LineBuffer<float> xf(rows * k);
+  for (int64_t i = 0; i < rows * k; ++i) xf.data[i] = to_f32(x[i]);
+  gemv_rows(w, xf.data, bias, out, rows, k, n, dot);
 }
 
 // R input rows against one weight row of one-byte elements W (int8_t, fp8e4m3: to_f32 widens

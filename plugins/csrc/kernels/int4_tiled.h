@@ -258,9 +258,9 @@ void tiled_w4_lanes(const int8_t* hi, const int8_t* lo, const float* xs_row, con
   const TiledLayout L = tiled_int4_layout(k, n, group);
   const int64_t pairs = k / 2, chunks = (rows + kLaneRows - 1) / kLaneRows;
   std::vector<int16_t> q(rows * k);
-  std::vector<int32_t> X(chunks * pairs * kLaneRows);
+  const LineBuffer<int32_t> X(chunks * pairs * kLaneRows);
   lanes_rows_from_planes(hi, lo, rows, k, q.data());
-  lanes_inputs_i16(q.data(), rows, k, X.data());
+  lanes_inputs_i16(q.data(), rows, k, X.data);
   parallel_for(0, L.tiles, 1, [&](int64_t begin, int64_t end) {
     std::vector<int32_t> Wt(pairs * kTileRows);
     alignas(32) float facc[kTileRows * kLaneRows];  // [output][row]
@@ -268,7 +268,7 @@ void tiled_w4_lanes(const int8_t* hi, const int8_t* lo, const float* xs_row, con
       const int64_t t0 = t / kTileGroup * kTileGroup, U = L.width(t0), u = t - t0;
       lanes_weights(w + t0 * L.kb * 64, L.kb, U, u, Wt.data());
       for (int64_t c = 0; c < chunks; ++c) {
-        lanes_tile(X.data() + c * pairs * kLaneRows, Wt.data(), s + (t0 * L.groups + u) * kTileRows, L, U, group,
+        lanes_tile(X.data + c * pairs * kLaneRows, Wt.data(), s + (t0 * L.groups + u) * kTileRows, L, U, group,
                    facc);
         for (int64_t m = c * kLaneRows; m < std::min(rows, (c + 1) * kLaneRows); ++m)
           for (int64_t o = 0; o < kTileRows; ++o) {

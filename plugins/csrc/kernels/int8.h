@@ -128,8 +128,8 @@ template <typename Store>
 void lanes_w8(const int16_t* xq, int64_t kp, const int8_t* w, int64_t rows, int64_t k, int64_t n, Store store) {
   static_assert(kFlush % (2 * kLanePass) == 0, "a pass within one flush");
   const int64_t pairs = kp / 2, chunks = (rows + kLaneRows - 1) / kLaneRows, tile = kLaneOutputs * kLaneRows;
-  std::vector<int32_t> X(chunks * pairs * kLaneRows);
-  lanes_inputs_i16(xq, rows, kp, X.data());
+  const LineBuffer<int32_t> X(chunks * pairs * kLaneRows);
+  lanes_inputs_i16(xq, rows, kp, X.data);
   parallel_for(0, (n + kLaneOutputs - 1) / kLaneOutputs, 1, [&](int64_t begin, int64_t end) {
     alignas(32) int16_t Wp[kLaneOutputs * 2 * kLanePass];
     // [chunk][output][row]: the current kFlush inputs' sums (zero between tiles: a tile's last pass flushes)
@@ -141,7 +141,7 @@ void lanes_w8(const int16_t* xq, int64_t kp, const int8_t* w, int64_t rows, int6
       for (int64_t p0 = 0; p0 < pairs; p0 += kLanePass) {
         const int64_t count = std::min(kLanePass, pairs - p0);
         lanes_w8_weights(w + o0 * k, k, on, 2 * p0, Wp);
-        lanes_w8_pass(X.data(), pairs, chunks, p0, count, Wp, on, flush.data());
+        lanes_w8_pass(X.data, pairs, chunks, p0, count, Wp, on, flush.data());
         if ((p0 + count) % (kFlush / 2) == 0 || p0 + count == pairs)
           lanes_w8_flush(flush.data(), exact.data(), chunks * tile);
       }

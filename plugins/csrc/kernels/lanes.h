@@ -1,16 +1,21 @@
-// Integer GEMMs with the input rows in the vector lanes (AVX2: the int16-weight kernels at many
-// rows, int4_tiled.h, int8.h and w8a8.h). Included per ISA inside kiln::<isa> after gemv.h.
+// GEMMs with the input rows in the vector lanes (AVX2, at many rows: the int16-weight kernels of
+// int4_tiled.h, int8.h and w8a8.h, and the float linears of dense_lanes.h). Included per ISA
+// inside kiln::<isa> after gemv.h.
 //
-// An input is an int16 and so is a weight; one vpmaddwd multiplies 8 rows by a pair of one
-// output's weights (broadcast), 16 multiply-adds an instruction with no reduction across lanes:
-// each lane holds one (row, output) sum, so a row's sums never depend on which rows share its
-// vectors. The inputs go in chunks of kLaneRows rows: X [chunk][pairs][kLaneRows] dwords, each
-// dword a row's two int16 inputs of one pair.
+// Integers: an input is an int16 and so is a weight; one vpmaddwd multiplies 8 rows by a pair of
+// one output's weights (broadcast), 16 multiply-adds an instruction with no reduction across
+// lanes: each lane holds one (row, output) sum, so a row's sums never depend on which rows share
+// its vectors. The inputs go in chunks of kLaneRows rows: X [chunk][pairs][kLaneRows] dwords,
+// each dword a row's two int16 inputs of one pair.
+// Floats: one vfmadd231ps multiplies 8 rows by one output's weight (broadcast); each lane holds
+// one (row, output) chain of FMAs, the chains dot() keeps in its lanes (dense_lanes.h).
 //
 //   kLaneRows             input rows a pass holds in its lanes (two vectors)
 //   kLanesFrom            rows from which the kernels take the lanes
 //   lanes_inputs_i16      int16 rows [rows][kp] to X (the pairs in order)
 //   lanes_four_outputs    int32 sums of one chunk's 16 rows against 4 outputs over `count` pairs
+//   lanes_inputs_f32      float rows to X by chain ([chunk][chain][step][kLaneRows] floats)
+//   lanes_six_outputs     fp32 chains of one chunk's 16 rows against 6 outputs, `count` steps on
 
 #if defined(KILN_ISA_AVX2)
 constexpr int64_t kLaneRows = 16;
@@ -92,4 +97,106 @@ inline void lanes_four_outputs(const int32_t* X, const int32_t* W, int64_t count
         "xmm13", "xmm14", "xmm15", "memory", "cc");
   static_assert(kLaneRows == 16, "the assembly's strides");
 }
+
+// The float lanes' chains: dot() sums input i of a row in lane i % 16 of its two accumulators
+// (kChains lanes), one FMA a step of 16 inputs, so chain j holds inputs j, j + 16, j + 32, ...
+constexpr int64_t kChains = 16;
+
+// X [chunk][kChains][steps][kLaneRows] floats: input i < E (a multiple of 8) of row m at chain
+// i % kChains, step i / kChains, lane m % kLaneRows of chunk m / kLaneRows (steps = the longest
+// chain's length; the rows past `rows` zero), for the chunks [c0, c1). 8 rows by 8 inputs at a
+// time through an 8 x 8 transposition.
+template <typename T>
+void lanes_inputs_f32(const T* x, int64_t rows, int64_t k, int64_t E, int64_t steps, int64_t c0, int64_t c1,
+                      float* X) {
+  for (int64_t c = c0; c < c1; ++c)
+    for (int64_t h = 0; h < kLaneRows; h += 8) {
+      const int64_t m0 = c * kLaneRows + h;
+      for (int64_t i0 = 0; i0 < E; i0 += 8) {
+        __m256 r[8];
+        for (int q = 0; q < 8; ++q) r[q] = m0 + q < rows ? vload(x + (m0 + q) * k + i0) : _mm256_setzero_ps();
+        __m256 t[8], u[8];
+        for (int q = 0; q < 8; q += 2) {
+          t[q] = _mm256_unpacklo_ps(r[q], r[q + 1]);
+          t[q + 1] = _mm256_unpackhi_ps(r[q], r[q + 1]);
+        }
+        for (int q = 0; q < 8; q += 4) {
+          u[q] = _mm256_shuffle_ps(t[q], t[q + 2], 0x44);
+          u[q + 1] = _mm256_shuffle_ps(t[q], t[q + 2], 0xEE);
+          u[q + 2] = _mm256_shuffle_ps(t[q + 1], t[q + 3], 0x44);
+          u[q + 3] = _mm256_shuffle_ps(t[q + 1], t[q + 3], 0xEE);
+        }
+        for (int q = 0; q < 8; ++q) {  // input i0 + q of the 8 rows
+          const __m256 column = _mm256_permute2f128_ps(u[q % 4], u[q % 4 + 4], q < 4 ? 0x20 : 0x31);
+          const int64_t i = i0 + q;
+          _mm256_storeu_ps(X + ((c * kChains + i % kChains) * steps + i / kChains) * kLaneRows + h, column);
+        }
+      }
+    }
+}
+
+// acc [6 outputs][kLaneRows rows] += the products of one chunk's chain (X, from a step on) with
+// 6 outputs' weights over `count` > 0 steps, one FMA per (output, 8 rows) a step, in order: output
+// j's weight of step s at W + j * OutputStep + s * kChains (floats; a constant, as the loads'
+// displacement). Written in assembly for the reason lanes_four_outputs is.
+template <int64_t OutputStep>
+inline void lanes_six_outputs(const float* X, const float* W, int64_t count, float* acc) {
+  asm volatile(
+      "vmovups (%[a]), %%ymm4\n\t"
+      "vmovups 32(%[a]), %%ymm5\n\t"
+      "vmovups 64(%[a]), %%ymm6\n\t"
+      "vmovups 96(%[a]), %%ymm7\n\t"
+      "vmovups 128(%[a]), %%ymm8\n\t"
+      "vmovups 160(%[a]), %%ymm9\n\t"
+      "vmovups 192(%[a]), %%ymm10\n\t"
+      "vmovups 224(%[a]), %%ymm11\n\t"
+      "vmovups 256(%[a]), %%ymm12\n\t"
+      "vmovups 288(%[a]), %%ymm13\n\t"
+      "vmovups 320(%[a]), %%ymm14\n\t"
+      "vmovups 352(%[a]), %%ymm15\n\t"
+      "1:\n\t"
+      "vmovups (%[x]), %%ymm0\n\t"  // rows 0-7 of this step
+      "vmovups 32(%[x]), %%ymm1\n\t"  // rows 8-15
+      "vbroadcastss (%[w]), %%ymm2\n\t"  // output 0's weight
+      "vbroadcastss %c[o1](%[w]), %%ymm3\n\t"  // output 1's
+      "vfmadd231ps %%ymm2, %%ymm0, %%ymm4\n\t"
+      "vfmadd231ps %%ymm2, %%ymm1, %%ymm5\n\t"
+      "vfmadd231ps %%ymm3, %%ymm0, %%ymm6\n\t"
+      "vfmadd231ps %%ymm3, %%ymm1, %%ymm7\n\t"
+      "vbroadcastss %c[o2](%[w]), %%ymm2\n\t"  // outputs 2 and 3
+      "vbroadcastss %c[o3](%[w]), %%ymm3\n\t"
+      "vfmadd231ps %%ymm2, %%ymm0, %%ymm8\n\t"
+      "vfmadd231ps %%ymm2, %%ymm1, %%ymm9\n\t"
+      "vfmadd231ps %%ymm3, %%ymm0, %%ymm10\n\t"
+      "vfmadd231ps %%ymm3, %%ymm1, %%ymm11\n\t"
+      "vbroadcastss %c[o4](%[w]), %%ymm2\n\t"  // outputs 4 and 5
+      "vbroadcastss %c[o5](%[w]), %%ymm3\n\t"
+      "vfmadd231ps %%ymm2, %%ymm0, %%ymm12\n\t"
+      "vfmadd231ps %%ymm2, %%ymm1, %%ymm13\n\t"
+      "vfmadd231ps %%ymm3, %%ymm0, %%ymm14\n\t"
+      "vfmadd231ps %%ymm3, %%ymm1, %%ymm15\n\t"
+      "add $64, %[x]\n\t"  // the chain's next step: kLaneRows floats of X
+      "add $64, %[w]\n\t"  // kChains floats further in each output's weights
+      "dec %[n]\n\t"
+      "jnz 1b\n\t"
+      "vmovups %%ymm4, (%[a])\n\t"
+      "vmovups %%ymm5, 32(%[a])\n\t"
+      "vmovups %%ymm6, 64(%[a])\n\t"
+      "vmovups %%ymm7, 96(%[a])\n\t"
+      "vmovups %%ymm8, 128(%[a])\n\t"
+      "vmovups %%ymm9, 160(%[a])\n\t"
+      "vmovups %%ymm10, 192(%[a])\n\t"
+      "vmovups %%ymm11, 224(%[a])\n\t"
+      "vmovups %%ymm12, 256(%[a])\n\t"
+      "vmovups %%ymm13, 288(%[a])\n\t"
+      "vmovups %%ymm14, 320(%[a])\n\t"
+      "vmovups %%ymm15, 352(%[a])\n\t"
+      : [x] "+r"(X), [w] "+r"(W), [n] "+r"(count)
+      : [a] "r"(acc), [o1] "i"(4 * OutputStep), [o2] "i"(8 * OutputStep), [o3] "i"(12 * OutputStep),
+        [o4] "i"(16 * OutputStep), [o5] "i"(20 * OutputStep)
+      : "xmm0", "xmm1", "xmm2", "xmm3", "xmm4", "xmm5", "xmm6", "xmm7", "xmm8", "xmm9", "xmm10", "xmm11", "xmm12",
+        "xmm13", "xmm14", "xmm15", "memory", "cc");
+  static_assert(kLaneRows == 16 && kChains == 16, "the assembly's strides");
+}
 #endif
+

@@ -15,6 +15,9 @@ void linear(const T* x, const T* w, const T* bias, T* out, int64_t rows, int64_t
 #if defined(KILN_ISA_AVX512BF16)
   if constexpr (std::is_same_v<T, bf16>) return linear_bf16_dp(x, w, bias, out, rows, k, n);
 #endif
+#if defined(KILN_ISA_AVX2)
+  if (rows >= kFloatLanesFrom) return linear_float_lanes<T>(x, w, bias, out, rows, k, n);  // the same bits
+#endif
   linear_float<T>(x, w, bias, out, rows, k, n);
 }
 
