@@ -87,7 +87,7 @@ void linear_float_lanes(const T* x, const T* w, const T* bias, T* out, int64_t r
       const int64_t o0 = g * kFloatLaneOutputs, on = std::min(kFloatLaneOutputs, n - o0);
       for (int64_t b0 = 0; b0 < chunks; b0 += kFloatLaneBlock) {
         const int64_t b1 = std::min(chunks, b0 + kFloatLaneBlock);
-        std::fill(chains.begin(), chains.end(), 0.f);
+        std::fill(chains.begin(), chains.begin() + (b1 - b0) * kChains * kFloatLaneOutputs * kLaneRows, 0.f);
         for (int64_t p0 = 0; p0 < E; p0 += kFloatLanePass) {
           const int64_t p1 = std::min(E, p0 + kFloatLanePass);
           lanes_float_weights(w + o0 * k, k, on, p0, p1, Wf.data());
