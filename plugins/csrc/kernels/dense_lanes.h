@@ -34,17 +34,6 @@ inline void lanes_float_weights(const T* w, int64_t k, int64_t on, int64_t p0, i
   }
 }
 
-// Prefetches inputs [p0, p1) of the next group's `on` weight rows: the weights come from memory
-// once a call, in rows too short (a pass's 1.5 KB of bf16) for the hardware prefetchers to ramp
-// up on before the group is widened
-template <typename T>
-inline void lanes_float_ahead(const T* w, int64_t k, int64_t on, int64_t p0, int64_t p1) {
-  for (int64_t o = 0; o < on; ++o) {
-    const char* row = reinterpret_cast<const char*>(w + o * k + p0);
-    for (int64_t b = 0; b < (p1 - p0) * static_cast<int64_t>(sizeof(T)); b += 64) prefetch_line(row + b);
-  }
-}
-
 // out rows of chunk c, outputs [o0, o0 + on): each row's chains (chains [chain][output][row])
 // added as dot() adds its two accumulators' lanes, the inputs from E on one by one, + bias
 template <typename T>
@@ -54,7 +43,8 @@ void lanes_float_store(const float* chains, const T* x, const T* w, const T* bia
     alignas(32) float total[kLaneRows];
     for (int64_t h = 0; h < kLaneRows; h += 8) {
       __m256 p[kChains];
-      for (int64_t j = 0; j < kChains; ++j) p[j] = _mm256_loadu_ps(chains + (j * kFloatLaneOutputs + o) * kLaneRows + h);
+      for (int64_t j = 0; j < kChains; ++j)
+        p[j] = _mm256_loadu_ps(chains + (j * kFloatLaneOutputs + o) * kLaneRows + h);
       auto vsum8 = [&](int b) {  // vsum's order (vec.h): ((a0 + a4) + (a2 + a6)) + ((a1 + a5) + (a3 + a7))
         return _mm256_add_ps(_mm256_add_ps(_mm256_add_ps(p[b], p[b + 4]), _mm256_add_ps(p[b + 2], p[b + 6])),
                              _mm256_add_ps(_mm256_add_ps(p[b + 1], p[b + 5]), _mm256_add_ps(p[b + 3], p[b + 7])));
@@ -79,31 +69,29 @@ void linear_float_lanes(const T* x, const T* w, const T* bias, T* out, int64_t r
   const LineBuffer<float> buffer(chunks * kChains * steps * kLaneRows);
   float* X = buffer.data;
   parallel_for(0, chunks, 1, [&](int64_t c0, int64_t c1) { lanes_inputs_f32(x, rows, k, E, steps, c0, c1, X); });
-  const int64_t block = kFloatLaneBlock * kChains * kFloatLaneOutputs * kLaneRows;
+  const int64_t per_chunk = kChains * kFloatLaneOutputs * kLaneRows;  // a chunk's chains of a group
   parallel_for(0, (n + kFloatLaneOutputs - 1) / kFloatLaneOutputs, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> Wf(kFloatLaneOutputs * kFloatLaneStride);
-    std::vector<float> chains(block);  // [chunk of the block][chain][output][row]
+    std::vector<float> chains(kFloatLaneBlock * per_chunk);  // [chunk of the block][chain][output][row]
     for (int64_t g = begin; g < end; ++g) {
       const int64_t o0 = g * kFloatLaneOutputs, on = std::min(kFloatLaneOutputs, n - o0);
       for (int64_t b0 = 0; b0 < chunks; b0 += kFloatLaneBlock) {
         const int64_t b1 = std::min(chunks, b0 + kFloatLaneBlock);
-        std::fill(chains.begin(), chains.begin() + (b1 - b0) * kChains * kFloatLaneOutputs * kLaneRows, 0.f);
+        std::fill(chains.begin(), chains.begin() + (b1 - b0) * per_chunk, 0.f);
         for (int64_t p0 = 0; p0 < E; p0 += kFloatLanePass) {
           const int64_t p1 = std::min(E, p0 + kFloatLanePass);
           lanes_float_weights(w + o0 * k, k, on, p0, p1, Wf.data());
-          if (g + 1 < end) lanes_float_ahead(w + (o0 + kFloatLaneOutputs) * k, k, std::min(kFloatLaneOutputs, n - o0 - on), p0, p1);
           for (int64_t c = b0; c < b1; ++c)
             for (int64_t j = 0; j < kChains; ++j) {
               const int64_t count = (p1 - p0 - j + kChains - 1) / kChains;  // chain j's steps in [p0, p1)
               if (count <= 0) continue;
+              float* acc = chains.data() + (c - b0) * per_chunk + j * kFloatLaneOutputs * kLaneRows;
               lanes_six_outputs<kFloatLaneStride>(X + ((c * kChains + j) * steps + p0 / kChains) * kLaneRows,
-                                                  Wf.data() + j, count,
-                                                  chains.data() + ((c - b0) * kChains + j) * kFloatLaneOutputs * kLaneRows);
+                                                  Wf.data() + j, count, acc);
             }
         }
         for (int64_t c = b0; c < b1; ++c)
-          lanes_float_store(chains.data() + (c - b0) * kChains * kFloatLaneOutputs * kLaneRows, x, w, bias, out, rows,
-                            k, n, E, c, o0, on);
+          lanes_float_store(chains.data() + (c - b0) * per_chunk, x, w, bias, out, rows, k, n, E, c, o0, on);
       }
     }
   });
