@@ -120,7 +120,9 @@ class Routed:
 
 class DenseLinear(Routed):
     streamed_attr = "weight"  # the tensor a GEMV streams (runtime/weight_arena.py)
-    kernel_rows = 16  # bf16, AVX2 (AMD EPYC, Zen 3): the kernel 1.1-1.35x PyTorch's at 16 rows, 0.65-0.8x at 64
+    # bf16, AVX2 (AMD EPYC, Zen 3, one thread): the kernel 1.11-1.29x PyTorch's at 64 rows (the output
+    # projection 0.93x), 0.96-1.06x at 128, 0.87-0.94x at 256 (docs/benchmarks.md, the bf16 lanes)
+    kernel_rows = 64
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
         self.weight, self.bias = weight, bias
