@@ -1,7 +1,8 @@
 """A linear kernel (quantized, or dense bf16) at 1 to 512 rows of SmolLM2's linear shapes, for
 two builds of the plugin library side by side: each round runs every library in a process of its
 own, in turn, so a noisy neighbour slows them alike. Prints the median over rounds of each
-library's median time and the second library's speed against the first's; writes JSON. No timing is asserted anywhere.
+library's median time and the second library's speed against the first's; writes JSON. No
+timing is asserted anywhere.
 
     python benchmarks/ablations/quant_rows.py --kernel linear_w8a8 --libraries OLD.so NEW.so \\
         --isa avx2 avx512bf16 --threads 1 --json out/w8a8-rows.json
@@ -11,8 +12,9 @@ library's median time and the second library's speed against the first's; writes
 Kernels: linear_w8a8 (SmoothQuant's W8A8, int8_sq engines' every row count), linear_w8 (W8A16 on
 the int8 row layout: int8_wo engines where the tiled int8 layout is not used), linear_w4_tiled
 (W4A16 on the tiled int4 layout: int4_awq / int4_wo) and linear_w4a8_tiled (W4A8), these two in
-groups of 64 as SmolLM2's int4 engines, and linear (the dense bf16 kernel: bf16 engines). (A library is a built kiln_plugins.so: build_plugins()
-prints the path of the current sources' one; an older commit's stays in the build cache.)"""
+groups of 64 as SmolLM2's int4 engines, and linear (the dense bf16 kernel: bf16 engines). (A
+library is a built kiln_plugins.so: build_plugins() prints the path of the current sources' one;
+an older commit's stays in the build cache.)"""
 from __future__ import annotations
 
 import json

@@ -131,11 +131,12 @@ def test_gelu_tanh_float32_is_as_exact_as_float32_allows(isa):
     assert float(((got - want).abs() / x.abs().clamp(min=1)).max()) < 2e-7
 
 
-# (rows, in, out). AVX2 takes the rows in its lanes from 16 rows (kernels/dense_lanes.h): input
-# tails of 5, 8 and 12 past the steps of 16, fewer than 8 inputs in all, three passes over the
-# widened weights (1544), output groups of 6 left part empty
-DENSE_SHAPES = [(1, 576, 96), (9, 40, 13), (16, 37, 13), (33, 1100, 37), (64, 24, 7), (17, 5, 11), (20, 1544, 20),
-                (64, 576, 160)]
+# (rows, in, out). Below 32 rows a weight row against four input rows (dense.h); AVX2 takes the
+# rows in its lanes from 32 rows (kernels/dense_lanes.h): there input tails of 5, 8 and 12 past
+# the steps of 16, fewer than 8 inputs in all, three passes over the widened weights (1544),
+# output groups of 6 left part empty, a second block of 4 chunks (80 rows)
+DENSE_SHAPES = [(1, 576, 96), (9, 40, 13), (16, 37, 13), (32, 37, 13), (33, 1100, 37), (64, 24, 7), (33, 5, 11),
+                (40, 1544, 20), (80, 576, 160)]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -162,7 +163,7 @@ def test_linear_matches_reference(isa, dtype, rows, k, n):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows, k, n", [shape for shape in DENSE_SHAPES if shape[0] > 1])
 def test_linear_rows_are_the_bits_of_each_row_alone(isa, dtype, rows, k, n):
-    """A row among many (AVX2: in the lanes from 16 rows, by fours below) gets the bits it gets
+    """A row among many (AVX2: in the lanes from 32 rows, by fours below) gets the bits it gets
     alone: every sum in one order whatever the row count."""
     g = generator(isa, str(dtype), rows, k, n, "linear alone")
     x = (torch.randn(rows, k, generator=g) * 4).to(dtype)

@@ -64,7 +64,9 @@ void lanes_float_store(const float* chains, const T* x, const T* w, const T* bia
 
 template <typename T>
 void linear_float_lanes(const T* x, const T* w, const T* bias, T* out, int64_t rows, int64_t k, int64_t n) {
-  const int64_t E = k / kChains * kChains + (k % kChains >= 8 ? 8 : 0), steps = (E + kChains - 1) / kChains;
+  // dot()'s vector part: its steps of two vectors, then one more vector if a whole one is left
+  const int64_t E = k / kChains * kChains + (k % kChains >= kLanes ? kLanes : 0);
+  const int64_t steps = (E + kChains - 1) / kChains;
   const int64_t chunks = (rows + kLaneRows - 1) / kLaneRows;
   const LineBuffer<float> buffer(chunks * kChains * steps * kLaneRows);
   float* X = buffer.data;

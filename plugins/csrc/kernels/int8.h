@@ -77,8 +77,8 @@ inline void dot_rows_w8_i16(const int16_t* xq, int64_t kp, const int8_t* w, int6
 constexpr int64_t kLaneOutputs = 16;  // outputs a tile holds
 constexpr int64_t kLanePass = 128;    // pairs a pass covers: a chunk's X 8 KB, the tile's weights 8 KB
 
-// Wp [kLaneOutputs][kLanePass pairs] dwords: outputs [0, on) of the int8 rows w (k inputs each), inputs
-// [i0, i0 + 2 * kLanePass) widened to int16, zero past k and past on
+// Wp [kLaneOutputs][kLanePass pairs] dwords: outputs [0, on) of the int8 rows w (k inputs each),
+// inputs [i0, i0 + 2 * kLanePass) widened to int16, zero past k and past on
 inline void lanes_w8_weights(const int8_t* w, int64_t k, int64_t on, int64_t i0, int16_t* Wp) {
   constexpr int64_t width = 2 * kLanePass;
   std::fill(Wp + on * width, Wp + kLaneOutputs * width, int16_t{0});

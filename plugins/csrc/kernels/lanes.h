@@ -11,7 +11,8 @@
 // one (row, output) chain of FMAs, the chains dot() keeps in its lanes (dense_lanes.h).
 //
 //   kLaneRows             input rows a pass holds in its lanes (two vectors)
-//   kLanesFrom            rows from which the kernels take the lanes
+//   kLanesFrom            rows from which the integer kernels take the lanes (the float ones:
+//                         kFloatLanesFrom, dense_lanes.h)
 //   lanes_inputs_i16      int16 rows [rows][kp] to X (the pairs in order)
 //   lanes_four_outputs    int32 sums of one chunk's 16 rows against 4 outputs over `count` pairs
 //   lanes_inputs_f32      float rows to X by chain ([chunk][chain][step][kLaneRows] floats)
@@ -98,9 +99,9 @@ inline void lanes_four_outputs(const int32_t* X, const int32_t* W, int64_t count
   static_assert(kLaneRows == 16, "the assembly's strides");
 }
 
-// The float lanes' chains: dot() sums input i of a row in lane i % 16 of its two accumulators
-// (kChains lanes), one FMA a step of 16 inputs, so chain j holds inputs j, j + 16, j + 32, ...
-constexpr int64_t kChains = 16;
+// The float lanes' chains: dot() (vec.h) sums input i of a row in lane i % kChains of its two
+// accumulators, one FMA a step of kChains inputs, so chain j holds inputs j, j + 16, j + 32, ...
+constexpr int64_t kChains = 2 * kLanes;
 
 // X [chunk][kChains][steps][kLaneRows] floats: input i < E (a multiple of 8) of row m at chain
 // i % kChains, step i / kChains, lane m % kLaneRows of chunk m / kLaneRows (steps = the longest
@@ -199,4 +200,3 @@ inline void lanes_six_outputs(const float* X, const float* W, int64_t count, flo
   static_assert(kLaneRows == 16 && kChains == 16, "the assembly's strides");
 }
 #endif
-
