@@ -93,10 +93,22 @@ def server_environment() -> dict[str, str]:
     return env
 
 
+def free_ports(count: int) -> list[int]:
+    """count distinct free loopback ports: each socket stays bound until all are picked, so the OS
+    cannot hand out one port twice (a server given the same port for HTTP and gRPC refuses to start)."""
+    sockets: list[socket.socket] = []
+    try:
+        for _ in range(count):
+            sockets.append(socket.socket(socket.AF_INET, socket.SOCK_STREAM))
+            sockets[-1].bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
+
+
 def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_ports(1)[0]
 
 
 def _proc_stat(pid: int) -> tuple[str, int, int] | None:
@@ -148,9 +160,10 @@ class TritonServer:
         self.repo = Path(repo).resolve()
         if not (self.repo / "ensemble").is_dir():
             raise KilnError(f"{self.repo} is not a kiln Triton repository (no ensemble/ folder)")
-        self.grpc_port = grpc_port or free_port()
-        self.http_port = http_port or free_port()
-        self.metrics_port = metrics_port or free_port()
+        picked = iter(free_ports(3))
+        self.grpc_port = grpc_port or next(picked)
+        self.http_port = http_port or next(picked)
+        self.metrics_port = metrics_port or next(picked)
         self.address = address
         self.runtime = dict(runtime or {})
         self.run_dir = Path(tempfile.mkdtemp(prefix="kiln-serve-"))
