@@ -134,9 +134,10 @@ def test_gelu_tanh_float32_is_as_exact_as_float32_allows(isa):
 # (rows, in, out). Below 32 rows a weight row against four input rows (dense.h); AVX2 takes the
 # rows in its lanes from 32 rows (kernels/dense_lanes.h): there input tails of 5, 8 and 12 past
 # the steps of 16, fewer than 8 inputs in all, three passes over the widened weights (1544),
-# output groups of 6 left part empty, a second block of 4 chunks (80 rows)
+# output groups of 6 left part empty, a second block of 4 chunks (80 rows); up to 12 rows past
+# the last whole 16 (33, 40) go to the four-row kernel, 13 (45) are padded to a lane chunk
 DENSE_SHAPES = [(1, 576, 96), (9, 40, 13), (16, 37, 13), (32, 37, 13), (33, 1100, 37), (64, 24, 7), (33, 5, 11),
-                (40, 1544, 20), (80, 576, 160)]
+                (40, 1544, 20), (80, 576, 160), (45, 576, 20)]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

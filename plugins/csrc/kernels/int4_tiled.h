@@ -307,11 +307,17 @@ void linear_w4_tiled_dp(const T* x, const uint8_t* w, const float* s, int64_t gr
   std::vector<float> xs(rows);
   std::vector<int32_t> hsum(rows * groups), xsum8(rows * groups);
   split_rows_i8(x, rows, k, k, group, hi.data(), lo.data(), xs.data(), hsum.data(), xsum8.data());
+  int64_t m0 = 0;  // the rows from m0 on go to the row kernel
 #if defined(KILN_ISA_AVX2) && !defined(KILN_ISA_AVXVNNI)
-  if (rows >= kLanesFrom) return tiled_w4_lanes(hi.data(), lo.data(), xs.data(), w, s, group, bias, out, rows, k, n);
+  if (rows >= kLanesFrom) {
+    m0 = lane_rows(rows);
+    tiled_w4_lanes(hi.data(), lo.data(), xs.data(), w, s, group, bias, out, m0, k, n);
+    if (m0 == rows) return;
+  }
 #endif
-  for (int64_t i = 0; i < rows * groups; ++i) xsum8[i] = 8 * (256 * hsum[i] + xsum8[i]);  // the nibbles' + 8
-  tiled_w4_rows<false>(hi.data(), lo.data(), xsum8.data(), nullptr, xs.data(), w, s, group, bias, out, rows, k, n);
+  for (int64_t i = m0 * groups; i < rows * groups; ++i) xsum8[i] = 8 * (256 * hsum[i] + xsum8[i]);  // the nibbles' + 8
+  tiled_w4_rows<false>(hi.data() + m0 * k, lo.data() + m0 * k, xsum8.data() + m0 * groups, nullptr, xs.data() + m0, w,
+                       s, group, bias, out + m0 * n, rows - m0, k, n);
 }
 #endif
 

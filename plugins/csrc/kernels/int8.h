@@ -159,19 +159,26 @@ void linear_w8_i16(const T* x, const int8_t* w, const float* scale, const T* bia
   std::vector<int16_t> xq(rows * kp);
   std::vector<float> xs(rows);
   quantize_rows_i16(x, rows, k, kp, 0, kExactQmax, xq.data(), xs.data());
-  if (rows >= kLanesFrom)
-    return lanes_w8(xq.data(), kp, w, rows, k, n, [&](int64_t m, int64_t o, double total) {
+  int64_t first = 0;  // the rows from `first` on go to the row kernel
+  if (rows >= kLanesFrom) {
+    first = lane_rows(rows);
+    lanes_w8(xq.data(), kp, w, first, k, n, [&](int64_t m, int64_t o, double total) {
       const float b = bias ? to_f32(bias[o]) : 0.f;
       store_as(out + m * n + o, static_cast<float>(total) * xs[m] * scale[o] + b);
     });
+    if (first == rows) return;
+  }
   const WeightRows stream{w, k};
-  tiles_i16(bias, out, xs.data(), rows, n, [&](auto R, int64_t m0, int64_t o0, int64_t o1, float* sums) {
-    constexpr int r = decltype(R)::value;
-    for (int64_t o = o0; o < o1; ++o) {
-      if (m0 == 0) stream.ahead(o);
-      dot_rows_w8_i16<r>(xq.data() + m0 * kp, kp, w + o * k, k, sums + (o - o0) * r);
-    }
-  }, [&](int64_t o) { return scale[o]; });
+  const int16_t* xr = xq.data() + first * kp;
+  tiles_i16(bias, out + first * n, xs.data() + first, rows - first, n,
+            [&](auto R, int64_t m0, int64_t o0, int64_t o1, float* sums) {
+              constexpr int r = decltype(R)::value;
+              for (int64_t o = o0; o < o1; ++o) {
+                if (m0 == 0) stream.ahead(o);
+                dot_rows_w8_i16<r>(xr + m0 * kp, kp, w + o * k, k, sums + (o - o0) * r);
+              }
+            },
+            [&](int64_t o) { return scale[o]; });
 }
 #endif
 

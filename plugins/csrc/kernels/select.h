@@ -16,7 +16,12 @@ void linear(const T* x, const T* w, const T* bias, T* out, int64_t rows, int64_t
   if constexpr (std::is_same_v<T, bf16>) return linear_bf16_dp(x, w, bias, out, rows, k, n);
 #endif
 #if defined(KILN_ISA_AVX2)
-  if (rows >= kFloatLanesFrom) return linear_float_lanes<T>(x, w, bias, out, rows, k, n);  // the same bits
+  if (rows >= kFloatLanesFrom) {  // the same bits; the rows past whole chunks by lane_rows (lanes.h)
+    const int64_t lanes = lane_rows(rows);
+    linear_float_lanes<T>(x, w, bias, out, lanes, k, n);
+    if (lanes < rows) linear_float<T>(x + lanes * k, w, bias, out + lanes * n, rows - lanes, k, n);
+    return;
+  }
 #endif
   linear_float<T>(x, w, bias, out, rows, k, n);
 }

@@ -180,8 +180,12 @@ inline void store_w8a8(T* out, int64_t n, const float* xs, const float* scale, c
 
 // Two or more quantized rows (xq: u8, offset by 128): oneDNN's GEMM where it is exact and the rows
 // are more than a decode step's; on plain AVX2 from 16 rows the rows in the vector lanes
-// (lanes_w8); else weight rows in tiles of 4 against two input rows at a time (dot_u8s8_2x4).
+// (lanes_w8, up to kW8A8LaneTail rows past the last whole chunk left to the loop after it); else
+// weight rows in tiles of 4 against two input rows at a time (dot_u8s8_2x4).
 // Kept out of linear_w8a8_rows, whose one-row loop (decode) stays as it was.
+#if defined(KILN_ISA_AVX2)
+constexpr int64_t kW8A8LaneTail = 8;  // (lanes.h, lane_rows: this row loop is slower than W8A16's)
+#endif
 template <typename T>
 [[gnu::noinline]] void w8a8_many_rows(const uint8_t* xq, const float* xs, const int8_t* w, const float* scale,
                                       const int32_t* wsum, const T* bias, T* out, int64_t rows, int64_t k, int64_t n) {
@@ -202,14 +206,16 @@ template <typename T>
 #endif
 #if defined(KILN_ISA_AVX2) && !defined(KILN_ISA_AVXVNNI)
   if (rows >= kLanesFrom) {  // the rows in the vector lanes (int8.h): the same exact sums
-    const int64_t kp = (k + 15) / 16 * 16;
-    std::vector<int16_t> x16(rows * kp, 0);
-    for (int64_t m = 0; m < rows; ++m)
+    const int64_t kp = (k + 15) / 16 * 16, lanes = lane_rows(rows, kW8A8LaneTail);
+    std::vector<int16_t> x16(lanes * kp, 0);
+    for (int64_t m = 0; m < lanes; ++m)
       for (int64_t i = 0; i < k; ++i) x16[m * kp + i] = static_cast<int16_t>(static_cast<int>(xq[m * k + i]) - 128);
-    lanes_w8(x16.data(), kp, w, rows, k, n, [&](int64_t m, int64_t o, double total) {
+    lanes_w8(x16.data(), kp, w, lanes, k, n, [&](int64_t m, int64_t o, double total) {
       store_w8a8(out, n, xs, scale, bias, m, o, static_cast<int32_t>(total));
     });
-    return;
+    if (lanes == rows) return;
+    // the last rows past whole chunks: below, as a call of their own
+    xq += lanes * k, xs += lanes, out += lanes * n, rows -= lanes;
   }
 #endif
   const WeightRows stream{w, k};
