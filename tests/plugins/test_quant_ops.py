@@ -87,7 +87,8 @@ def test_linear_w4_matches_reference(isa, dtype, group, rows, k, n):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-# AVX2: 40 and 17 rows leave 8 and 1 to the row kernel; 25 pads its last 9 to a lane chunk
+# AVX2: the lanes from 10 rows (13 padded to a chunk); 40 and 17 rows leave 8 and 1 to the row kernel, 25 pads
+# its last 9 to a chunk of their own
 @pytest.mark.parametrize("rows, k, n", SHAPES + [(40, 1536, 64), (2, 130, 9), (17, 37, 7), (16, 2049, 21),
                                                  (25, 576, 30)])
 def test_linear_w8a8_matches_exact_integer_reference(isa, dtype, rows, k, n):
@@ -107,11 +108,12 @@ def test_linear_w8a8_matches_exact_integer_reference(isa, dtype, rows, k, n):
 
 
 @pytest.mark.parametrize("rows, k, n", [(7, 576, 12), (2, 130, 9), (9, 100, 64), (33, 576, 96), (16, 37, 7),
-                                        (64, 1100, 35)])
+                                        (64, 1100, 35), (12, 576, 40), (25, 200, 17)])
 def test_linear_w8a8_rows_are_the_bits_of_each_row_alone(isa, rows, k, n):
     """Several rows (two at a time against four weight rows, odd rows and a partial tile of
-    weight rows on their own; more than 8 through oneDNN's int8 GEMM on the VNNI levels, 16 or
-    more in the vector lanes on plain AVX2) give each row the bits it gets alone: the dot
+    weight rows on their own; more than 8 through oneDNN's int8 GEMM on the VNNI levels, 10 or
+    more in the vector lanes on plain AVX2, up to 8 past whole chunks of 16 on their own) give
+    each row the bits it gets alone: the dot
     products are exact integers, then the same float rescale."""
     g = generator(isa, rows, k, n, "alone")
     x = rand(g, rows, k, scale=4).to(torch.bfloat16)

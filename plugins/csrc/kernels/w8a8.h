@@ -179,12 +179,15 @@ inline void store_w8a8(T* out, int64_t n, const float* xs, const float* scale, c
 }
 
 // Two or more quantized rows (xq: u8, offset by 128): oneDNN's GEMM where it is exact and the rows
-// are more than a decode step's; on plain AVX2 from 16 rows the rows in the vector lanes
+// are more than a decode step's; on plain AVX2 from 10 rows the rows in the vector lanes
 // (lanes_w8, up to kW8A8LaneTail rows past the last whole chunk left to the loop after it); else
 // weight rows in tiles of 4 against two input rows at a time (dot_u8s8_2x4).
 // Kept out of linear_w8a8_rows, whose one-row loop (decode) stays as it was.
 #if defined(KILN_ISA_AVX2)
-constexpr int64_t kW8A8LaneTail = 8;  // (lanes.h, lane_rows: this row loop is slower than W8A16's)
+// The lanes from 10 rows: this row loop is slower than W8A16's, and 10 of its rows cost more than a
+// lane chunk of 16 (a call's first; a further chunk costs less, as the weights are widened once a
+// call, so up to 8 rows past whole chunks go to the loop: lanes.h, lane_rows)
+constexpr int64_t kW8A8LanesFrom = 10, kW8A8LaneTail = 8;
 #endif
 template <typename T>
 [[gnu::noinline]] void w8a8_many_rows(const uint8_t* xq, const float* xs, const int8_t* w, const float* scale,
@@ -205,8 +208,9 @@ template <typename T>
   }
 #endif
 #if defined(KILN_ISA_AVX2) && !defined(KILN_ISA_AVXVNNI)
-  if (rows >= kLanesFrom) {  // the rows in the vector lanes (int8.h): the same exact sums
-    const int64_t kp = (k + 15) / 16 * 16, lanes = lane_rows(rows, kW8A8LaneTail);
+  const int64_t lanes = rows < kLaneRows ? (rows >= kW8A8LanesFrom ? rows : 0) : lane_rows(rows, kW8A8LaneTail);
+  if (lanes > 0) {  // the rows in the vector lanes (int8.h): the same exact sums
+    const int64_t kp = (k + 15) / 16 * 16;
     std::vector<int16_t> x16(lanes * kp, 0);
     for (int64_t m = 0; m < lanes; ++m)
       for (int64_t i = 0; i < k; ++i) x16[m * kp + i] = static_cast<int16_t>(static_cast<int>(xq[m * k + i]) - 128);
