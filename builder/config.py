@@ -177,7 +177,8 @@ class RuntimeSection(_Section):
     max_prefill_share: float = Field(0.25, gt=0, le=1, description="run-time: the share of build.max_num_tokens "
                                      "a step that also decodes gives to prefill chunks: lower shortens the "
                                      "steps decoding streams wait on (inter-token latency) and lengthens "
-                                     "new prompts' time to first token")
+                                     "new prompts' time to first token; too low for the streams run, and "
+                                     "new requests queue (docs/engine.md)")
     batch_invariant: bool = Field(True, description="run-time: true: each linear takes one route at every batch "
                                                      "size (kiln's kernel where it has one), so a request's tokens "
                                                      "are the same bits whatever else runs; false: the tactics' "

@@ -113,8 +113,8 @@ def test_linear_w8a8_rows_are_the_bits_of_each_row_alone(isa, rows, k, n):
     """Several rows (two at a time against four weight rows, odd rows and a partial tile of
     weight rows on their own; more than 8 through oneDNN's int8 GEMM on the VNNI levels, 10 or
     more in the vector lanes on plain AVX2, up to 8 past whole chunks of 16 on their own) give
-    each row the bits it gets alone: the dot
-    products are exact integers, then the same float rescale."""
+    each row the bits it gets alone: the dot products are exact integers, then the same float
+    rescale."""
     g = generator(isa, rows, k, n, "alone")
     x = rand(g, rows, k, scale=4).to(torch.bfloat16)
     q, s = quantize_int8(rand(g, n, k, scale=0.05))
