@@ -38,9 +38,10 @@ def assert_within_input_quantization(got, want, x, w):
 
 
 LONG_ROWS = [(1, 2280, 24), (4, 4096, 9), (3, 2049, 5)]  # VNNI: rows of >= 2048 take the int8-plane path
-# AVX2: 16 rows on, the lanes; up to 12 rows past the last whole 16 (17, 28, 33) in the row kernel, 13 or more
-# (29) padded to a lane chunk of their own (kernels/lanes.h, lane_rows)
-W8_LANE_SHAPES = [(16, 576, 21), (33, 1100, 35), (64, 37, 7), (17, 1536, 64), (28, 576, 19), (29, 200, 9)]
+# AVX2: 15 rows on, the lanes (15 padded to a chunk); up to 12 rows past the last whole 16 (17, 28, 33) in the
+# row kernel, 13 or more (29) padded to a lane chunk of their own (kernels/lanes.h, lane_rows)
+W8_LANE_SHAPES = [(16, 576, 21), (33, 1100, 35), (64, 37, 7), (17, 1536, 64), (28, 576, 19), (29, 200, 9),
+                  (15, 576, 21)]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -141,10 +142,10 @@ def test_linear_w8a8_with_a_static_input_scale(isa, dtype, rows, k, n):
         torch.testing.assert_close(got.float(), want.float(), rtol=1e-2, atol=0.07)
 
 
-# rows of 16 and more take AVX2's lanes kernel (rows in the vector lanes, 16 a pass): 33 and 28 leave
-# 1 and 12 rows to the row kernel, 29 pads its last 13 to a pass of their own (kernels/lanes.h, lane_rows)
+# rows of 15 and more take AVX2's lanes kernel (rows in the vector lanes, 16 a pass; 15 padded): 33 and 28
+# leave 1 and 12 rows to the row kernel, 29 pads its last 13 to a pass of their own (kernels/lanes.h, lane_rows)
 TILED_SHAPES = [(1, 576, 64), (3, 64, 48), (5, 1536, 96), (8, 200, 112), (2, 2112, 16), (4, 96, 320), (1, 40, 80),
-                (16, 200, 112), (33, 576, 80), (64, 1536, 48), (28, 200, 80), (29, 576, 48)]
+                (16, 200, 112), (33, 576, 80), (64, 1536, 48), (28, 200, 80), (29, 576, 48), (15, 200, 48)]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -550,7 +551,7 @@ def linear_kernels(g, dtype, k, n):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])  # float32: no output rounding to hide a sum's last bits
-@pytest.mark.parametrize("rows", [2, 7, 8, 9, 16, 28, 33, 45, 64])  # AVX2 lanes: 28 and 33 split, 45 padded
+@pytest.mark.parametrize("rows", [2, 7, 8, 9, 15, 16, 28, 33, 45, 64])  # AVX2 lanes: 15 and 45 padded, 28, 33 split
 @pytest.mark.parametrize("k, n", [(576, 96), (160, 48)])
 def test_every_linear_kernel_gives_a_row_the_bits_it_gets_alone(isa, dtype, rows, k, n):
     """Batch invariance, kernel by kernel: among any number of rows (grouped by four, in pairs,

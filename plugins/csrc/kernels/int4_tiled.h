@@ -6,9 +6,9 @@
 //                               dot products (tiles_w4t, shared with W4A8 in w4a8.h): on AVX-512
 //                               one vpdpbusd multiplies 16 rows by four inputs; on AVX2 two
 //                               vpmaddubsw multiply 8 rows by four inputs into int16 pairs
-//                               (with AVX-VNNI, one 256-bit vpdpbusd); from 16 rows on plain
+//                               (with AVX-VNNI, one 256-bit vpdpbusd); from 15 rows on plain
 //                               AVX2, tiled_w4_lanes: the rows in the lanes, one vpmaddwd
-//                               multiplies 8 rows by two inputs
+//                               multiplies 8 rows by two inputs (lanes.h, lane_rows)
 //   dequantize_int4_tiled_avx512 / _rows  the weights back to [out, in] in the model dtype
 //                               (prefill's GEMM)
 
@@ -309,11 +309,9 @@ void linear_w4_tiled_dp(const T* x, const uint8_t* w, const float* s, int64_t gr
   split_rows_i8(x, rows, k, k, group, hi.data(), lo.data(), xs.data(), hsum.data(), xsum8.data());
   int64_t m0 = 0;  // the rows from m0 on go to the row kernel
 #if defined(KILN_ISA_AVX2) && !defined(KILN_ISA_AVXVNNI)
-  if (rows >= kLanesFrom) {
-    m0 = lane_rows(rows);
-    tiled_w4_lanes(hi.data(), lo.data(), xs.data(), w, s, group, bias, out, m0, k, n);
-    if (m0 == rows) return;
-  }
+  m0 = lane_rows(rows);
+  if (m0 > 0) tiled_w4_lanes(hi.data(), lo.data(), xs.data(), w, s, group, bias, out, m0, k, n);
+  if (m0 == rows) return;
 #endif
   for (int64_t i = m0 * groups; i < rows * groups; ++i) xsum8[i] = 8 * (256 * hsum[i] + xsum8[i]);  // the nibbles' + 8
   tiled_w4_rows<false>(hi.data() + m0 * k, lo.data() + m0 * k, xsum8.data() + m0 * groups, nullptr, xs.data() + m0, w,

@@ -4,7 +4,7 @@
 //   linear_w8_float   inputs widened to fp32, weights widened per vector, FMAs (scalar)
 //   linear_w8_i16     inputs quantized to int16, weights widened to int16, vpdpwssd /
 //                     vpmaddwd: one instruction per 32 (AVX-512) or 16 (AVX2) weights and row;
-//                     on AVX2 from 16 rows, lanes_w8: the rows in the vector lanes (lanes.h)
+//                     on AVX2 from 15 rows, lanes_w8: the rows in the vector lanes (lanes.h)
 //   linear_w8_vnni    AVX512-VNNI, rows of kVnniBytesMinK inputs or more: inputs as two int8
 //                     planes, the weights as bytes with vpdpbusd (64 multiply-adds a step)
 // The decode path on AVX-512 is the tiled layout (int8_tiled.h); select.h chooses.
@@ -159,9 +159,8 @@ void linear_w8_i16(const T* x, const int8_t* w, const float* scale, const T* bia
   std::vector<int16_t> xq(rows * kp);
   std::vector<float> xs(rows);
   quantize_rows_i16(x, rows, k, kp, 0, kExactQmax, xq.data(), xs.data());
-  int64_t first = 0;  // the rows from `first` on go to the row kernel
-  if (rows >= kLanesFrom) {
-    first = lane_rows(rows);
+  const int64_t first = lane_rows(rows);  // the rows from `first` on go to the row kernel
+  if (first > 0) {
     lanes_w8(xq.data(), kp, w, first, k, n, [&](int64_t m, int64_t o, double total) {
       const float b = bias ? to_f32(bias[o]) : 0.f;
       store_as(out + m * n + o, static_cast<float>(total) * xs[m] * scale[o] + b);

@@ -11,10 +11,10 @@
 // one (row, output) chain of FMAs, the chains dot() keeps in its lanes (dense_lanes.h).
 //
 //   kLaneRows             input rows a pass holds in its lanes (two vectors)
-//   kLanesFrom            rows from which the integer kernels take the lanes (the float ones:
-//                         kFloatLanesFrom, dense_lanes.h)
-//   lane_rows             of a call's rows, those the lanes take: the rows past the last whole
-//                         chunk go to the row kernel when there are at most kLaneTail of them
+//   lane_rows             of a call's rows, those the lanes take (the first ones): none below
+//                         kLanesFrom (the integer kernels; the float ones from kFloatLanesFrom,
+//                         dense_lanes.h), and the rows past the last whole chunk go to the row
+//                         kernel when there are at most kLaneTail of them
 //   lanes_inputs_i16      int16 rows [rows][kp] to X (the pairs in order)
 //   lanes_four_outputs    int32 sums of one chunk's 16 rows against 4 outputs over `count` pairs
 //   lanes_inputs_f32      float rows to X by chain ([chunk][chain][step][kLaneRows] floats)
@@ -22,15 +22,16 @@
 
 #if defined(KILN_ISA_AVX2)
 constexpr int64_t kLaneRows = 16;
-constexpr int64_t kLanesFrom = 16;  // (8 would fill half the lanes)
-
-// The lanes pad a call's last chunk to kLaneRows rows, so 17 rows cost what 32 do. Up to
-// `tail` rows past the last whole chunk go to the row kernel instead: a row kernel's r rows
-// cost less than a chunk's 16 while r <= 12 (W4A16, W8A16, dense) or 8 (W8A8, whose row kernel
-// is slower) on Zen 3, one thread, SmolLM2's shapes (docs/benchmarks.md). Every kernel gives a
-// row the bits it gets alone, so the split changes no output.
-constexpr int64_t kLaneTail = 12;
-inline int64_t lane_rows(int64_t rows, int64_t tail = kLaneTail) {
+// The lanes pad a call's last chunk to kLaneRows rows, so 17 rows cost what 32 do. Of a call's
+// rows the lanes take: below kLaneRows, all of them from `from` rows on (a call's one padded
+// chunk costs less than 15 rows of the W4A16 and W8A16 row kernels, about what 14 do), none
+// before; past whole chunks, up to `tail` rows go to the row kernel instead (a further chunk
+// costs more than 12 rows of those row kernels or of the dense one, 8 of W8A8's, which is
+// slower). Zen 3, one thread, SmolLM2's shapes (docs/benchmarks.md). Every kernel gives a row
+// the bits it gets alone, so the split changes no output.
+constexpr int64_t kLanesFrom = 15, kLaneTail = 12;
+inline int64_t lane_rows(int64_t rows, int64_t from = kLanesFrom, int64_t tail = kLaneTail) {
+  if (rows < kLaneRows) return rows >= from ? rows : 0;
   return rows % kLaneRows <= tail ? rows - rows % kLaneRows : rows;
 }
 

@@ -17,7 +17,7 @@ void linear(const T* x, const T* w, const T* bias, T* out, int64_t rows, int64_t
 #endif
 #if defined(KILN_ISA_AVX2)
   if (rows >= kFloatLanesFrom) {  // the same bits; the rows past whole chunks by lane_rows (lanes.h)
-    const int64_t lanes = lane_rows(rows);
+    const int64_t lanes = lane_rows(rows);  // (from kFloatLanesFrom: whole chunks and the tail's split)
     linear_float_lanes<T>(x, w, bias, out, lanes, k, n);
     if (lanes < rows) linear_float<T>(x + lanes * k, w, bias, out + lanes * n, rows - lanes, k, n);
     return;

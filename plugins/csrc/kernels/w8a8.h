@@ -208,7 +208,7 @@ template <typename T>
   }
 #endif
 #if defined(KILN_ISA_AVX2) && !defined(KILN_ISA_AVXVNNI)
-  const int64_t lanes = rows < kLaneRows ? (rows >= kW8A8LanesFrom ? rows : 0) : lane_rows(rows, kW8A8LaneTail);
+  const int64_t lanes = lane_rows(rows, kW8A8LanesFrom, kW8A8LaneTail);
   if (lanes > 0) {  // the rows in the vector lanes (int8.h): the same exact sums
     const int64_t kp = (k + 15) / 16 * 16;
     std::vector<int16_t> x16(lanes * kp, 0);
