@@ -52,17 +52,19 @@ def load_tokenizer(path: str | Path):
     raise FileNotFoundError(f"no tokenizer.json at {path} (give an engine dir or a tokenizer.json)")
 
 
-def synthetic_prompts(tokenizer, count: int, input_tokens: int, seed: int = 0) -> list[str]:
-    """Real prose (Python's own docs) cut to `input_tokens` tokens, a different passage each."""
+def prose_ids(tokenizer, count: int, input_tokens: int, seed: int = 0) -> list[list[int]]:
+    """Real prose (Python's own docs): `count` passages of exactly `input_tokens` token ids."""
     from pydoc_data.topics import topics
 
     ids = tokenizer.encode(" ".join(topics.values())).ids
     rng = random.Random(seed)
-    prompts = []
-    for _ in range(count):
-        start = rng.randrange(0, len(ids) - input_tokens)
-        prompts.append(tokenizer.decode(ids[start : start + input_tokens]))
-    return prompts
+    starts = [rng.randrange(0, len(ids) - input_tokens) for _ in range(count)]
+    return [ids[start : start + input_tokens] for start in starts]
+
+
+def synthetic_prompts(tokenizer, count: int, input_tokens: int, seed: int = 0) -> list[str]:
+    """Real prose (Python's own docs) cut to `input_tokens` tokens, a different passage each."""
+    return [tokenizer.decode(ids) for ids in prose_ids(tokenizer, count, input_tokens, seed)]
 
 
 def file_prompts(path: str | Path) -> list[str]:

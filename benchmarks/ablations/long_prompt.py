@@ -5,16 +5,18 @@ short, a large one gets the long prompt's first token out sooner.
 
 Each round (one thread enqueues and takes every response, as the Triton model does): --streams
 requests of --stream-prompt tokens start together and decode (greedy, no early stop); once every
-one has --warm tokens, one request of --long-tokens prompt tokens arrives. Measured: that request's time to first token (and the same request's alone, no
-streams, for scale), the streams' inter-token times inside that window (p50, p99, max), and
-outside it (after the warm-up, p50).
+one has --warm tokens, one request of --long-tokens prompt tokens arrives. Measured: that
+request's time to first token (and the same request's alone, no streams, for scale), the
+streams' inter-token times inside that window (p50, p99, max), and outside it (after the
+warm-up, p50).
 
     PYTHONPATH=. python benchmarks/ablations/long_prompt.py out/smollm2-int4-awq/engine \
         --settings max_prefill_share=0.25 max_prefill_share=0.0625 --streams 16 --long-tokens 1000 \
         --rounds 3 --json out/long-prompt.json
 
-Prompts are real prose (Python's pydoc topics), a different passage each. Prints medians over the
-rounds and writes JSON. No timing is asserted anywhere."""
+Prompts are real prose (Python's pydoc topics, kiln.bench.prose_ids), a different passage each;
+percentiles as kiln bench takes them. Prints medians over the rounds and writes JSON. No timing
+is asserted anywhere."""
 from __future__ import annotations
 
 import argparse
@@ -27,18 +29,6 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from host import host_info  # noqa: E402
-
-
-def prose_ids(tokenizer, count: int, length: int, seed: int) -> list[list[int]]:
-    """`count` passages of exactly `length` token ids from Python's pydoc topics."""
-    import random
-
-    from pydoc_data.topics import topics
-
-    ids = tokenizer.encode(" ".join(topics.values())).ids
-    rng = random.Random(seed)
-    starts = [rng.randrange(0, len(ids) - length) for _ in range(count)]
-    return [ids[s : s + length] for s in starts]
 
 
 def run_requests(executor, prompts: list[list[int]], max_tokens: int, arrive_after=None) -> dict[int, list[float]]:
@@ -91,11 +81,6 @@ def one_round(executor, streams: list[list[int]], long_prompt: list[int], stream
             "covered": covered}
 
 
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(round(q / 100 * (len(ordered) - 1))))]
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("engine")
@@ -119,6 +104,7 @@ def main() -> None:
     from rich.console import Console
     from rich.table import Table
 
+    from kiln.bench import percentile, prose_ids
     from kiln.runtime.llm import LLM
 
     console = Console(stderr=True)
