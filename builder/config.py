@@ -179,6 +179,16 @@ class RuntimeSection(_Section):
                                      "steps decoding streams wait on (inter-token latency) and lengthens "
                                      "new prompts' time to first token; too low for the streams run, and "
                                      "new requests queue (docs/engine.md)")
+    prefill_per_decode: float = Field(0.0, ge=0, allow_inf_nan=False,
+                                      description="run-time: at most this many prefill tokens per decoding "
+                                                  "stream in a step (at least 16, at most the share), so the "
+                                                  "steps streams wait on stay near decode alone's: a lower "
+                                                  "inter-token p99 for a later first token and some "
+                                                  "throughput; 0: off, the share alone (docs/engine.md)")
+    prefill_max_wait: float = Field(1.0, ge=0, allow_inf_nan=False,
+                                    description="run-time, with prefill_per_decode: seconds the oldest prompt "
+                                                "not yet computed may wait before a step gives prefill its "
+                                                "whole share again (so admission keeps up)")
     batch_invariant: bool = Field(True, description="run-time: true: each linear takes one route at every batch "
                                                      "size (kiln's kernel where it has one), so a request's tokens "
                                                      "are the same bits whatever else runs; false: the tactics' "

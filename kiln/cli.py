@@ -38,7 +38,8 @@ def _serve(args) -> int:
     runtime = {"kv_cache_memory": args.kv_cache_memory, "max_queue_size": args.max_queue_size,
                "scheduler": args.scheduler, "enable_prefix_reuse": args.enable_prefix_reuse,
                "request_timeout": args.request_timeout, "batch_invariant": args.batch_invariant,
-               "max_prefill_share": args.max_prefill_share, "kv_cache_reserve": args.kv_cache_reserve}
+               "max_prefill_share": args.max_prefill_share, "kv_cache_reserve": args.kv_cache_reserve,
+               "prefill_per_decode": args.prefill_per_decode, "prefill_max_wait": args.prefill_max_wait}
     server = TritonServer(args.repo, args.grpc_port, args.http_port, args.metrics_port, args.log_file, args.address,
                           {key: value for key, value in runtime.items() if value is not None})
     openai = None
@@ -160,6 +161,12 @@ def main(argv: list[str] | None = None) -> int:
     runtime.add_argument("--max-prefill-share", type=float, default=None, metavar="SHARE",
                          help="of max_num_tokens, what prefill chunks may take in a step that also decodes "
                               "(0, 1]: lower trades time to first token for inter-token latency")
+    runtime.add_argument("--prefill-per-decode", type=float, default=None, metavar="TOKENS",
+                         help="at most this many prefill tokens per decoding stream in a step (at least 16, at most "
+                              "the share): a lower inter-token p99 for a later first token; 0: off")
+    runtime.add_argument("--prefill-max-wait", type=float, default=None, metavar="SECONDS",
+                         help="with --prefill-per-decode: how long the oldest prompt may wait before prefill takes "
+                              "its whole share again")
     runtime.add_argument("--batch-invariant", type=_true_false, default=None,
                          metavar="true|false",
                          help="true: a request's tokens are the same bits whatever else runs (each linear one "

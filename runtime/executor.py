@@ -117,7 +117,8 @@ class Executor:
         log.info("KV cache: %d blocks of %d tokens (%.2f GiB, %s), %s", num_blocks, block_size, pool_bytes / 2**30,
                  resident, self.pool.layout.describe())
         self.scheduler = Scheduler(self.kv, self.limits.max_batch_size, self.limits.max_num_tokens,
-                                   options.scheduler, options.max_prefill_share)
+                                   options.scheduler, options.max_prefill_share, options.prefill_per_decode,
+                                   options.prefill_max_wait)
         self.runner = ModelRunner(engine.model, self.pool)
         self._ids = itertools.count(1)
         self._lock = threading.Condition()

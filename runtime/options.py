@@ -36,6 +36,8 @@ class RuntimeOptions:
     max_queue_size: int = 256
     request_timeout: float = 0.0  # seconds from arrival after which a request ends ("timeout"); 0: never
     max_prefill_share: float = 0.25  # of max_num_tokens, for prefill chunks in a step that also decodes
+    prefill_per_decode: float = 0.0  # prefill tokens a step may take per decoding stream (0: only the share)
+    prefill_max_wait: float = 1.0  # seconds a prompt waits under prefill_per_decode before the share applies
     batch_invariant: bool = True  # every linear one route at every row count (LlamaModel.make_batch_invariant)
 
     def __post_init__(self):
@@ -44,6 +46,10 @@ class RuntimeOptions:
                              f"got {self.request_timeout}")
         if not 0 < self.max_prefill_share <= 1:
             raise ValueError(f"max_prefill_share must be in (0, 1], got {self.max_prefill_share}")
+        if not (self.prefill_per_decode >= 0 and self.prefill_per_decode != float("inf")):
+            raise ValueError(f"prefill_per_decode must be a finite number >= 0 (0: off), got {self.prefill_per_decode}")
+        if not (self.prefill_max_wait >= 0 and self.prefill_max_wait != float("inf")):
+            raise ValueError(f"prefill_max_wait must be a finite number of seconds >= 0, got {self.prefill_max_wait}")
 
     def kv_cache_bytes(self) -> int:
         if isinstance(self.kv_cache_memory, str):

@@ -5,29 +5,45 @@ one batch, without padding, under max_num_tokens and max_batch_size. Long prompt
 steps (chunked prefill). First come, first served. `prefill_share` (runtime.max_prefill_share)
 caps the prefill tokens of a step that also decodes at that share of max_num_tokens, so a
 decoding stream's step is never longer than that many prefill rows make it; a step with nothing
-to decode takes the whole budget. When the pool runs out of blocks the newest
-running sequence is preempted: its blocks are released and it is recomputed later
-(`max_utilization`); `guaranteed_no_evict` admits a request only when the most blocks it can
-hold at once (its whole length, prompt + max_tokens; a sliding-window group only its window's) are
-left over for it after every running sequence's, so nothing is ever preempted."""
+to decode takes the whole budget. With `prefill_per_decode` k > 0 (runtime.prefill_per_decode)
+a step that decodes d streams takes at most max(k * d, PREFILL_MIN_CHUNK) prefill tokens, so
+the prefill a stream waits on grows with the decode it waits beside (a step costs about its
+rows on a CPU: its time stays within about 1 + k steps of decode alone), until the oldest prompt
+not yet computed has waited `prefill_max_wait` seconds (runtime.prefill_max_wait): then the
+share again, so admission keeps up when prompts come faster than k per decode. When the pool
+runs out of blocks the newest running sequence is preempted: its blocks are released and it is
+recomputed later (`max_utilization`); `guaranteed_no_evict` admits a request only when the most
+blocks it can hold at once (its whole length, prompt + max_tokens; a sliding-window group only
+its window's) are left over for it after every running sequence's, so nothing is ever
+preempted."""
 from __future__ import annotations
 
+import math
+import time
 from collections import deque
 
 from kiln.runtime.kv_cache import KVCacheManager
 from kiln.runtime.sequence import Sequence, Status
 
 POLICIES = ("max_utilization", "guaranteed_no_evict")
+PREFILL_MIN_CHUNK = 16  # prompt tokens a step beside decoding streams may always take (one lanes chunk)
 
 
 class Scheduler:
     def __init__(self, kv: KVCacheManager, max_batch_size: int, max_num_tokens: int,
-                 policy: str = "max_utilization", prefill_share: float = 1.0):
+                 policy: str = "max_utilization", prefill_share: float = 1.0, prefill_per_decode: float = 0.0,
+                 prefill_max_wait: float = 1.0):
         if policy not in POLICIES:
             raise ValueError(f"scheduler policy {policy!r} is not one of {POLICIES}")
         if not 0 < prefill_share <= 1:
             raise ValueError(f"max_prefill_share must be in (0, 1], got {prefill_share}")
+        if not prefill_per_decode >= 0:
+            raise ValueError(f"prefill_per_decode must be >= 0 (0: off), got {prefill_per_decode}")
+        if not prefill_max_wait >= 0:
+            raise ValueError(f"prefill_max_wait must be >= 0 seconds, got {prefill_max_wait}")
         self.prefill_share = prefill_share
+        self.prefill_per_decode = prefill_per_decode
+        self.prefill_max_wait = prefill_max_wait
         self.kv = kv
         self.max_batch_size = max_batch_size
         self.max_num_tokens = max_num_tokens
@@ -42,13 +58,11 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def schedule(self) -> list[tuple[Sequence, int]]:
-        """[(sequence, number of its tokens to compute this step)]."""
+    def schedule(self, now: float | None = None) -> list[tuple[Sequence, int]]:
+        """[(sequence, number of its tokens to compute this step)]; `now`: time.monotonic()."""
         batch: list[tuple[Sequence, int]] = []
         budget = self.max_num_tokens
-        # prefill tokens this step may take: all the budget, or its share beside decoding streams
-        decoding = any(seq.remaining == 1 for seq in self.running)
-        prefill = max(1, int(self.prefill_share * self.max_num_tokens)) if decoding else self.max_num_tokens
+        prefill = self._prefill_budget(time.monotonic() if now is None else now)
         for seq in list(self.running):
             if budget == 0:
                 break
@@ -82,6 +96,23 @@ class Scheduler:
             budget -= count
             prefill -= count
         return batch
+
+    def _prefill_budget(self, now: float) -> int:
+        """Prefill tokens this step may take: all the budget, or beside decoding streams its share
+        (and with prefill_per_decode, k per decoding stream until a prompt has waited too long)."""
+        decodes = sum(seq.remaining == 1 for seq in self.running)
+        if not decodes:
+            return self.max_num_tokens
+        cap = max(1, int(self.prefill_share * self.max_num_tokens))
+        if self.prefill_per_decode <= 0:
+            return cap
+        # the oldest prompt not yet computed: the first part-computed one, or the queue's head
+        # (a preempted sequence goes back to the head with its arrival time)
+        oldest = min(next((seq.arrival for seq in self.running if seq.remaining > 1), math.inf),
+                     self.waiting[0].arrival if self.waiting else math.inf)
+        if now - oldest >= self.prefill_max_wait:
+            return cap
+        return min(cap, max(math.ceil(self.prefill_per_decode * decodes), PREFILL_MIN_CHUNK))
 
     def _admissible(self, seq: Sequence) -> bool:
         if self.policy != "guaranteed_no_evict":

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import enum
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -33,6 +34,7 @@ class Sequence:
     finish_reason: str | None = None
     context_logits: torch.Tensor | None = None  # [prompt, vocab], when the request asks for them
     deadline: float | None = None  # time.monotonic() at which it ends ("timeout") if still live
+    arrival: float = field(default_factory=time.monotonic)  # time.monotonic() when it was made
 
     def __post_init__(self):
         self.token_ids = list(self.prompt_ids)

@@ -122,6 +122,20 @@ def test_defaults_resolve():
     assert config.build.kv_block_size == 32 and options.kv_cache_bytes() == 512 * 2**20
 
 
+def test_prefill_budget_options_reach_the_scheduler_and_bad_ones_are_refused():
+    from kiln.runtime.options import RuntimeOptions
+
+    config = parse_config({"model": {"checkpoint": "x"},
+                           "runtime": {"prefill_per_decode": 1.5, "prefill_max_wait": 4}})
+    options = RuntimeOptions.from_engine(config.runtime.model_dump(), prefill_max_wait=2.5)
+    assert (options.prefill_per_decode, options.prefill_max_wait) == (1.5, 2.5)
+    for key, bad in (("prefill_per_decode", -1), ("prefill_per_decode", float("inf")), ("prefill_max_wait", -0.5)):
+        with pytest.raises(ConfigError, match=f"runtime.{key}"):
+            parse_config({"model": {"checkpoint": "x"}, "runtime": {key: bad}})
+        with pytest.raises(ValueError, match=key):
+            RuntimeOptions(**{key: bad})
+
+
 @pytest.mark.parametrize("path", sorted((__import__("pathlib").Path(__file__).parents[2] / "configs").glob("*.yaml")),
                          ids=lambda p: p.name)
 def test_shipped_configs_are_valid(path):

@@ -113,6 +113,37 @@ def test_prefill_share_caps_prefill_beside_decoding_streams_only():
         Scheduler(kv, max_batch_size=8, max_num_tokens=64, prefill_share=0)
 
 
+@pytest.mark.parametrize("streams, chunk", [(4, 16), (20, 40), (50, 64)])
+def test_prefill_per_decode_grows_with_the_decoding_streams_until_a_prompt_waits_too_long(streams, chunk):
+    """k = 2 prompt tokens per decoding stream, at least PREFILL_MIN_CHUNK (16), at most the share
+    (0.25 x 256 = 64); once the prompt has waited prefill_max_wait (5 s), the share."""
+    kv = KVCacheManager(1024, 4)
+    sched = Scheduler(kv, max_batch_size=64, max_num_tokens=256, prefill_share=0.25, prefill_per_decode=2.0,
+                      prefill_max_wait=5.0)
+    decoders = [seq(i, range(2), max_tokens=100) for i in range(streams)]
+    for s in decoders:
+        s.arrival = 0.0
+        sched.add(s)
+    run_step(sched.schedule(now=0.0))  # nothing decodes yet: every 2-token prompt in one step
+    assert all(s.num_generated == 1 for s in decoders)
+    prompt = seq(99, range(200))
+    prompt.arrival = 10.0
+    sched.add(prompt)
+    batch = sched.schedule(now=12.0)
+    assert [(s.request_id, n) for s, n in batch] == [(s.request_id, 1) for s in decoders] + [(99, chunk)]
+    run_step(batch)
+    batch = sched.schedule(now=15.0)  # it has waited 5 s and is not yet computed: the share
+    assert batch[-1] == (prompt, 64) and len(batch) == streams + 1
+
+
+def test_prefill_per_decode_and_wait_must_be_non_negative():
+    kv = KVCacheManager(16, 4)
+    with pytest.raises(ValueError, match="prefill_per_decode must be >= 0"):
+        Scheduler(kv, max_batch_size=8, max_num_tokens=64, prefill_per_decode=-1)
+    with pytest.raises(ValueError, match="prefill_max_wait must be >= 0"):
+        Scheduler(kv, max_batch_size=8, max_num_tokens=64, prefill_per_decode=1, prefill_max_wait=float("nan"))
+
+
 def test_scheduler_preempts_the_newest_when_blocks_run_out():
     kv = KVCacheManager(4, 2)
     sched = Scheduler(kv, max_batch_size=8, max_num_tokens=100)

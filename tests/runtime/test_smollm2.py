@@ -78,6 +78,31 @@ def test_a_request_past_request_timeout_ends_with_what_it_generated(smollm2_engi
     assert stats["blocks_used"] == 0
 
 
+def test_a_prompt_spread_by_prefill_per_decode_beside_streams_gets_its_lone_tokens(smollm2_engines, llm_for, llm):
+    """runtime.prefill_per_decode = 1 beside 3 decoding streams: the long prompt goes in chunks of
+    16 tokens (PREFILL_MIN_CHUNK), and its tokens are the ones it gets alone."""
+    spread = llm_for(smollm2_engines("float32"), prefill_per_decode=1.0, prefill_max_wait=600.0,
+                     kv_cache_memory="64MiB")
+    scheduler = spread.executor.scheduler
+    assert (scheduler.prefill_per_decode, scheduler.prefill_max_wait) == (1.0, 600.0)
+    streams = [spread.stream(f"Count to ten in {language}:", max_tokens=40, ignore_eos=True)
+               for language in ("French", "German", "Spanish")]
+    for stream in streams:
+        next(stream)  # each has its first token: all three decode from here
+    long_prompt = " ".join(["The lighthouse keeper wrote in the log every night before the lamp was lit."] * 6)
+    steps_before = spread.stats()["steps"]
+    long_stream = spread.stream(long_prompt, max_tokens=8, ignore_eos=True)
+    first = next(long_stream)
+    steps_to_first = spread.stats()["steps"] - steps_before
+    tokens = first.token_ids + [t for chunk in long_stream for t in chunk.token_ids]
+    for stream in streams:
+        list(stream)
+    prompt_tokens = len(spread.encode(long_prompt))
+    assert prompt_tokens >= 80
+    assert steps_to_first >= prompt_tokens // 16, (steps_to_first, prompt_tokens)  # chunks of 16: not 1 step
+    assert tokens == llm.generate(long_prompt, max_tokens=8, ignore_eos=True).token_ids
+
+
 def test_request_timeout_must_be_finite_and_not_negative(smollm2_engines):
     from kiln.runtime.llm import LLM
 
