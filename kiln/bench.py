@@ -3,7 +3,8 @@
 Sends a prompt set (synthetic, with set input/output lengths, or a file of real prompts),
 sweeps concurrency (closed loop) or a request rate (open loop, Poisson arrivals), and reports
 output tokens/s, requests/s, TTFT, inter-token latency and end-to-end latency at P50/P90/P99,
-and KV cache use (in process). Writes JSON and PNG plots; shows progress while it runs.
+and KV cache use (in process). A closed loop's TTFT and inter-token latency are also given for
+its steady state: after the first wave (every client's first request, all sent at once). Writes JSON and PNG plots; shows progress while it runs.
 Every request generates exactly its output length (the end id is set to one no model emits)."""
 from __future__ import annotations
 
@@ -260,7 +261,17 @@ def run_concurrency(target, prompts: list[str], concurrency: int, max_tokens: in
         t.join()
     duration = time.perf_counter() - start
     return {**summarize(collector.records, duration, mode="concurrency", concurrency=concurrency),
-            "kv_cache": kv.summary()}
+            "steady": steady_state(collector.records, concurrency), "kv_cache": kv.summary()}
+
+
+def steady_state(records: list[Record], concurrency: int) -> dict:
+    """A closed loop after its first wave (every client's first request, all sent at once, so
+    a burst of prompts whatever the scheduler does): the later requests' TTFT and inter-token
+    gaps."""
+    later = sorted(records, key=lambda r: r.submitted)[concurrency:]
+    ok = [r for r in later if r.error is None and r.arrivals]
+    return {"requests": len(ok), "ttft_ms": distribution([r.arrivals[0] - r.submitted for r in ok]),
+            "itl_ms": distribution([b - a for r in ok for a, b in zip(r.arrivals, r.arrivals[1:])])}
 
 
 def run_rate(target, prompts: list[str], rate: float, max_tokens: int, seed: int = 0,
@@ -328,8 +339,10 @@ def table(results: list[dict], title: str):
 
     key = "concurrency" if results[0]["mode"] == "concurrency" else "request_rate"
     t = Table(title=title)
+    steady = key == "concurrency"
     for column in (key, "requests", "failed", "tok/s", "req/s", "TTFT p50", "TTFT p99", "ITL p50",
-                   "ITL p99", "E2E p50", "E2E p99", "KV max"):
+                   "ITL p99", *(("steady ITL p50", "steady ITL p99") if steady else ()), "E2E p50", "E2E p99",
+                   "KV max"):
         t.add_column(column, justify="right")
     for r in results:
         kv = r.get("kv_cache")
@@ -338,7 +351,9 @@ def table(results: list[dict], title: str):
 
         t.add_row(str(r[key]), str(r["requests"]), str(r["failed"]), f"{r['output_tokens_per_s']:.1f}",
                   f"{r['requests_per_s']:.2f}", ms(r["ttft_ms"]["p50"], 0), ms(r["ttft_ms"]["p99"], 0),
-                  ms(r["itl_ms"]["p50"], 1), ms(r["itl_ms"]["p99"], 1), ms(r["e2e_ms"]["p50"], 0),
+                  ms(r["itl_ms"]["p50"], 1), ms(r["itl_ms"]["p99"], 1),
+                  *((ms(r["steady"]["itl_ms"]["p50"], 1), ms(r["steady"]["itl_ms"]["p99"], 1)) if steady else ()),
+                  ms(r["e2e_ms"]["p50"], 0),
                   ms(r["e2e_ms"]["p99"], 0), f"{100 * kv['utilization_max']:.0f}%" if kv else "-")
     return t
 
@@ -371,17 +386,38 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--requests", type=int, default=None,
                         help="requests per level (default: 3 x concurrency, at least 8; 32 for rates)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (in process)")
+    parser.add_argument("--runtime", nargs="+", default=[], metavar="KEY=VALUE",
+                        help="in process: run-time options over the engine's, as JSON values "
+                             "(max_prefill_share=0.125 prefill_per_decode=1.5); a server takes them at its start")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", type=Path, default=None, help="write the results here")
     parser.add_argument("--plot-dir", type=Path, default=None, help="write throughput.png, latency.png here")
     args = parser.parse_args(argv)
     console = Console(stderr=True)
+    runtime = {}
+    for item in args.runtime:
+        key, sep, value = item.partition("=")
+        if not sep:
+            parser.error(f"--runtime takes KEY=VALUE, got {item!r}")
+        try:
+            runtime[key] = json.loads(value)
+        except json.JSONDecodeError:
+            parser.error(f"--runtime {key}: {value!r} is not a JSON value (strings in quotes: '\"4GiB\"')")
+    if runtime and args.url:
+        parser.error("--runtime applies to an engine run in process; give a server its options when it starts "
+                     "(kiln serve --max-prefill-share ...)")
 
     if args.threads:
         import torch
 
         torch.set_num_threads(args.threads)
-    target = EngineTarget(args.engine) if args.engine else GrpcTarget(args.url, args.model, args.metrics_url)
+    try:
+        target = EngineTarget(args.engine, **runtime) if args.engine else GrpcTarget(args.url, args.model,
+                                                                                      args.metrics_url)
+    except (TypeError, ValueError) as exc:  # an unknown run-time option, or a bad value
+        if not runtime:
+            raise
+        parser.error(f"--runtime: {exc}")
     try:
         if args.prompts:
             base_prompts = file_prompts(args.prompts)
@@ -419,7 +455,7 @@ def main(argv: list[str] | None = None) -> int:
                                            f"output {args.output_tokens} tokens (latencies in ms)"))
     report = {"target": target.name, "input_tokens": None if args.prompts else args.input_tokens,
               "output_tokens": args.output_tokens, "prompts": args.prompts, "machine": machine(),
-              "threads": args.threads, "results": results}
+              "threads": args.threads, "runtime": runtime, "results": results}
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(report, indent=2))

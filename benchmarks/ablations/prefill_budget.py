@@ -4,10 +4,10 @@ p99 and their ratio) for each setting of the scheduler's run-time options (max_p
 prefill_per_decode, prefill_max_wait).
 
 Each round sends the same fresh prompts to every setting in turn (one engine each, all loaded
-at the start): --concurrency clients, each sending its next request when the last ends, every
-request --prompt-tokens of prose and exactly --output-tokens new tokens. "Steady" leaves out the
-first wave (every client's first request, all sent at once): its prompts arrive together, so
-its prefill is a burst whatever the budget.
+at the start): kiln bench's closed loop, --concurrency clients each sending its next request
+when the last ends, every request --prompt-tokens of prose and exactly --output-tokens new
+tokens. "Steady" leaves out the first wave (every client's first request, all sent at once):
+its prompts arrive together, so its prefill is a burst whatever the budget.
 
     PYTHONPATH=. python benchmarks/ablations/prefill_budget.py out/smollm2-int4-awq/engine \
         --settings max_prefill_share=0.25 prefill_per_decode=1.5,prefill_max_wait=2 \
@@ -23,51 +23,20 @@ import json
 import os
 import statistics
 import sys
-import threading
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from host import host_info  # noqa: E402
 
 
-def closed_loop(target, prompts: list[str], concurrency: int, max_tokens: int) -> tuple[list, float]:
-    """kiln.bench's closed loop, keeping each request's record: (records by submission, seconds)."""
-    from kiln.bench import Collector
-
-    pending = list(reversed(prompts))
-    collector = Collector(target, max_tokens, lambda: None)
-
-    def client():
-        while True:
-            with collector.lock:
-                if not pending:
-                    return
-                prompt = pending.pop()
-            collector.run(prompt)
-
-    threads = [threading.Thread(target=client) for _ in range(concurrency)]
-    start = time.perf_counter()
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    records = sorted(collector.records, key=lambda r: r.submitted)
-    return records, time.perf_counter() - start
-
-
-def measure(records: list, seconds: float, concurrency: int) -> dict:
-    from kiln.bench import percentile
-
-    failed = [r.error for r in records if r.error or not r.arrivals]
-    if failed:
-        raise RuntimeError(f"{len(failed)} requests failed: {failed[:3]}")
-    steady = records[concurrency:]
-    itl = [b - a for r in steady for a, b in zip(r.arrivals, r.arrivals[1:])]
-    ttft = [r.arrivals[0] - r.submitted for r in steady]
-    row = {"tokens_per_s": sum(r.tokens for r in records) / seconds,
-           "ttft_steady_p50_ms": 1000 * percentile(ttft, 50), "ttft_steady_p99_ms": 1000 * percentile(ttft, 99),
-           "itl_steady_p50_ms": 1000 * percentile(itl, 50), "itl_steady_p99_ms": 1000 * percentile(itl, 99)}
+def measure(result: dict) -> dict:
+    """kiln bench's closed-loop result -> this table's figures (steady: after the first wave)."""
+    if result["failed"]:
+        raise RuntimeError(f"{result['failed']} requests failed: {result['errors']}")
+    steady = result["steady"]
+    row = {"tokens_per_s": result["output_tokens_per_s"],
+           "ttft_steady_p50_ms": steady["ttft_ms"]["p50"], "ttft_steady_p99_ms": steady["ttft_ms"]["p99"],
+           "itl_steady_p50_ms": steady["itl_ms"]["p50"], "itl_steady_p99_ms": steady["itl_ms"]["p99"]}
     row["itl_p99_over_p50"] = row["itl_steady_p99_ms"] / row["itl_steady_p50_ms"]
     return row
 
@@ -93,7 +62,7 @@ def main() -> None:
     from rich.console import Console
     from rich.table import Table
 
-    from kiln.bench import EngineTarget, synthetic_prompts
+    from kiln.bench import EngineTarget, run_concurrency, synthetic_prompts
 
     console = Console(stderr=True)
     options = [{key: json.loads(value) for key, value in (item.split("=", 1) for item in setting.split(","))}
@@ -107,8 +76,8 @@ def main() -> None:
                                             seed=1000 * r + level)
                 for setting, target in zip(args.settings, targets):
                     console.print(f"round {r + 1}, {level} streams, {setting} ...")
-                    records, seconds = closed_loop(target, prompts, level, args.output_tokens)
-                    runs.setdefault((level, setting), []).append(measure(records, seconds, level))
+                    result = run_concurrency(target, prompts, level, args.output_tokens)
+                    runs.setdefault((level, setting), []).append(measure(result))
     finally:
         for target in targets:
             target.close()

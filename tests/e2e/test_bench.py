@@ -30,6 +30,11 @@ def check_report(path, levels, key, requests, output_tokens, in_process, kv_repo
             assert set(result[metric]) == DISTRIBUTION
             assert 0 < result[metric]["p50"] <= result[metric]["p99"]
         assert result["ttft_ms"]["p50"] <= result["e2e_ms"]["p50"]
+        if key == "concurrency":  # the steady state: the requests after the first wave of `concurrency`
+            steady = result["steady"]
+            assert steady["requests"] == requests - min(requests, result["concurrency"])
+            if steady["requests"]:
+                assert 0 < steady["itl_ms"]["p50"] <= steady["itl_ms"]["p99"] and steady["ttft_ms"]["p50"] > 0
         assert (result["kv_cache"] is not None) == (in_process if kv_reported is None else kv_reported)
         if in_process:
             assert 0 < result["kv_cache"]["utilization_max"] <= 1
@@ -44,6 +49,26 @@ def test_bench_in_process_sweeps_concurrency_and_plots(tiny_engines, tmp_path):
     check_report(out, [1, 3], "concurrency", 4, 6, in_process=True)
     for name in ("throughput.png", "latency.png"):
         assert (tmp_path / name).read_bytes()[:4] == b"\x89PNG"
+
+
+def test_bench_in_process_takes_run_time_options_and_refuses_bad_ones(tiny_engines, tmp_path, capsys):
+    engine = str(tiny_engines("llama"))
+    out = tmp_path / "bench.json"
+    code = main(["--engine", engine, "--concurrency", "2", "--requests", "5", "--input-tokens", "12",
+                 "--output-tokens", "4", "--runtime", "prefill_per_decode=1.5", "max_prefill_share=0.5",
+                 "--json", str(out)])
+    assert code == 0
+    report = check_report(out, [2], "concurrency", 5, 4, in_process=True)
+    assert report["runtime"] == {"prefill_per_decode": 1.5, "max_prefill_share": 0.5}
+    for bad, said in ((["prefill_per_decode"], "takes KEY=VALUE"), (["no_such_option=1"], "unknown runtime options"),
+                      (["prefill_per_decode=-2"], "prefill_per_decode must be"),
+                      (["kv_cache_memory=4GiB"], "not a JSON value")):
+        with pytest.raises(SystemExit):
+            main(["--engine", engine, "--concurrency", "1", "--requests", "1", "--runtime", *bad])
+        assert said in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["--url", "127.0.0.1:1", "--tokenizer", engine, "--runtime", "max_prefill_share=0.5"])
+    assert "give a server its options when it starts" in capsys.readouterr().err
 
 
 def test_bench_request_rate_with_a_prompt_file(tiny_engines, tmp_path):
