@@ -185,7 +185,7 @@ class RuntimeSection(_Section):
                                                   "steps streams wait on stay near decode alone's: a lower "
                                                   "inter-token p99 for a later first token and some "
                                                   "throughput; 0: off, the share alone (docs/engine.md)")
-    prefill_max_wait: float = Field(1.0, ge=0, allow_inf_nan=False,
+    prefill_max_wait: float = Field(4.0, ge=0, allow_inf_nan=False,
                                     description="run-time, with prefill_per_decode: seconds the oldest prompt "
                                                 "not yet computed may wait before a step gives prefill its "
                                                 "whole share again (so admission keeps up)")

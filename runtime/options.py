@@ -37,7 +37,7 @@ class RuntimeOptions:
     request_timeout: float = 0.0  # seconds from arrival after which a request ends ("timeout"); 0: never
     max_prefill_share: float = 0.25  # of max_num_tokens, for prefill chunks in a step that also decodes
     prefill_per_decode: float = 0.0  # prefill tokens a step may take per decoding stream (0: only the share)
-    prefill_max_wait: float = 1.0  # seconds a prompt waits under prefill_per_decode before the share applies
+    prefill_max_wait: float = 4.0  # seconds a prompt waits under prefill_per_decode before the share applies
     batch_invariant: bool = True  # every linear one route at every row count (LlamaModel.make_batch_invariant)
 
     def __post_init__(self):

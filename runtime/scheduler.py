@@ -32,7 +32,7 @@ PREFILL_MIN_CHUNK = 16  # prompt tokens a step beside decoding streams may alway
 class Scheduler:
     def __init__(self, kv: KVCacheManager, max_batch_size: int, max_num_tokens: int,
                  policy: str = "max_utilization", prefill_share: float = 1.0, prefill_per_decode: float = 0.0,
-                 prefill_max_wait: float = 1.0):
+                 prefill_max_wait: float = 4.0):
         if policy not in POLICIES:
             raise ValueError(f"scheduler policy {policy!r} is not one of {POLICIES}")
         if not 0 < prefill_share <= 1:
