@@ -136,8 +136,10 @@ def test_gelu_tanh_float32_is_as_exact_as_float32_allows(isa):
 # the steps of 16, fewer than 8 inputs in all, three passes over the widened weights (1544),
 # output groups of 6 left part empty, a second block of 4 chunks (80 rows); up to 12 rows past
 # the last whole 16 (33, 40) go to the four-row kernel, 13 (45) are padded to a lane chunk
+# below 32 rows (AVX2) by fours: 2-3 rows left over go as the last four (6, 14, 15), one alone (9, 13)
 DENSE_SHAPES = [(1, 576, 96), (9, 40, 13), (16, 37, 13), (32, 37, 13), (33, 1100, 37), (64, 24, 7), (33, 5, 11),
-                (40, 1544, 20), (80, 576, 160), (45, 576, 20)]
+                (40, 1544, 20), (80, 576, 160), (45, 576, 20), (6, 576, 9), (13, 37, 7), (14, 1536, 13),
+                (15, 576, 20)]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

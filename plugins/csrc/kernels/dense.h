@@ -7,13 +7,13 @@
 // Skinny linear layer for decode steps: out[m, n] = sum_k x[m, k] * w[n, k] (+ bias[n]), for a
 // handful of rows m. At batch 1 a decode step is a GEMV that only has to stream the weights
 // once at memory bandwidth: each weight row is read once and widened once, and used for up to
-// four input rows at a time (inputs widened to fp32 up front, leftover rows one by one). fp32 accumulation, one rounding
-// to T at the end.
+// four input rows at a time (inputs widened to fp32 up front; 2-3 rows left over as the last
+// four, one alone). fp32 accumulation, one rounding to T at the end.
 // Included per ISA inside kiln::<isa> after vec.h.
 
 // The dense driver: each weight row o of w against the input rows four at a time (four(m, o,
-// sums) fills sums[0, 4)), the rows left over one by one (one(m, o)); out = sums + bias, rounded
-// once. Many rows go a block at a time (row_blocks) against a block of weight rows, so neither
+// sums) fills sums[0, 4)), the rows left over one by one (one(m, o)), or where 2-3 are left, as
+// the last four rows of the call (some computed twice); out = sums + bias, rounded once. Many rows go a block at a time (row_blocks) against a block of weight rows, so neither
 // is fetched from further than L2 for every row of the other.
 template <typename T, typename Four, typename One>
 void dense_rows(const T* w, int64_t k, const T* bias, T* out, int64_t rows, int64_t n, Four four, One one) {
@@ -32,7 +32,13 @@ void dense_rows(const T* w, int64_t k, const T* bias, T* out, int64_t rows, int6
             four(m, o, sums);
             for (int64_t r = 0; r < 4; ++r) store_as(out + (m + r) * n + o, sums[r] + b);
           }
-          for (int64_t m = grouped; m < m1; ++m) store_as(out + m * n + o, one(m, o) + b);
+          if (m1 - grouped >= 2 && m1 >= 4) {  // 2-3 rows left: the four rows ending at m1, the
+            four(m1 - 4, o, sums);              // earlier ones' sums dropped (a group of four takes
+            for (int64_t m = grouped; m < m1; ++m)  // less than two rows alone, the same bits)
+              store_as(out + m * n + o, sums[m - (m1 - 4)] + b);
+          } else {
+            for (int64_t m = grouped; m < m1; ++m) store_as(out + m * n + o, one(m, o) + b);
+          }
         }
       }
     }
