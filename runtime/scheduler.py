@@ -98,19 +98,22 @@ class Scheduler:
         return batch
 
     def _prefill_budget(self, now: float) -> int:
-        """Prefill tokens this step may take: all the budget, or beside decoding streams its share
-        (and with prefill_per_decode, k per decoding stream until a prompt has waited too long)."""
+        """Prefill tokens this step may take (prefill_limit for its decoding streams and the
+        oldest prompt not yet computed: the first part-computed one, or the queue's head; a
+        preempted sequence goes back to the head with its arrival time)."""
         decodes = sum(seq.remaining == 1 for seq in self.running)
+        oldest = min(next((seq.arrival for seq in self.running if seq.remaining > 1), math.inf),
+                     self.waiting[0].arrival if self.waiting else math.inf)
+        return self.prefill_limit(decodes, now - oldest if oldest < math.inf else 0.0)
+
+    def prefill_limit(self, decodes: int, waited: float = 0.0) -> int:
+        """Prefill tokens a step that decodes `decodes` streams may take, the oldest prompt not
+        yet computed having waited `waited` seconds: all the budget when nothing decodes, else
+        the share, or with prefill_per_decode k per decoding stream until the wait limit."""
         if not decodes:
             return self.max_num_tokens
         cap = max(1, int(self.prefill_share * self.max_num_tokens))
-        if self.prefill_per_decode <= 0:
-            return cap
-        # the oldest prompt not yet computed: the first part-computed one, or the queue's head
-        # (a preempted sequence goes back to the head with its arrival time)
-        oldest = min(next((seq.arrival for seq in self.running if seq.remaining > 1), math.inf),
-                     self.waiting[0].arrival if self.waiting else math.inf)
-        if now - oldest >= self.prefill_max_wait:
+        if self.prefill_per_decode <= 0 or waited >= self.prefill_max_wait:
             return cap
         return min(cap, max(math.ceil(self.prefill_per_decode * decodes), PREFILL_MIN_CHUNK))
 

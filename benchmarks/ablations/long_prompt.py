@@ -1,7 +1,8 @@
 """A long prompt arriving among decoding streams, in process: its time to first token, and the
 streams' inter-token times while it is prefilled, for each prefill budget beside decodes
-(runtime.max_prefill_share). The trade-off it sets: a small budget keeps the streams' steps
-short, a large one gets the long prompt's first token out sooner.
+(runtime.max_prefill_share; prefill_per_decode and prefill_max_wait). The trade-off it sets: a
+small budget keeps the streams' steps short, a large one gets the long prompt's first token out
+sooner.
 
 Each round (one thread enqueues and takes every response, as the Triton model does): --streams
 requests of --stream-prompt tokens start together and decode (greedy, no early stop); once every
@@ -113,7 +114,7 @@ def main() -> None:
         options = {key: json.loads(value) for key, value in (item.split("=", 1) for item in setting.split(","))}
         # no prefix reuse: the long prompt runs alone first, and among the streams it must be prefilled again
         with LLM(args.engine, **options, enable_prefix_reuse=False) as llm:
-            budget = max(1, int(llm.executor.scheduler.prefill_share * llm.limits.max_num_tokens))
+            budget = llm.executor.scheduler.prefill_limit(args.streams)  # before the wait limit, if any
             alone, rounds = [], []
             for r in range(args.rounds):
                 seed = 1000 * r
