@@ -4,8 +4,10 @@ Sends a prompt set (synthetic, with set input/output lengths, or a file of real 
 sweeps concurrency (closed loop) or a request rate (open loop, Poisson arrivals), and reports
 output tokens/s, requests/s, TTFT, inter-token latency and end-to-end latency at P50/P90/P99,
 and KV cache use (in process). A closed loop's TTFT and inter-token latency are also given for
-its steady state: after the first wave (every client's first request, all sent at once). Writes JSON and PNG plots; shows progress while it runs.
-Every request generates exactly its output length (the end id is set to one no model emits)."""
+its steady state: after the first wave (every client's first request, all sent at once). Writes
+JSON and PNG plots; shows progress while it runs. An engine in process takes run-time options
+(--runtime KEY=VALUE). Every request generates exactly its output length (the end id is set to
+one no model emits)."""
 from __future__ import annotations
 
 import argparse
