@@ -437,8 +437,11 @@ def main(argv: list[str] | None = None) -> int:
                     count = args.requests or 32
                 else:
                     count = args.requests or max(8, 3 * int(level))
+                # each level its own passages (rates 1.0 and 1.6 too): the same prompts again would
+                # hit the prefix cache the level before filled
                 prompts = ([base_prompts[i % len(base_prompts)] for i in range(count)] if args.prompts
-                           else synthetic_prompts(tokenizer, count, args.input_tokens, args.seed + int(level)))
+                           else synthetic_prompts(tokenizer, count, args.input_tokens,
+                                                  args.seed + round(1000 * level)))
                 task = progress.add_task(f"{'rate' if args.request_rate else 'concurrency'} {level}", total=count)
                 advance = lambda: progress.advance(task)  # noqa: E731
                 if args.request_rate:

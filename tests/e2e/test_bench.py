@@ -81,6 +81,17 @@ def test_bench_request_rate_with_a_prompt_file(tiny_engines, tmp_path):
     check_report(out, [20.0], "request_rate", 5, 4, in_process=True)
 
 
+def test_each_level_gets_its_own_prompts_so_none_hits_the_prefix_cache_of_the_one_before(tiny_engines, tmp_path):
+    """Rates 20 and 20.5 (one integer part) once drew the same passages: the second level's
+    prompts then found the first's KV blocks cached, and its TTFT read low."""
+    out = tmp_path / "rates.json"
+    code = main(["--engine", str(tiny_engines("llama")), "--request-rate", "20", "20.5", "--requests", "3",
+                 "--input-tokens", "40", "--output-tokens", "2", "--json", str(out)])
+    assert code == 0
+    results = json.loads(out.read_text())["results"]
+    assert [r["kv_cache"]["prefix_hit_rate"] for r in results] == [0.0, 0.0]
+
+
 @pytest.mark.slow
 def test_bench_against_tritonserver(tiny_engines, tmp_path):
     engine = tiny_engines("llama")
