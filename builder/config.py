@@ -183,8 +183,9 @@ class RuntimeSection(_Section):
                                       description="run-time: at most this many prefill tokens per decoding "
                                                   "stream in a step (at least 16, at most the share), so the "
                                                   "steps streams wait on stay near decode alone's: a lower "
-                                                  "inter-token p99 for a later first token and some "
-                                                  "throughput; 0: off, the share alone (docs/engine.md)")
+                                                  "inter-token p99 at many streams for a later first "
+                                                  "token and some throughput (with a few streams, a higher "
+                                                  "one); 0: off, the share alone (docs/engine.md)")
     prefill_max_wait: float = Field(4.0, ge=0, allow_inf_nan=False,
                                     description="run-time, with prefill_per_decode: seconds the oldest prompt "
                                                 "not yet computed may wait before a step gives prefill its "
