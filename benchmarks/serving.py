@@ -21,7 +21,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from kiln.bench import NEVER, percentile, synthetic_prompts
+from kiln.bench import NEVER, percentile, runtime_options, synthetic_prompts
 
 class Recorder:
     """TTFT is kept apart for the first wave (every worker's first request, all sent at once)
@@ -135,7 +135,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     from kiln.runtime.llm import LLM
 
-    runtime = {key: json.loads(value) for key, value in (item.split("=", 1) for item in args.runtime)}
+    runtime = runtime_options(args.runtime)
     llm = LLM(args.engine, **runtime)
     tokenizer = llm.tokenizer
     block_size = llm.limits.kv_block_size

@@ -365,6 +365,21 @@ def machine() -> dict:
             "load_avg": list(os.getloadavg()), "python": platform.python_version()}
 
 
+def runtime_options(items: list[str]) -> dict:
+    """KEY=VALUE items, each value JSON (max_prefill_share=0.125, kv_cache_memory='"4GiB"'), as
+    run-time options for LLM(...); ValueError naming the item that is not one."""
+    options = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise ValueError(f"takes KEY=VALUE, got {item!r}")
+        try:
+            options[key] = json.loads(value)
+        except json.JSONDecodeError:
+            raise ValueError(f"{key}: {value!r} is not a JSON value (strings in quotes: '\"4GiB\"')") from None
+    return options
+
+
 def main(argv: list[str] | None = None) -> int:
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -396,15 +411,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--plot-dir", type=Path, default=None, help="write throughput.png, latency.png here")
     args = parser.parse_args(argv)
     console = Console(stderr=True)
-    runtime = {}
-    for item in args.runtime:
-        key, sep, value = item.partition("=")
-        if not sep:
-            parser.error(f"--runtime takes KEY=VALUE, got {item!r}")
-        try:
-            runtime[key] = json.loads(value)
-        except json.JSONDecodeError:
-            parser.error(f"--runtime {key}: {value!r} is not a JSON value (strings in quotes: '\"4GiB\"')")
+    try:
+        runtime = runtime_options(args.runtime)
+    except ValueError as exc:
+        parser.error(f"--runtime: {exc}")
     if runtime and args.url:
         parser.error("--runtime applies to an engine run in process; give a server its options when it starts "
                      "(kiln serve --max-prefill-share ...)")

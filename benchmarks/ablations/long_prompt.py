@@ -105,13 +105,13 @@ def main() -> None:
     from rich.console import Console
     from rich.table import Table
 
-    from kiln.bench import percentile, prose_ids
+    from kiln.bench import percentile, prose_ids, runtime_options
     from kiln.runtime.llm import LLM
 
     console = Console(stderr=True)
     rows = []
     for setting in args.settings:
-        options = {key: json.loads(value) for key, value in (item.split("=", 1) for item in setting.split(","))}
+        options = runtime_options(setting.split(","))
         # no prefix reuse: the long prompt runs alone first, and among the streams it must be prefilled again
         with LLM(args.engine, **options, enable_prefix_reuse=False) as llm:
             budget = llm.executor.scheduler.prefill_limit(args.streams)  # before the wait limit, if any

@@ -62,11 +62,10 @@ def main() -> None:
     from rich.console import Console
     from rich.table import Table
 
-    from kiln.bench import EngineTarget, run_concurrency, synthetic_prompts
+    from kiln.bench import EngineTarget, run_concurrency, runtime_options, synthetic_prompts
 
     console = Console(stderr=True)
-    options = [{key: json.loads(value) for key, value in (item.split("=", 1) for item in setting.split(","))}
-               for setting in args.settings]
+    options = [runtime_options(setting.split(",")) for setting in args.settings]
     targets = [EngineTarget(args.engine, **option, enable_prefix_reuse=False) for option in options]
     runs: dict[tuple[int, str], list[dict]] = {}
     try:

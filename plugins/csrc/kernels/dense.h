@@ -13,7 +13,8 @@
 
 // The dense driver: each weight row o of w against the input rows four at a time (four(m, o,
 // sums) fills sums[0, 4)), the rows left over one by one (one(m, o)), or where 2-3 are left, as
-// the last four rows of the call (some computed twice); out = sums + bias, rounded once. Many rows go a block at a time (row_blocks) against a block of weight rows, so neither
+// the last four rows of the call (some computed twice); out = sums + bias, rounded once. Many
+// rows go a block at a time (row_blocks) against a block of weight rows, so neither
 // is fetched from further than L2 for every row of the other.
 template <typename T, typename Four, typename One>
 void dense_rows(const T* w, int64_t k, const T* bias, T* out, int64_t rows, int64_t n, Four four, One one) {
