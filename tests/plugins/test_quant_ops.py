@@ -173,11 +173,12 @@ def test_linear_w4_tiled_matches_reference(isa, dtype, group, rows, k, n):
 
 
 @pytest.mark.parametrize("w4a8", [False, True])
-def test_tiled_int4_sums_of_one_long_group_do_not_overflow(isa, w4a8):
+@pytest.mark.parametrize("rows", [1, 16])  # 16: AVX2's lanes (W4A8's int16 sums of 8 steps at their largest)
+def test_tiled_int4_sums_of_one_long_group_do_not_overflow(isa, w4a8, rows):
     """The longest group the tiled layout holds (8,192 inputs) at the largest values: every nibble
     15 against the largest input bytes (int32 sums near 2^31)."""
     k, n = 8192, 16
-    x = torch.ones(1, k)
+    x = torch.ones(rows, k)
     packed, scales = quantize_int4(torch.full((n, k), 0.05), k)
     assert int(unpack_int4(packed).max()) == 7  # stored as nibble 15
     op = ops.linear_w4a8_tiled if w4a8 else ops.linear_w4_tiled
@@ -548,6 +549,25 @@ def linear_kernels(g, dtype, k, n):
         t8 = ops.pack_int8_tiled(q8)
         runs["linear_w8_tiled"] = lambda x: ops.linear_w8_tiled(x, t8, s8, bias)
     return runs
+
+
+@pytest.mark.parametrize("kernel", ["linear_w4_tiled", "linear_w4a8_tiled"])
+@pytest.mark.parametrize("rows", [14, 16, 29, 30, 48])  # AVX2's lanes from 14 (W4A8) or 15 rows; 29, 30 split
+def test_int4_lanes_without_bias_give_a_row_the_bits_it_gets_alone(isa, kernel, rows):
+    """The tiled int4 kernels with no bias, groups of 64 (the engines'), float32 out: each row's
+    outputs are the bits it gets alone (the row kernel), a zero row's included."""
+    g = generator(isa, kernel, rows, "lanes without bias")
+    k, n = 576, 80
+    x = rand(g, rows, k, scale=4)
+    x[rows // 2] = 0
+    packed, scales = quantize_int4(rand(g, n, k, scale=0.05), 64)
+    tiled = ops.pack_int4_tiled(packed, scales, 64)
+    run = getattr(ops, kernel)
+    together = run(x, *tiled, 64)
+    alone = torch.cat([run(x[i:i + 1], *tiled, 64) for i in range(rows)])
+    differ = (together != alone).any(dim=1).nonzero().flatten().tolist()
+    assert not differ, f"{kernel}: rows {differ} of {rows} differ from the row alone"
+    assert not together[rows // 2].any()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])  # float32: no output rounding to hide a sum's last bits

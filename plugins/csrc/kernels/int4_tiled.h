@@ -270,11 +270,8 @@ void tiled_w4_lanes(const int8_t* hi, const int8_t* lo, const float* xs_row, con
       for (int64_t c = 0; c < chunks; ++c) {
         lanes_tile(X.data + c * pairs * kLaneRows, Wt.data(), s + (t0 * L.groups + u) * kTileRows, L, U, group,
                    facc);
-        for (int64_t m = c * kLaneRows; m < std::min(rows, (c + 1) * kLaneRows); ++m)
-          for (int64_t o = 0; o < kTileRows; ++o) {
-            const int64_t at = t * kTileRows + o;
-            store_as(out + m * n + at, facc[o * kLaneRows + m % kLaneRows] * xs_row[m] + (bias ? to_f32(bias[at]) : 0.f));
-          }
+        lanes_store_tile(facc, xs_row + c * kLaneRows, bias, out + c * kLaneRows * n, rows - c * kLaneRows, n,
+                         t * kTileRows);
       }
     }
   });

@@ -1,12 +1,13 @@
 // GEMMs with the input rows in the vector lanes (AVX2, at many rows: the int16-weight kernels of
-// int4_tiled.h, int8.h and w8a8.h, and the float linears of dense_lanes.h). Included per ISA
-// inside kiln::<isa> after gemv.h.
+// int4_tiled.h, int8.h and w8a8.h, W4A8's byte kernel (w4a8.h) and the float linears of
+// dense_lanes.h). Included per ISA inside kiln::<isa> after gemv.h.
 //
 // Integers: an input is an int16 and so is a weight; one vpmaddwd multiplies 8 rows by a pair of
 // one output's weights (broadcast), 16 multiply-adds an instruction with no reduction across
 // lanes: each lane holds one (row, output) sum, so a row's sums never depend on which rows share
 // its vectors. The inputs go in chunks of kLaneRows rows: X [chunk][pairs][kLaneRows] dwords,
-// each dword a row's two int16 inputs of one pair.
+// each dword a row's two int16 inputs of one pair. W4A8's inputs are int8 and its weights
+// nibbles: a dword holds 4 inputs of a row, and one vpmaddubsw multiplies 8 rows by 4 inputs.
 // Floats: one vfmadd231ps multiplies 8 rows by one output's weight (broadcast); each lane holds
 // one (row, output) chain of FMAs, the chains dot() keeps in its lanes (dense_lanes.h).
 //
@@ -16,8 +17,13 @@
 //                         dense_lanes.h), and the rows past the last whole chunk go to the row
 //                         kernel when there are at most kLaneTail of them
 //   lanes_inputs_i16      int16 rows [rows][kp] to X (the pairs in order)
+//   lanes_inputs_dwords   rows of dwords to X (lanes_inputs_i16 for int16 pairs, and for int8
+//                         rows 4 inputs a dword)
 //   lanes_four_outputs    int32 sums of one chunk's 16 rows against 4 outputs over `count` pairs
+//   lanes_four_outputs_u8 the same for int8 inputs against unsigned 4-bit weights, 4 inputs a
+//                         step (vpmaddubsw: twice the multiply-adds of an int16 step)
 //   lanes_inputs_f32      float rows to X by chain ([chunk][chain][step][kLaneRows] floats)
+//   lanes_store_tile      a tile's [16 outputs][kLaneRows rows] float sums out to the rows
 //   lanes_six_outputs     fp32 chains of one chunk's 16 rows against 6 outputs, `count` steps on
 
 #if defined(KILN_ISA_AVX2)
@@ -35,20 +41,59 @@ inline int64_t lane_rows(int64_t rows, int64_t from = kLanesFrom, int64_t tail =
   return rows % kLaneRows <= tail ? rows - rows % kLaneRows : rows;
 }
 
+// X [chunk][dwords][kLaneRows] from rows of `dwords` dwords each (at `rows_at`, a row's bytes
+// in order): dword p of row m at X[m / kLaneRows][p][m % kLaneRows]; the rows past `rows` zero
+inline void lanes_inputs_dwords(const void* rows_at, int64_t rows, int64_t dwords, int32_t* X) {
+  const int64_t chunks = (rows + kLaneRows - 1) / kLaneRows;
+  std::memset(X, 0, sizeof(int32_t) * chunks * dwords * kLaneRows);
+  for (int64_t m = 0; m < rows; ++m) {
+    int32_t* xm = X + (m / kLaneRows) * dwords * kLaneRows + m % kLaneRows;
+    const char* row = static_cast<const char*>(rows_at) + m * dwords * 4;
+    for (int64_t p = 0; p < dwords; ++p) std::memcpy(xm + p * kLaneRows, row + 4 * p, 4);
+  }
+}
+
+// r[q] = element q of each of the 8 vectors r held (an 8 x 8 transposition)
+inline void transpose8x8(__m256 r[8]) {
+  __m256 t[8], u[8];
+  for (int q = 0; q < 8; q += 2) {
+    t[q] = _mm256_unpacklo_ps(r[q], r[q + 1]);
+    t[q + 1] = _mm256_unpackhi_ps(r[q], r[q + 1]);
+  }
+  for (int q = 0; q < 8; q += 4) {
+    u[q] = _mm256_shuffle_ps(t[q], t[q + 2], 0x44);
+    u[q + 1] = _mm256_shuffle_ps(t[q], t[q + 2], 0xEE);
+    u[q + 2] = _mm256_shuffle_ps(t[q + 1], t[q + 3], 0x44);
+    u[q + 3] = _mm256_shuffle_ps(t[q + 1], t[q + 3], 0xEE);
+  }
+  for (int q = 0; q < 8; ++q) r[q] = _mm256_permute2f128_ps(u[q % 4], u[q % 4 + 4], q < 4 ? 0x20 : 0x31);
+}
+
+// One tile's outputs for one chunk of rows: out [count rows, 16 outputs from o0] (row stride n,
+// from the chunk's first row) = facc [16 outputs][kLaneRows rows], times the row's scale
+// xs_row[m] where given, plus the bias, rounded as store_as rounds: the bits of
+// store_as(out, facc * xs_row[m] + bias) output by output, 8 outputs of a row a store
+template <typename T>
+inline void lanes_store_tile(const float* facc, const float* xs_row, const T* bias, T* out, int64_t count, int64_t n,
+                             int64_t o0) {
+  for (int64_t ob = 0; ob < kTileRows; ob += 8) {
+    const __m256 b = bias ? vload(bias + o0 + ob) : _mm256_setzero_ps();
+    for (int64_t h = 0; h < std::min<int64_t>(count, kLaneRows); h += 8) {
+      __m256 r[8];
+      for (int q = 0; q < 8; ++q) r[q] = _mm256_load_ps(facc + (ob + q) * kLaneRows + h);
+      transpose8x8(r);  // r[j]: row h + j's 8 outputs
+      for (int64_t j = 0; j < std::min<int64_t>(8, count - h); ++j) {
+        const __m256 v = xs_row ? _mm256_mul_ps(r[j], _mm256_set1_ps(xs_row[h + j])) : r[j];
+        vstore_as(out + (h + j) * n + o0 + ob, _mm256_add_ps(v, b));
+      }
+    }
+  }
+}
+
 // X [chunk][kp / 2 pairs][kLaneRows] dwords from int16 rows of kp (even) inputs, pair p of a row
 // being its inputs (2p, 2p + 1); the rows past `rows` zero
 inline void lanes_inputs_i16(const int16_t* xq, int64_t rows, int64_t kp, int32_t* X) {
-  const int64_t pairs = kp / 2, chunks = (rows + kLaneRows - 1) / kLaneRows;
-  std::memset(X, 0, sizeof(int32_t) * chunks * pairs * kLaneRows);
-  for (int64_t m = 0; m < rows; ++m) {
-    int32_t* xm = X + (m / kLaneRows) * pairs * kLaneRows + m % kLaneRows;
-    const int16_t* row = xq + m * kp;
-    for (int64_t p = 0; p < pairs; ++p) {
-      int32_t pair;
-      std::memcpy(&pair, row + 2 * p, sizeof pair);
-      xm[p * kLaneRows] = pair;
-    }
-  }
+  lanes_inputs_dwords(xq, rows, kp / 2, X);
 }
 
 // sums [4 outputs][kLaneRows rows] = the int32 dot products over `count` > 0 pairs of X (one
@@ -112,6 +157,89 @@ inline void lanes_four_outputs(const int32_t* X, const int32_t* W, int64_t count
   static_assert(kLaneRows == 16, "the assembly's strides");
 }
 
+// sums [4 outputs][kLaneRows rows] = addend (the same shape: sums itself, or kZeroSums to start)
+// + the int32 dot products over `count` (1 to 8) steps of X (one chunk of int8 rows, 4 inputs a
+// dword, from a step on) with 4 outputs' weights: dwords of 4 unsigned bytes below 16 (int4
+// nibbles), output j's of step i at W + j * OutputStep + i * StepStride (dwords). One vpmaddubsw
+// multiplies 8 rows by 4 inputs (32 multiply-adds) into int16 pairs; the pairs add up in int16
+// for up to 8 steps (at most 8 * 2 * 15 * 127 = 30,480: no overflow, for inputs in [-127, 127])
+// and are then widened to int32 by vpmaddwd with ones. Assembly for the reason
+// lanes_four_outputs is. (A first pass adds the constant zeros rather than sums zeroed just
+// before: loading back those stores cost a third of the kernel's time, Zen 3.)
+alignas(64) inline const int32_t kZeroSums[4 * kLaneRows] = {};
+template <int64_t OutputStep, int64_t StepStride>
+inline void lanes_four_outputs_u8(const int32_t* X, const int32_t* W, int64_t count, const int32_t* addend,
+                                  int32_t* sums) {
+  asm volatile(
+      "vpxor %%ymm8, %%ymm8, %%ymm8\n\t"
+      "vpxor %%ymm9, %%ymm9, %%ymm9\n\t"
+      "vpxor %%ymm10, %%ymm10, %%ymm10\n\t"
+      "vpxor %%ymm11, %%ymm11, %%ymm11\n\t"
+      "vpxor %%ymm12, %%ymm12, %%ymm12\n\t"
+      "vpxor %%ymm13, %%ymm13, %%ymm13\n\t"
+      "vpxor %%ymm14, %%ymm14, %%ymm14\n\t"
+      "vpxor %%ymm15, %%ymm15, %%ymm15\n\t"
+      "1:\n\t"
+      "vmovdqu (%[x]), %%ymm0\n\t"  // rows 0-7 of this step (signed bytes)
+      "vmovdqu 32(%[x]), %%ymm1\n\t"  // rows 8-15
+      "vpbroadcastd (%[w]), %%ymm2\n\t"  // output 0's 4 weights (unsigned bytes)
+      "vpbroadcastd %c[o1](%[w]), %%ymm3\n\t"  // output 1's
+      "vpmaddubsw %%ymm0, %%ymm2, %%ymm4\n\t"
+      "vpmaddubsw %%ymm1, %%ymm2, %%ymm5\n\t"
+      "vpmaddubsw %%ymm0, %%ymm3, %%ymm6\n\t"
+      "vpmaddubsw %%ymm1, %%ymm3, %%ymm7\n\t"
+      "vpaddw %%ymm4, %%ymm8, %%ymm8\n\t"
+      "vpaddw %%ymm5, %%ymm9, %%ymm9\n\t"
+      "vpaddw %%ymm6, %%ymm10, %%ymm10\n\t"
+      "vpaddw %%ymm7, %%ymm11, %%ymm11\n\t"
+      "vpbroadcastd %c[o2](%[w]), %%ymm2\n\t"  // outputs 2 and 3
+      "vpbroadcastd %c[o3](%[w]), %%ymm3\n\t"
+      "vpmaddubsw %%ymm0, %%ymm2, %%ymm4\n\t"
+      "vpmaddubsw %%ymm1, %%ymm2, %%ymm5\n\t"
+      "vpmaddubsw %%ymm0, %%ymm3, %%ymm6\n\t"
+      "vpmaddubsw %%ymm1, %%ymm3, %%ymm7\n\t"
+      "vpaddw %%ymm4, %%ymm12, %%ymm12\n\t"
+      "vpaddw %%ymm5, %%ymm13, %%ymm13\n\t"
+      "vpaddw %%ymm6, %%ymm14, %%ymm14\n\t"
+      "vpaddw %%ymm7, %%ymm15, %%ymm15\n\t"
+      "add $64, %[x]\n\t"  // the next step: kLaneRows dwords of X
+      "add %[ss], %[w]\n\t"
+      "dec %[n]\n\t"
+      "jnz 1b\n\t"
+      "vpcmpeqw %%ymm0, %%ymm0, %%ymm0\n\t"
+      "vpsrlw $15, %%ymm0, %%ymm0\n\t"  // int16 ones: vpmaddwd adds a dword's two int16
+      "vpmaddwd %%ymm0, %%ymm8, %%ymm8\n\t"
+      "vpmaddwd %%ymm0, %%ymm9, %%ymm9\n\t"
+      "vpmaddwd %%ymm0, %%ymm10, %%ymm10\n\t"
+      "vpmaddwd %%ymm0, %%ymm11, %%ymm11\n\t"
+      "vpmaddwd %%ymm0, %%ymm12, %%ymm12\n\t"
+      "vpmaddwd %%ymm0, %%ymm13, %%ymm13\n\t"
+      "vpmaddwd %%ymm0, %%ymm14, %%ymm14\n\t"
+      "vpmaddwd %%ymm0, %%ymm15, %%ymm15\n\t"
+      "vpaddd (%[a]), %%ymm8, %%ymm8\n\t"
+      "vpaddd 32(%[a]), %%ymm9, %%ymm9\n\t"
+      "vpaddd 64(%[a]), %%ymm10, %%ymm10\n\t"
+      "vpaddd 96(%[a]), %%ymm11, %%ymm11\n\t"
+      "vpaddd 128(%[a]), %%ymm12, %%ymm12\n\t"
+      "vpaddd 160(%[a]), %%ymm13, %%ymm13\n\t"
+      "vpaddd 192(%[a]), %%ymm14, %%ymm14\n\t"
+      "vpaddd 224(%[a]), %%ymm15, %%ymm15\n\t"
+      "vmovdqu %%ymm8, (%[s])\n\t"
+      "vmovdqu %%ymm9, 32(%[s])\n\t"
+      "vmovdqu %%ymm10, 64(%[s])\n\t"
+      "vmovdqu %%ymm11, 96(%[s])\n\t"
+      "vmovdqu %%ymm12, 128(%[s])\n\t"
+      "vmovdqu %%ymm13, 160(%[s])\n\t"
+      "vmovdqu %%ymm14, 192(%[s])\n\t"
+      "vmovdqu %%ymm15, 224(%[s])\n\t"
+      : [x] "+r"(X), [w] "+r"(W), [n] "+r"(count)
+      : [s] "r"(sums), [a] "r"(addend), [o1] "i"(4 * OutputStep), [o2] "i"(8 * OutputStep),
+        [o3] "i"(12 * OutputStep), [ss] "i"(4 * StepStride)
+      : "xmm0", "xmm1", "xmm2", "xmm3", "xmm4", "xmm5", "xmm6", "xmm7", "xmm8", "xmm9", "xmm10", "xmm11", "xmm12",
+        "xmm13", "xmm14", "xmm15", "memory", "cc");
+  static_assert(kLaneRows == 16, "the assembly's strides");
+}
+
 // The float lanes' chains: dot() (vec.h) sums input i of a row in lane i % kChains of its two
 // accumulators, one FMA a step of kChains inputs, so chain j holds inputs j, j + 16, j + 32, ...
 constexpr int64_t kChains = 2 * kLanes;
@@ -129,21 +257,10 @@ void lanes_inputs_f32(const T* x, int64_t rows, int64_t k, int64_t E, int64_t st
       for (int64_t i0 = 0; i0 < E; i0 += 8) {
         __m256 r[8];
         for (int q = 0; q < 8; ++q) r[q] = m0 + q < rows ? vload(x + (m0 + q) * k + i0) : _mm256_setzero_ps();
-        __m256 t[8], u[8];
-        for (int q = 0; q < 8; q += 2) {
-          t[q] = _mm256_unpacklo_ps(r[q], r[q + 1]);
-          t[q + 1] = _mm256_unpackhi_ps(r[q], r[q + 1]);
-        }
-        for (int q = 0; q < 8; q += 4) {
-          u[q] = _mm256_shuffle_ps(t[q], t[q + 2], 0x44);
-          u[q + 1] = _mm256_shuffle_ps(t[q], t[q + 2], 0xEE);
-          u[q + 2] = _mm256_shuffle_ps(t[q + 1], t[q + 3], 0x44);
-          u[q + 3] = _mm256_shuffle_ps(t[q + 1], t[q + 3], 0xEE);
-        }
+        transpose8x8(r);
         for (int q = 0; q < 8; ++q) {  // input i0 + q of the 8 rows
-          const __m256 column = _mm256_permute2f128_ps(u[q % 4], u[q % 4 + 4], q < 4 ? 0x20 : 0x31);
           const int64_t i = i0 + q;
-          _mm256_storeu_ps(X + ((c * kChains + i % kChains) * steps + i / kChains) * kLaneRows + h, column);
+          _mm256_storeu_ps(X + ((c * kChains + i % kChains) * steps + i / kChains) * kLaneRows + h, r[q]);
         }
       }
     }

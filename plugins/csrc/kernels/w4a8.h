@@ -10,7 +10,9 @@
 //                            order the low and high nibbles of 32 bytes come in
 //   linear_w4a8_tiled_ref    the tiled layout, integer loops per group
 //   linear_w4a8_tiled_dp     the tiled layout: one int8 plane against the nibbles (tiles_w4t;
-//                            AVX2 and AVX-512)
+//                            AVX2 and AVX-512); from kW4A8LanesFrom rows on plain AVX2,
+//                            tiled_w4a8_lanes: the rows in the lanes, one vpmaddubsw multiplies
+//                            8 rows by 4 inputs (lanes.h)
 
 // x [rows, k] -> q int8 [rows, k] (permute64: in the vnni kernel's order), scale and sum of q
 // per row and group [rows, groups]
@@ -21,12 +23,39 @@ void quantize_groups_i8(const T* x, int64_t rows, int64_t k, int64_t group, bool
   for (int64_t m = 0; m < rows; ++m) {
     for (int64_t g = 0; g < groups; ++g) {
       const int64_t g0 = g * group, g1 = std::min(k, g0 + group);
+      float inv;  // 127 / the group's absmax (0 for a group of zeros), the scale its inverse
+#if defined(KILN_ISA_SCALAR)
       float amax = 0.f;
       for (int64_t i = g0; i < g1; ++i) amax = std::max(amax, std::fabs(to_f32(x[m * k + i])));
-      const float inv = amax > 0.f ? 127.f / amax : 0.f;
+      inv = amax > 0.f ? 127.f / amax : 0.f;
       scale[m * groups + g] = amax / 127.f;
+#else
+      scale[m * groups + g] = row_step(x + m * k + g0, g1 - g0, 127.f, inv);
+#endif
       int32_t total = 0;
-      for (int64_t i = g0; i < g1; ++i) {
+      int64_t i = g0;
+      if (!permute64) {  // vectors of inputs: cvtps rounds to nearest even, as nearbyint
+#if defined(KILN_ISA_AVX512)
+        const __m512 vinv = _mm512_set1_ps(inv);
+        const __m512i top = _mm512_set1_epi32(127), bottom = _mm512_set1_epi32(-127);
+        for (; i + 16 <= g1; i += 16) {
+          const __m512i c = _mm512_min_epi32(top, _mm512_max_epi32(
+                                                      bottom, _mm512_cvtps_epi32(_mm512_mul_ps(vload(x + m * k + i), vinv))));
+          _mm_storeu_si128(reinterpret_cast<__m128i*>(q + m * k + i), _mm512_cvtepi32_epi8(c));
+          total += _mm512_reduce_add_epi32(c);
+        }
+#elif !defined(KILN_ISA_SCALAR)
+        const __m256 vinv = _mm256_set1_ps(inv);
+        const __m256i top = _mm256_set1_epi32(127), bottom = _mm256_set1_epi32(-127);
+        for (; i + 8 <= g1; i += 8) {
+          const __m256i c = _mm256_min_epi32(top, _mm256_max_epi32(
+                                                      bottom, _mm256_cvtps_epi32(_mm256_mul_ps(vload(x + m * k + i), vinv))));
+          store8_i8(q + m * k + i, c);
+          total += sum8_i32(c);
+        }
+#endif
+      }
+      for (; i < g1; ++i) {
         const int v = static_cast<int>(std::nearbyint(to_f32(x[m * k + i]) * inv));
         const int8_t c = static_cast<int8_t>(std::min(127, std::max(-127, v)));
         total += c;
@@ -167,13 +196,114 @@ void linear_w4a8_tiled_ref(const T* x, const uint8_t* w, const float* s, int64_t
   });
 }
 
+#if defined(KILN_ISA_AVX2)
+// W4A8 at many rows on AVX2: the input rows in the vector lanes (lanes.h). A dword of X holds 4
+// int8 inputs of a row and a weight dword a tile output's 4 nibbles as unsigned bytes, so one
+// vpmaddubsw multiplies 8 rows by 4 inputs: 32 multiply-adds, where tiles_w4t_pairs spends three
+// multiplying instructions on 64 and unpacks the nibbles again for every pair of rows. A tile's
+// weights are unpacked once per call and serve every row. Each group's int32 sums are the
+// integers tiles_w4t_pairs sums, centred and scaled by the same float operations in the same
+// group order, so every output has the bits the row kernel gives it (the tests compare the rows
+// together with each row alone). Plain AVX2 only, as tiled_w4_lanes.
+//
+// The lanes take a call's rows from kW4A8LanesFrom on, and up to kW4A8LaneTail rows past whole
+// chunks go to the row kernel (lanes.h, lane_rows; docs/benchmarks.md)
+constexpr int64_t kW4A8LanesFrom = 14, kW4A8LaneTail = 13;
+
+// Tile u0 of the tile group at w (U tiles wide) as Wt [k / 4 steps][16 outputs] dwords of 4
+// unsigned nibbles: a row's 4 bytes of a block hold inputs 0-3 in their low nibbles (step 2b)
+// and 4-7 in their high ones (step 2b + 1), each in input order
+inline void lanes_weights_u8(const uint8_t* w, int64_t kb, int64_t U, int64_t u0, int32_t* Wt) {
+  const __m256i nib = _mm256_set1_epi8(0x0F);
+  for (int64_t b = 0; b < kb; ++b)
+    for (int half = 0; half < 2; ++half) {
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + (b * U + u0) * 64 + 32 * half));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(Wt + 2 * b * kTileRows + 8 * half), _mm256_and_si256(v, nib));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(Wt + (2 * b + 1) * kTileRows + 8 * half),
+                          _mm256_and_si256(_mm256_srli_epi16(v, 4), nib));
+    }
+}
+
+// facc [16 outputs][kLaneRows rows] = one tile's float sums for one chunk: each group's int32
+// sums minus the chunk rows' 8 * sum of inputs (xsum8 [groups][kLaneRows]), times the weight
+// scale (group g's 16 at s_tile + g U 16) times the rows' input scales (xs [groups][kLaneRows]),
+// added in group order as tiles_w4t_pairs<.., true> adds them
+inline void lanes_tile_a8(const int32_t* Xc, const int32_t* Wt, const float* s_tile, const int32_t* xsum8,
+                          const float* xs, const TiledLayout& L, int64_t U, int64_t group, float* facc) {
+  const int64_t steps = 2 * L.kb;
+  alignas(32) int32_t sums[4 * kLaneRows];
+  for (int64_t i = 0; i < kTileRows * kLaneRows; i += 8) _mm256_store_ps(facc + i, _mm256_setzero_ps());
+  for (int64_t g = 0; g < L.groups; ++g) {
+    const int64_t j0 = g * group / 4, j1 = std::min(steps, (g + 1) * group / 4);
+    const float* sg = s_tile + g * U * kTileRows;
+    for (int o0 = 0; o0 < kTileRows; o0 += 4) {
+      for (int64_t j = j0; j < j1; j += 8)
+        lanes_four_outputs_u8<1, kTileRows>(Xc + j * kLaneRows, Wt + j * kTileRows + o0, std::min<int64_t>(8, j1 - j),
+                                            j == j0 ? kZeroSums : sums, sums);
+      for (int o = 0; o < 4; ++o)
+        for (int h = 0; h < kLaneRows; h += 8) {
+          float* f = facc + (o0 + o) * kLaneRows + h;
+          const __m256i sum = _mm256_load_si256(reinterpret_cast<const __m256i*>(sums + o * kLaneRows + h));
+          const __m256i centred = _mm256_sub_epi32(sum, _mm256_loadu_si256(
+                                                            reinterpret_cast<const __m256i*>(xsum8 + g * kLaneRows + h)));
+          const __m256 scales = _mm256_mul_ps(vset1(sg[o0 + o]), _mm256_loadu_ps(xs + g * kLaneRows + h));
+          _mm256_store_ps(f, vfma(_mm256_cvtepi32_ps(centred), scales, _mm256_load_ps(f)));
+        }
+    }
+  }
+}
+
+// out [rows, n] from the input quantized per row and group (GroupedInput, sums not yet times 8)
+template <typename T>
+void tiled_w4a8_lanes(const GroupedInput& in, const uint8_t* w, const float* s, int64_t group, const T* bias, T* out,
+                      int64_t rows, int64_t k, int64_t n) {
+  const TiledLayout L = tiled_int4_layout(k, n, group);
+  const int64_t steps = k / 4, chunks = (rows + kLaneRows - 1) / kLaneRows;
+  const LineBuffer<int32_t> X(chunks * steps * kLaneRows);
+  lanes_inputs_dwords(in.q.data(), rows, steps, X.data);
+  // per chunk, group and lane: 8 * the row's sum of inputs and its scale (zero past `rows`)
+  std::vector<int32_t> xsum8(chunks * L.groups * kLaneRows, 0);
+  std::vector<float> xs(xsum8.size(), 0.f);
+  for (int64_t m = 0; m < rows; ++m)
+    for (int64_t g = 0; g < L.groups; ++g) {
+      const int64_t at = ((m / kLaneRows) * L.groups + g) * kLaneRows + m % kLaneRows;
+      xsum8[at] = 8 * in.sum[m * L.groups + g];  // the nibbles' + 8
+      xs[at] = in.scale[m * L.groups + g];
+    }
+  parallel_for(0, L.tiles, 1, [&](int64_t begin, int64_t end) {
+    std::vector<int32_t> Wt(steps * kTileRows);
+    alignas(32) float facc[kTileRows * kLaneRows];  // [output][row]
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t t0 = t / kTileGroup * kTileGroup, U = L.width(t0), u = t - t0;
+      lanes_weights_u8(w + t0 * L.kb * 64, L.kb, U, u, Wt.data());
+      for (int64_t c = 0; c < chunks; ++c) {
+        const int64_t at = c * L.groups * kLaneRows;
+        lanes_tile_a8(X.data + c * steps * kLaneRows, Wt.data(), s + (t0 * L.groups + u) * kTileRows, xsum8.data() + at,
+                      xs.data() + at, L, U, group, facc);
+        lanes_store_tile(facc, static_cast<const float*>(nullptr), bias, out + c * kLaneRows * n,
+                         rows - c * kLaneRows, n, t * kTileRows);
+      }
+    }
+  });
+}
+#endif
+
 #if !defined(KILN_ISA_SCALAR)
-// one int8 plane against the nibbles (tiles_w4t<.., true>)
+// one int8 plane against the nibbles (tiles_w4t<.., true>); on plain AVX2 at many rows, the rows
+// in the lanes (tiled_w4a8_lanes) and the rest by the row kernel
 template <typename T>
 void linear_w4a8_tiled_dp(const T* x, const uint8_t* w, const float* s, int64_t group, const T* bias, T* out,
                               int64_t rows, int64_t k, int64_t n) {
   GroupedInput in(x, rows, k, group, false);
+  int64_t m0 = 0;  // the rows from m0 on go to the row kernel
+#if defined(KILN_ISA_AVX2) && !defined(KILN_ISA_AVXVNNI)
+  m0 = lane_rows(rows, kW4A8LanesFrom, kW4A8LaneTail);
+  if (m0 > 0) tiled_w4a8_lanes(in, w, s, group, bias, out, m0, k, n);
+  if (m0 == rows) return;
+#endif
+  const int64_t groups = (k + group - 1) / group;
   for (auto& v : in.sum) v *= 8;  // the nibbles' + 8
-  tiled_w4_rows<true>(nullptr, in.q.data(), in.sum.data(), in.scale.data(), nullptr, w, s, group, bias, out, rows, k, n);
+  tiled_w4_rows<true>(nullptr, in.q.data() + m0 * k, in.sum.data() + m0 * groups, in.scale.data() + m0 * groups,
+                      nullptr, w, s, group, bias, out + m0 * n, rows - m0, k, n);
 }
 #endif
