@@ -190,6 +190,11 @@ class RuntimeSection(_Section):
                                     description="run-time, with prefill_per_decode: seconds the oldest prompt "
                                                 "not yet computed may wait before a step gives prefill its "
                                                 "whole share again (so admission keeps up)")
+    prefill_per_decode_from: int = Field(8, ge=1, strict=True,
+                                         description="run-time, with prefill_per_decode: the decoding streams "
+                                                     "from which it applies; a step beside fewer gives prefill "
+                                                     "the share (with a few streams, cutting a prompt into small "
+                                                     "chunks raises the inter-token p99: docs/engine.md)")
     batch_invariant: bool = Field(True, description="run-time: true: each linear takes one route at every batch "
                                                      "size (kiln's kernel where it has one), so a request's tokens "
                                                      "are the same bits whatever else runs; false: the tactics' "

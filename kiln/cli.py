@@ -39,7 +39,8 @@ def _serve(args) -> int:
                "scheduler": args.scheduler, "enable_prefix_reuse": args.enable_prefix_reuse,
                "request_timeout": args.request_timeout, "batch_invariant": args.batch_invariant,
                "max_prefill_share": args.max_prefill_share, "kv_cache_reserve": args.kv_cache_reserve,
-               "prefill_per_decode": args.prefill_per_decode, "prefill_max_wait": args.prefill_max_wait}
+               "prefill_per_decode": args.prefill_per_decode, "prefill_max_wait": args.prefill_max_wait,
+               "prefill_per_decode_from": args.prefill_per_decode_from}
     server = TritonServer(args.repo, args.grpc_port, args.http_port, args.metrics_port, args.log_file, args.address,
                           {key: value for key, value in runtime.items() if value is not None})
     openai = None
@@ -168,6 +169,9 @@ def main(argv: list[str] | None = None) -> int:
     runtime.add_argument("--prefill-max-wait", type=float, default=None, metavar="SECONDS",
                          help="with --prefill-per-decode: how long the oldest prompt may wait before prefill takes "
                               "its whole share again")
+    runtime.add_argument("--prefill-per-decode-from", type=int, default=None, metavar="STREAMS",
+                         help="with --prefill-per-decode: the decoding streams from which it applies (below: the "
+                              "share; default 8)")
     runtime.add_argument("--batch-invariant", type=_true_false, default=None,
                          metavar="true|false",
                          help="true: a request's tokens are the same bits whatever else runs (each linear one "

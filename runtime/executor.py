@@ -118,7 +118,7 @@ class Executor:
                  resident, self.pool.layout.describe())
         self.scheduler = Scheduler(self.kv, self.limits.max_batch_size, self.limits.max_num_tokens,
                                    options.scheduler, options.max_prefill_share, options.prefill_per_decode,
-                                   options.prefill_max_wait)
+                                   options.prefill_max_wait, options.prefill_per_decode_from)
         self.runner = ModelRunner(engine.model, self.pool)
         self._ids = itertools.count(1)
         self._lock = threading.Condition()

@@ -38,6 +38,7 @@ class RuntimeOptions:
     max_prefill_share: float = 0.25  # of max_num_tokens, for prefill chunks in a step that also decodes
     prefill_per_decode: float = 0.0  # prefill tokens a step may take per decoding stream (0: only the share)
     prefill_max_wait: float = 4.0  # seconds a prompt waits under prefill_per_decode before the share applies
+    prefill_per_decode_from: int = 8  # decoding streams from which prefill_per_decode applies (below: the share)
     batch_invariant: bool = True  # every linear one route at every row count (LlamaModel.make_batch_invariant)
 
     def __post_init__(self):
@@ -50,6 +51,10 @@ class RuntimeOptions:
             raise ValueError(f"prefill_per_decode must be a finite number >= 0 (0: off), got {self.prefill_per_decode}")
         if not (self.prefill_max_wait >= 0 and self.prefill_max_wait != float("inf")):
             raise ValueError(f"prefill_max_wait must be a finite number of seconds >= 0, got {self.prefill_max_wait}")
+        if isinstance(self.prefill_per_decode_from, bool) or not isinstance(self.prefill_per_decode_from, int) \
+                or self.prefill_per_decode_from < 1:
+            raise ValueError(f"prefill_per_decode_from must be an integer >= 1 (decoding streams), "
+                             f"got {self.prefill_per_decode_from!r}")
 
     def kv_cache_bytes(self) -> int:
         if isinstance(self.kv_cache_memory, str):

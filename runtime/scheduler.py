@@ -6,7 +6,9 @@ steps (chunked prefill). First come, first served. `prefill_share` (runtime.max_
 caps the prefill tokens of a step that also decodes at that share of max_num_tokens, so a
 decoding stream's step is never longer than that many prefill rows make it; a step with nothing
 to decode takes the whole budget. With `prefill_per_decode` k > 0 (runtime.prefill_per_decode)
-a step that decodes d streams takes at most max(k * d, PREFILL_MIN_CHUNK) prefill tokens, so
+a step that decodes d streams, d at least `prefill_per_decode_from` (runtime.
+prefill_per_decode_from; below, the share), takes at most max(k * d, PREFILL_MIN_CHUNK) prefill
+tokens, so
 the prefill a stream waits on grows with the decode it waits beside (a step costs about its
 rows on a CPU: its time stays within about 1 + k steps of decode alone), until the oldest prompt
 not yet computed has waited `prefill_max_wait` seconds (runtime.prefill_max_wait): then the
@@ -32,7 +34,7 @@ PREFILL_MIN_CHUNK = 16  # prompt tokens a step beside decoding streams may alway
 class Scheduler:
     def __init__(self, kv: KVCacheManager, max_batch_size: int, max_num_tokens: int,
                  policy: str = "max_utilization", prefill_share: float = 1.0, prefill_per_decode: float = 0.0,
-                 prefill_max_wait: float = 4.0):
+                 prefill_max_wait: float = 4.0, prefill_per_decode_from: int = 1):
         if policy not in POLICIES:
             raise ValueError(f"scheduler policy {policy!r} is not one of {POLICIES}")
         if not 0 < prefill_share <= 1:
@@ -41,7 +43,11 @@ class Scheduler:
             raise ValueError(f"prefill_per_decode must be >= 0 (0: off), got {prefill_per_decode}")
         if not prefill_max_wait >= 0:
             raise ValueError(f"prefill_max_wait must be >= 0 seconds, got {prefill_max_wait}")
+        if isinstance(prefill_per_decode_from, bool) or not isinstance(prefill_per_decode_from, int) \
+                or prefill_per_decode_from < 1:
+            raise ValueError(f"prefill_per_decode_from must be an integer >= 1, got {prefill_per_decode_from!r}")
         self.prefill_share = prefill_share
+        self.prefill_per_decode_from = prefill_per_decode_from
         self.prefill_per_decode = prefill_per_decode
         self.prefill_max_wait = prefill_max_wait
         self.kv = kv
@@ -109,11 +115,12 @@ class Scheduler:
     def prefill_limit(self, decodes: int, waited: float = 0.0) -> int:
         """Prefill tokens a step that decodes `decodes` streams may take, the oldest prompt not
         yet computed having waited `waited` seconds: all the budget when nothing decodes, else
-        the share, or with prefill_per_decode k per decoding stream until the wait limit."""
+        the share, or with prefill_per_decode k per decoding stream (from prefill_per_decode_from
+        decoding streams on) until the wait limit."""
         if not decodes:
             return self.max_num_tokens
         cap = max(1, int(self.prefill_share * self.max_num_tokens))
-        if self.prefill_per_decode <= 0 or waited >= self.prefill_max_wait:
+        if self.prefill_per_decode <= 0 or decodes < self.prefill_per_decode_from or waited >= self.prefill_max_wait:
             return cap
         return min(cap, max(math.ceil(self.prefill_per_decode * decodes), PREFILL_MIN_CHUNK))
 

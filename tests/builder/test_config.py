@@ -127,9 +127,11 @@ def test_prefill_budget_options_reach_the_scheduler_and_bad_ones_are_refused():
 
     config = parse_config({"model": {"checkpoint": "x"},
                            "runtime": {"prefill_per_decode": 1.5, "prefill_max_wait": 4}})
-    options = RuntimeOptions.from_engine(config.runtime.model_dump(), prefill_max_wait=2.5)
-    assert (options.prefill_per_decode, options.prefill_max_wait) == (1.5, 2.5)
-    for key, bad in (("prefill_per_decode", -1), ("prefill_per_decode", float("inf")), ("prefill_max_wait", -0.5)):
+    assert config.runtime.prefill_per_decode_from == 8  # the default
+    options = RuntimeOptions.from_engine(config.runtime.model_dump(), prefill_max_wait=2.5, prefill_per_decode_from=12)
+    assert (options.prefill_per_decode, options.prefill_max_wait, options.prefill_per_decode_from) == (1.5, 2.5, 12)
+    for key, bad in (("prefill_per_decode", -1), ("prefill_per_decode", float("inf")), ("prefill_max_wait", -0.5),
+                     ("prefill_per_decode_from", 0), ("prefill_per_decode_from", 2.5)):
         with pytest.raises(ConfigError, match=f"runtime.{key}"):
             parse_config({"model": {"checkpoint": "x"}, "runtime": {key: bad}})
         with pytest.raises(ValueError, match=key):

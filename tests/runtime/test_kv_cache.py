@@ -136,12 +136,35 @@ def test_prefill_per_decode_grows_with_the_decoding_streams_until_a_prompt_waits
     assert batch[-1] == (prompt, 64) and len(batch) == streams + 1
 
 
+@pytest.mark.parametrize("streams, chunk", [(3, 64), (7, 64), (8, 16), (12, 24)])
+def test_prefill_per_decode_applies_only_from_its_number_of_decoding_streams(streams, chunk):
+    """prefill_per_decode_from = 8: beside fewer decoding streams a prompt takes the share
+    (0.25 x 256 = 64) as without the rule; from 8 on, max(k x streams, 16) with k = 2."""
+    kv = KVCacheManager(1024, 4)
+    sched = Scheduler(kv, max_batch_size=64, max_num_tokens=256, prefill_share=0.25, prefill_per_decode=2.0,
+                      prefill_max_wait=5.0, prefill_per_decode_from=8)
+    assert [sched.prefill_limit(d) for d in (1, 7, 8, 20, 40)] == [64, 64, 16, 40, 64]
+    decoders = [seq(i, range(2), max_tokens=100) for i in range(streams)]
+    for s in decoders:
+        s.arrival = 0.0
+        sched.add(s)
+    run_step(sched.schedule(now=0.0))
+    prompt = seq(99, range(200))
+    prompt.arrival = 1.0
+    sched.add(prompt)
+    batch = sched.schedule(now=1.5)
+    assert [(s.request_id, n) for s, n in batch] == [(s.request_id, 1) for s in decoders] + [(99, chunk)]
+
+
 def test_prefill_per_decode_and_wait_must_be_non_negative():
     kv = KVCacheManager(16, 4)
     with pytest.raises(ValueError, match="prefill_per_decode must be >= 0"):
         Scheduler(kv, max_batch_size=8, max_num_tokens=64, prefill_per_decode=-1)
     with pytest.raises(ValueError, match="prefill_max_wait must be >= 0"):
         Scheduler(kv, max_batch_size=8, max_num_tokens=64, prefill_per_decode=1, prefill_max_wait=float("nan"))
+    for bad in (0, 2.5, True):
+        with pytest.raises(ValueError, match="prefill_per_decode_from must be an integer >= 1"):
+            Scheduler(kv, max_batch_size=8, max_num_tokens=64, prefill_per_decode=1, prefill_per_decode_from=bad)
 
 
 def test_scheduler_preempts_the_newest_when_blocks_run_out():

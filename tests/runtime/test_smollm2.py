@@ -79,12 +79,13 @@ def test_a_request_past_request_timeout_ends_with_what_it_generated(smollm2_engi
 
 
 def test_a_prompt_spread_by_prefill_per_decode_beside_streams_gets_its_lone_tokens(smollm2_engines, llm_for, llm):
-    """runtime.prefill_per_decode = 1 beside 3 decoding streams: the long prompt goes in chunks of
-    16 tokens (PREFILL_MIN_CHUNK), and its tokens are the ones it gets alone."""
+    """runtime.prefill_per_decode = 1 beside 3 decoding streams (prefill_per_decode_from 1): the
+    long prompt goes in chunks of 16 tokens (PREFILL_MIN_CHUNK), and its tokens are the ones it
+    gets alone."""
     spread = llm_for(smollm2_engines("float32"), prefill_per_decode=1.0, prefill_max_wait=600.0,
-                     kv_cache_memory="64MiB")
+                     prefill_per_decode_from=1, kv_cache_memory="64MiB")
     scheduler = spread.executor.scheduler
-    assert (scheduler.prefill_per_decode, scheduler.prefill_max_wait) == (1.0, 600.0)
+    assert (scheduler.prefill_per_decode, scheduler.prefill_max_wait, scheduler.prefill_per_decode_from) == (1.0, 600.0, 1)
     streams = [spread.stream(f"Count to ten in {language}:", max_tokens=40, ignore_eos=True)
                for language in ("French", "German", "Spanish")]
     for stream in streams:
