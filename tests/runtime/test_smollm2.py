@@ -85,7 +85,8 @@ def test_a_prompt_spread_by_prefill_per_decode_beside_streams_gets_its_lone_toke
     spread = llm_for(smollm2_engines("float32"), prefill_per_decode=1.0, prefill_max_wait=600.0,
                      prefill_per_decode_from=1, kv_cache_memory="64MiB")
     scheduler = spread.executor.scheduler
-    assert (scheduler.prefill_per_decode, scheduler.prefill_max_wait, scheduler.prefill_per_decode_from) == (1.0, 600.0, 1)
+    assert (scheduler.prefill_per_decode, scheduler.prefill_max_wait,
+            scheduler.prefill_per_decode_from) == (1.0, 600.0, 1)
     streams = [spread.stream(f"Count to ten in {language}:", max_tokens=40, ignore_eos=True)
                for language in ("French", "German", "Spanish")]
     for stream in streams:

@@ -39,8 +39,8 @@ void quantize_groups_i8(const T* x, int64_t rows, int64_t k, int64_t group, bool
         const __m512 vinv = _mm512_set1_ps(inv);
         const __m512i top = _mm512_set1_epi32(127), bottom = _mm512_set1_epi32(-127);
         for (; i + 16 <= g1; i += 16) {
-          const __m512i c = _mm512_min_epi32(top, _mm512_max_epi32(
-                                                      bottom, _mm512_cvtps_epi32(_mm512_mul_ps(vload(x + m * k + i), vinv))));
+          const __m512i r = _mm512_cvtps_epi32(_mm512_mul_ps(vload(x + m * k + i), vinv));
+          const __m512i c = _mm512_min_epi32(top, _mm512_max_epi32(bottom, r));
           _mm_storeu_si128(reinterpret_cast<__m128i*>(q + m * k + i), _mm512_cvtepi32_epi8(c));
           total += _mm512_reduce_add_epi32(c);
         }
@@ -48,8 +48,8 @@ void quantize_groups_i8(const T* x, int64_t rows, int64_t k, int64_t group, bool
         const __m256 vinv = _mm256_set1_ps(inv);
         const __m256i top = _mm256_set1_epi32(127), bottom = _mm256_set1_epi32(-127);
         for (; i + 8 <= g1; i += 8) {
-          const __m256i c = _mm256_min_epi32(top, _mm256_max_epi32(
-                                                      bottom, _mm256_cvtps_epi32(_mm256_mul_ps(vload(x + m * k + i), vinv))));
+          const __m256i r = _mm256_cvtps_epi32(_mm256_mul_ps(vload(x + m * k + i), vinv));
+          const __m256i c = _mm256_min_epi32(top, _mm256_max_epi32(bottom, r));
           store8_i8(q + m * k + i, c);
           total += sum8_i32(c);
         }
@@ -244,8 +244,8 @@ inline void lanes_tile_a8(const int32_t* Xc, const int32_t* Wt, const float* s_t
         for (int h = 0; h < kLaneRows; h += 8) {
           float* f = facc + (o0 + o) * kLaneRows + h;
           const __m256i sum = _mm256_load_si256(reinterpret_cast<const __m256i*>(sums + o * kLaneRows + h));
-          const __m256i centred = _mm256_sub_epi32(sum, _mm256_loadu_si256(
-                                                            reinterpret_cast<const __m256i*>(xsum8 + g * kLaneRows + h)));
+          const __m256i x8 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xsum8 + g * kLaneRows + h));
+          const __m256i centred = _mm256_sub_epi32(sum, x8);
           const __m256 scales = _mm256_mul_ps(vset1(sg[o0 + o]), _mm256_loadu_ps(xs + g * kLaneRows + h));
           _mm256_store_ps(f, vfma(_mm256_cvtepi32_ps(centred), scales, _mm256_load_ps(f)));
         }
