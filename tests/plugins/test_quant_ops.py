@@ -570,6 +570,23 @@ def test_int4_lanes_without_bias_give_a_row_the_bits_it_gets_alone(isa, kernel, 
     assert not together[rows // 2].any()
 
 
+@pytest.mark.parametrize("kernel", ["linear_w8", "linear_w8a8"])
+@pytest.mark.parametrize("rows", [15, 16, 29, 33])  # AVX2's lanes from 15 (W8A8 10) rows; 29 split
+def test_int8_lanes_without_bias_give_a_row_the_bits_it_gets_alone(isa, kernel, rows):
+    """The int8 kernels with no bias and 37 outputs (a lanes tile's last outputs past whole eights,
+    stored one by one), float32 out: each row's outputs are the bits it gets alone."""
+    g = generator(isa, kernel, rows, "int8 lanes without bias")
+    k, n = 200, 37
+    x = rand(g, rows, k, scale=4)
+    q, s = quantize_int8(rand(g, n, k, scale=0.05))
+    args = (q, s) if kernel == "linear_w8" else (q, s, q.to(torch.int32).sum(dim=1, dtype=torch.int32))
+    run = getattr(ops, kernel)
+    together = run(x, *args)
+    alone = torch.cat([run(x[i:i + 1], *args) for i in range(rows)])
+    differ = (together != alone).any(dim=1).nonzero().flatten().tolist()
+    assert not differ, f"{kernel}: rows {differ} of {rows} differ from the row alone"
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])  # float32: no output rounding to hide a sum's last bits
 @pytest.mark.parametrize("rows", [2, 7, 8, 9, 15, 16, 28, 33, 45, 64])  # AVX2 lanes: 15 and 45 padded, 28, 33 split
 @pytest.mark.parametrize("k, n", [(576, 96), (160, 48)])

@@ -122,8 +122,9 @@ inline void lanes_w8_flush(int32_t* flush, double* exact, int64_t count) {
   }
 }
 
-// store(m, o, total): row m's exact dot product with output o's weights (a double holding an
-// integer), for the rows of int16 inputs xq [rows][kp] against the int8 weights w [n][k]
+// store(exact, o0, on): a tile's exact dot products, exact [chunk][kLaneOutputs][kLaneRows]
+// (doubles holding integers) for outputs [o0, o0 + on) and the rows of int16 inputs xq
+// [rows][kp] against the int8 weights w [n][k]
 template <typename Store>
 void lanes_w8(const int16_t* xq, int64_t kp, const int8_t* w, int64_t rows, int64_t k, int64_t n, Store store) {
   static_assert(kFlush % (2 * kLanePass) == 0, "a pass within one flush");
@@ -145,11 +146,42 @@ void lanes_w8(const int16_t* xq, int64_t kp, const int8_t* w, int64_t rows, int6
         if ((p0 + count) % (kFlush / 2) == 0 || p0 + count == pairs)
           lanes_w8_flush(flush.data(), exact.data(), chunks * tile);
       }
-      for (int64_t m = 0; m < rows; ++m)
-        for (int64_t o = 0; o < on; ++o)
-          store(m, o0 + o, exact[(m / kLaneRows) * tile + o * kLaneRows + m % kLaneRows]);
+      store(static_cast<const double*>(exact.data()), o0, on);
     }
   });
+}
+
+// W8A16's outputs of one lanes tile: out [m, o0 + o] = float(exact) * xs[m] * scale[o] + bias
+// for rows [0, rows), as store_as rounds it (the bits of the scalar expression), 8 outputs of a
+// row a store (an 8 x 8 transposition) and the tile's last on % 8 outputs one by one
+template <typename T>
+void lanes_w8_store(const double* exact, const float* xs, const float* scale, const T* bias, T* out, int64_t rows,
+                    int64_t n, int64_t o0, int64_t on) {
+  const int64_t tile = kLaneOutputs * kLaneRows;
+  for (int64_t m0 = 0; m0 < rows; m0 += 8) {  // 8 rows of one chunk at a time
+    const double* e = exact + (m0 / kLaneRows) * tile + m0 % kLaneRows;
+    const int64_t mr = std::min<int64_t>(8, rows - m0);
+    int64_t o = 0;
+    for (; o + 8 <= on; o += 8) {
+      __m256 r[8];
+      for (int q = 0; q < 8; ++q) {  // output o + q of the 8 rows, each total rounded to float once
+        const double* eq = e + (o + q) * kLaneRows;
+        r[q] = _mm256_set_m128(_mm256_cvtpd_ps(_mm256_loadu_pd(eq + 4)), _mm256_cvtpd_ps(_mm256_loadu_pd(eq)));
+      }
+      transpose8x8(r);  // r[j]: row m0 + j's 8 outputs
+      const __m256 sc = _mm256_loadu_ps(scale + o0 + o);
+      const __m256 b = bias ? vload(bias + o0 + o) : _mm256_setzero_ps();
+      for (int64_t j = 0; j < mr; ++j)
+        vstore_as(out + (m0 + j) * n + o0 + o,
+                  _mm256_add_ps(_mm256_mul_ps(_mm256_mul_ps(r[j], _mm256_set1_ps(xs[m0 + j])), sc), b));
+    }
+    for (; o < on; ++o)
+      for (int64_t j = 0; j < mr; ++j) {
+        const float b = bias ? to_f32(bias[o0 + o]) : 0.f;
+        store_as(out + (m0 + j) * n + o0 + o,
+                 static_cast<float>(e[o * kLaneRows + j]) * xs[m0 + j] * scale[o0 + o] + b);
+      }
+  }
 }
 
 template <typename T>
@@ -161,9 +193,8 @@ void linear_w8_i16(const T* x, const int8_t* w, const float* scale, const T* bia
   quantize_rows_i16(x, rows, k, kp, 0, kExactQmax, xq.data(), xs.data());
   const int64_t first = lane_rows(rows);  // the rows from `first` on go to the row kernel
   if (first > 0) {
-    lanes_w8(xq.data(), kp, w, first, k, n, [&](int64_t m, int64_t o, double total) {
-      const float b = bias ? to_f32(bias[o]) : 0.f;
-      store_as(out + m * n + o, static_cast<float>(total) * xs[m] * scale[o] + b);
+    lanes_w8(xq.data(), kp, w, first, k, n, [&](const double* exact, int64_t o0, int64_t on) {
+      lanes_w8_store(exact, xs.data(), scale, bias, out, first, n, o0, on);
     });
     if (first == rows) return;
   }

@@ -214,8 +214,11 @@ template <typename T>
     std::vector<int16_t> x16(lanes * kp, 0);
     for (int64_t m = 0; m < lanes; ++m)
       for (int64_t i = 0; i < k; ++i) x16[m * kp + i] = static_cast<int16_t>(static_cast<int>(xq[m * k + i]) - 128);
-    lanes_w8(x16.data(), kp, w, lanes, k, n, [&](int64_t m, int64_t o, double total) {
-      store_w8a8(out, n, xs, scale, bias, m, o, static_cast<int32_t>(total));
+    lanes_w8(x16.data(), kp, w, lanes, k, n, [&](const double* exact, int64_t o0, int64_t on) {
+      for (int64_t m = 0; m < lanes; ++m) {
+        const double* e = exact + (m / kLaneRows) * kLaneOutputs * kLaneRows + m % kLaneRows;
+        for (int64_t o = 0; o < on; ++o) store_w8a8(out, n, xs, scale, bias, m, o0 + o, static_cast<int32_t>(e[o * kLaneRows]));
+      }
     });
     if (lanes == rows) return;
     // the last rows past whole chunks: below, as a call of their own
