@@ -151,9 +151,10 @@ void lanes_w8(const int16_t* xq, int64_t kp, const int8_t* w, int64_t rows, int6
   });
 }
 
-// W8A16's outputs of one lanes tile: out [m, o0 + o] = float(exact) * xs[m] * scale[o] + bias
-// for rows [0, rows), as store_as rounds it (the bits of the scalar expression), 8 outputs of a
-// row a store (an 8 x 8 transposition) and the tile's last on % 8 outputs one by one
+// The outputs of one lanes tile (W8A16's, and W8A8's: store_w8a8 computes the same):
+// out [m, o0 + o] = float(exact) * xs[m] * scale[o] + bias for rows [0, rows), as store_as rounds
+// it (the bits of the scalar expression), 8 outputs of a row a store (an 8 x 8 transposition)
+// and the tile's last on % 8 outputs one by one
 template <typename T>
 void lanes_w8_store(const double* exact, const float* xs, const float* scale, const T* bias, T* out, int64_t rows,
                     int64_t n, int64_t o0, int64_t on) {

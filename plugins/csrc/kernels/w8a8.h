@@ -214,11 +214,10 @@ template <typename T>
     std::vector<int16_t> x16(lanes * kp, 0);
     for (int64_t m = 0; m < lanes; ++m)
       for (int64_t i = 0; i < k; ++i) x16[m * kp + i] = static_cast<int16_t>(static_cast<int>(xq[m * k + i]) - 128);
+    // store_w8a8's arithmetic, 8 outputs of a row a store: an exact int32 sum rounds to the same
+    // float from its double as from the int32
     lanes_w8(x16.data(), kp, w, lanes, k, n, [&](const double* exact, int64_t o0, int64_t on) {
-      for (int64_t m = 0; m < lanes; ++m) {
-        const double* e = exact + (m / kLaneRows) * kLaneOutputs * kLaneRows + m % kLaneRows;
-        for (int64_t o = 0; o < on; ++o) store_w8a8(out, n, xs, scale, bias, m, o0 + o, static_cast<int32_t>(e[o * kLaneRows]));
-      }
+      lanes_w8_store(exact, xs, scale, bias, out, lanes, n, o0, on);
     });
     if (lanes == rows) return;
     // the last rows past whole chunks: below, as a call of their own
