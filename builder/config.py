@@ -184,8 +184,9 @@ class RuntimeSection(_Section):
                                                   "stream in a step (at least 16, at most the share), so the "
                                                   "steps streams wait on stay near decode alone's: a lower "
                                                   "inter-token p99 at many streams for a later first "
-                                                  "token and some throughput (with a few streams, a higher "
-                                                  "one); 0: off, the share alone (docs/engine.md)")
+                                                  "token and some throughput, while at least "
+                                                  "prefill_per_decode_from streams decode; 0: off, the share "
+                                                  "alone (docs/engine.md)")
     prefill_max_wait: float = Field(4.0, ge=0, allow_inf_nan=False,
                                     description="run-time, with prefill_per_decode: seconds the oldest prompt "
                                                 "not yet computed may wait before a step gives prefill its "

@@ -164,8 +164,8 @@ def main(argv: list[str] | None = None) -> int:
                               "(0, 1]: lower trades time to first token for inter-token latency")
     runtime.add_argument("--prefill-per-decode", type=float, default=None, metavar="TOKENS",
                          help="at most this many prefill tokens per decoding stream in a step (at least 16, at most "
-                              "the share): at many streams a lower inter-token p99 for a later first token (with a few, a "
-                              "higher one); 0: off")
+                              "the share), from --prefill-per-decode-from decoding streams on: a lower inter-token p99 "
+                              "for a later first token; 0: off")
     runtime.add_argument("--prefill-max-wait", type=float, default=None, metavar="SECONDS",
                          help="with --prefill-per-decode: how long the oldest prompt may wait before prefill takes "
                               "its whole share again")

@@ -6,10 +6,9 @@ steps (chunked prefill). First come, first served. `prefill_share` (runtime.max_
 caps the prefill tokens of a step that also decodes at that share of max_num_tokens, so a
 decoding stream's step is never longer than that many prefill rows make it; a step with nothing
 to decode takes the whole budget. With `prefill_per_decode` k > 0 (runtime.prefill_per_decode)
-a step that decodes d streams, d at least `prefill_per_decode_from` (runtime.
-prefill_per_decode_from; below, the share), takes at most max(k * d, PREFILL_MIN_CHUNK) prefill
-tokens, so
-the prefill a stream waits on grows with the decode it waits beside (a step costs about its
+a step that decodes d >= `prefill_per_decode_from` streams (runtime.prefill_per_decode_from;
+beside fewer, the share) takes at most max(k * d, PREFILL_MIN_CHUNK) prefill tokens, so the
+prefill a stream waits on grows with the decode it waits beside (a step costs about its
 rows on a CPU: its time stays within about 1 + k steps of decode alone), until the oldest prompt
 not yet computed has waited `prefill_max_wait` seconds (runtime.prefill_max_wait): then the
 share again, so admission keeps up when prompts come faster than k per decode. When the pool
