@@ -8,6 +8,8 @@ timing is asserted anywhere.
         --isa avx2 avx512bf16 --threads 1 --json out/w8a8-rows.json
     python benchmarks/ablations/quant_rows.py --kernel linear_w4_tiled --libraries OLD.so NEW.so \\
         --isa avx2 --rows 1 8 16 64 128 --json out/w4-rows.json
+    python benchmarks/ablations/quant_rows.py --kernel linear_w8 --shapes output --libraries OLD.so NEW.so \\
+        --isa avx2 --rows 16 64 --calls 5    # SmolLM2's int8 output projection (49,152 x 576)
 
 Kernels: linear_w8a8 (SmoothQuant's W8A8, int8_sq engines' every row count), linear_w8 (W8A16 on
 the int8 row layout: int8_wo engines where the tiled int8 layout is not used), linear_w4_tiled
@@ -26,6 +28,7 @@ import torch
 from library_turns import command_line, levels_and_rows, load, median_us
 
 SMOLLM2_SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # (out, in): qkv, o_proj, gate_up, down
+SHAPES = {"linears": SMOLLM2_SHAPES, "output": [(49152, 576)]}  # --shapes: the layers' or the output projection
 ROWS = [1, 8, 32, 128]
 KERNELS = ("linear_w8a8", "linear_w8", "linear_w4_tiled", "linear_w4a8_tiled", "linear")
 GROUP = 64  # the int4 kernels' group size
@@ -53,12 +56,13 @@ def call(ops, kernel: str, n: int, k: int, rows: int, g: torch.Generator):
     return lambda: op(x, tiled, tiled_scales, GROUP)
 
 
-def measure(library: str, isas: list[str], threads: int, calls: int, row_counts: list[int], kernel: str) -> list[dict]:
+def measure(library: str, isas: list[str], threads: int, calls: int, row_counts: list[int], kernel: str,
+            shapes: str) -> list[dict]:
     """Median microseconds of `kernel` at each (isa, rows, shape) in this process, on `library`."""
     ops, g = load(library, threads, 20261202)
     out = []
     for isa, rows in levels_and_rows(ops, isas, row_counts):
-        for n, k in SMOLLM2_SHAPES:
+        for n, k in SHAPES[shapes]:
             out.append({"isa": isa, "rows": rows, "shape": f"{n}x{k}",
                         "median_us": median_us(call(ops, kernel, n, k, rows, g), calls, 3)})
     return out
@@ -66,7 +70,8 @@ def measure(library: str, isas: list[str], threads: int, calls: int, row_counts:
 
 def main() -> None:
     args, runs = command_line(__file__, __doc__, measure, 50, ROWS, two=True,
-                              options={"--kernel": dict(choices=KERNELS, default="linear_w8a8")})
+                              options={"--kernel": dict(choices=KERNELS, default="linear_w8a8"),
+                                       "--shapes": dict(choices=tuple(SHAPES), default="linears")})
     a, b = args.libraries
     rows = []
     for i, entry in enumerate(runs[a][0]):
@@ -89,7 +94,8 @@ def main() -> None:
         from host import host_info
 
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        meta = {**host_info(), "kernel": args.kernel, "threads": args.threads, "calls": args.calls, "rounds": args.rounds,
+        meta = {**host_info(), "kernel": args.kernel, "shapes": args.shapes, "threads": args.threads, "calls": args.calls,
+                "rounds": args.rounds,
                 "libraries": args.libraries}
         args.json.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
 

@@ -157,16 +157,16 @@ inline void lanes_four_outputs(const int32_t* X, const int32_t* W, int64_t count
   static_assert(kLaneRows == 16, "the assembly's strides");
 }
 
-// sums [4 outputs][kLaneRows rows] = addend (the same shape: sums itself, or kZeroSums to start)
+// sums [4 outputs][kLaneRows rows] = addend (the same shape: sums itself, or where a group starts)
 // + the int32 dot products over `count` (1 to 8) steps of X (one chunk of int8 rows, 4 inputs a
 // dword, from a step on) with 4 outputs' weights: dwords of 4 unsigned bytes below 16 (int4
 // nibbles), output j's of step i at W + j * OutputStep + i * StepStride (dwords). One vpmaddubsw
 // multiplies 8 rows by 4 inputs (32 multiply-adds) into int16 pairs; the pairs add up in int16
 // for up to 8 steps (at most 8 * 2 * 15 * 127 = 30,480: no overflow, for inputs in [-127, 127])
 // and are then widened to int32 by vpmaddwd with ones. Assembly for the reason
-// lanes_four_outputs is. (A first pass adds the constant zeros rather than sums zeroed just
-// before: loading back those stores cost a third of the kernel's time, Zen 3.)
-alignas(64) inline const int32_t kZeroSums[4 * kLaneRows] = {};
+// lanes_four_outputs is. (A group's first pass adds its starting values, prepared once per call,
+// rather than sums zeroed just before: loading back those stores cost a third of the kernel's
+// time, Zen 3.)
 template <int64_t OutputStep, int64_t StepStride>
 inline void lanes_four_outputs_u8(const int32_t* X, const int32_t* W, int64_t count, const int32_t* addend,
                                   int32_t* sums) {

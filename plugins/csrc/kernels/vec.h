@@ -64,6 +64,10 @@ inline void prefetch_line(const void* p) {
   _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T0);
 #endif
 }
+// every cache line of [p, p + bytes)
+inline void prefetch_bytes(const void* p, int64_t bytes) {
+  for (int64_t i = 0; i < bytes; i += 64) prefetch_line(static_cast<const char*>(p) + i);
+}
 // The weight rows a row-layout GEMV streams (row o at base + o * row_bytes); ahead(o), called
 // before row o is read, prefetches the lines g_prefetch_ahead bytes past row o's
 struct WeightRows {

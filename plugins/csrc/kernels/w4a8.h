@@ -225,10 +225,11 @@ inline void lanes_weights_u8(const uint8_t* w, int64_t kb, int64_t U, int64_t u0
 }
 
 // facc [16 outputs][kLaneRows rows] = one tile's float sums for one chunk: each group's int32
-// sums minus the chunk rows' 8 * sum of inputs (xsum8 [groups][kLaneRows]), times the weight
-// scale (group g's 16 at s_tile + g U 16) times the rows' input scales (xs [groups][kLaneRows]),
-// added in group order as tiles_w4t_pairs<.., true> adds them
-inline void lanes_tile_a8(const int32_t* Xc, const int32_t* Wt, const float* s_tile, const int32_t* xsum8,
+// sums minus the chunk rows' 8 * sum of inputs (the sums start from neg_xsum8 [groups][4][kLaneRows],
+// minus those, the same for each of 4 outputs), times the weight scale (group g's 16 at
+// s_tile + g U 16) times the rows' input scales (xs [groups][kLaneRows]), added in group order as
+// tiles_w4t_pairs<.., true> adds them
+inline void lanes_tile_a8(const int32_t* Xc, const int32_t* Wt, const float* s_tile, const int32_t* neg_xsum8,
                           const float* xs, const TiledLayout& L, int64_t U, int64_t group, float* facc) {
   const int64_t steps = 2 * L.kb;
   alignas(32) int32_t sums[4 * kLaneRows];
@@ -239,13 +240,11 @@ inline void lanes_tile_a8(const int32_t* Xc, const int32_t* Wt, const float* s_t
     for (int o0 = 0; o0 < kTileRows; o0 += 4) {
       for (int64_t j = j0; j < j1; j += 8)
         lanes_four_outputs_u8<1, kTileRows>(Xc + j * kLaneRows, Wt + j * kTileRows + o0, std::min<int64_t>(8, j1 - j),
-                                            j == j0 ? kZeroSums : sums, sums);
+                                            j == j0 ? neg_xsum8 + g * 4 * kLaneRows : sums, sums);
       for (int o = 0; o < 4; ++o)
         for (int h = 0; h < kLaneRows; h += 8) {
           float* f = facc + (o0 + o) * kLaneRows + h;
-          const __m256i sum = _mm256_load_si256(reinterpret_cast<const __m256i*>(sums + o * kLaneRows + h));
-          const __m256i x8 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xsum8 + g * kLaneRows + h));
-          const __m256i centred = _mm256_sub_epi32(sum, x8);
+          const __m256i centred = _mm256_load_si256(reinterpret_cast<const __m256i*>(sums + o * kLaneRows + h));
           const __m256 scales = _mm256_mul_ps(vset1(sg[o0 + o]), _mm256_loadu_ps(xs + g * kLaneRows + h));
           _mm256_store_ps(f, vfma(_mm256_cvtepi32_ps(centred), scales, _mm256_load_ps(f)));
         }
@@ -261,14 +260,15 @@ void tiled_w4a8_lanes(const GroupedInput& in, const uint8_t* w, const float* s, 
   const int64_t steps = k / 4, chunks = (rows + kLaneRows - 1) / kLaneRows;
   const LineBuffer<int32_t> X(chunks * steps * kLaneRows);
   lanes_inputs_dwords(in.q.data(), rows, steps, X.data);
-  // per chunk, group and lane: 8 * the row's sum of inputs and its scale (zero past `rows`)
-  std::vector<int32_t> xsum8(chunks * L.groups * kLaneRows, 0);
-  std::vector<float> xs(xsum8.size(), 0.f);
+  // per chunk, group and lane: the row's scale, and minus 8 times its sum of inputs (the nibbles'
+  // + 8) four times over, where each group's sums of 4 outputs start (zero past `rows`)
+  std::vector<float> xs(chunks * L.groups * kLaneRows, 0.f);
+  LineBuffer<int32_t> neg_xsum8(4 * xs.size());
   for (int64_t m = 0; m < rows; ++m)
     for (int64_t g = 0; g < L.groups; ++g) {
-      const int64_t at = ((m / kLaneRows) * L.groups + g) * kLaneRows + m % kLaneRows;
-      xsum8[at] = 8 * in.sum[m * L.groups + g];  // the nibbles' + 8
-      xs[at] = in.scale[m * L.groups + g];
+      const int64_t cg = (m / kLaneRows) * L.groups + g, lane = m % kLaneRows;
+      for (int o = 0; o < 4; ++o) neg_xsum8.data[(cg * 4 + o) * kLaneRows + lane] = -8 * in.sum[m * L.groups + g];
+      xs[cg * kLaneRows + lane] = in.scale[m * L.groups + g];
     }
   parallel_for(0, L.tiles, 1, [&](int64_t begin, int64_t end) {
     std::vector<int32_t> Wt(steps * kTileRows);
@@ -278,8 +278,8 @@ void tiled_w4a8_lanes(const GroupedInput& in, const uint8_t* w, const float* s, 
       lanes_weights_u8(w + t0 * L.kb * 64, L.kb, U, u, Wt.data());
       for (int64_t c = 0; c < chunks; ++c) {
         const int64_t at = c * L.groups * kLaneRows;
-        lanes_tile_a8(X.data + c * steps * kLaneRows, Wt.data(), s + (t0 * L.groups + u) * kTileRows, xsum8.data() + at,
-                      xs.data() + at, L, U, group, facc);
+        lanes_tile_a8(X.data + c * steps * kLaneRows, Wt.data(), s + (t0 * L.groups + u) * kTileRows,
+                      neg_xsum8.data + 4 * at, xs.data() + at, L, U, group, facc);
         lanes_store_tile(facc, static_cast<const float*>(nullptr), bias, out + c * kLaneRows * n,
                          rows - c * kLaneRows, n, t * kTileRows);
       }
