@@ -180,12 +180,12 @@ void lanes_w8_store(const double* exact, const float* xs, const float* scale, co
         vstore_as(out + (m0 + j) * n + o0 + o,
                   _mm256_add_ps(_mm256_mul_ps(_mm256_mul_ps(r[j], _mm256_set1_ps(xs[m0 + j])), sc), b));
     }
-    for (; o < on; ++o)
-      for (int64_t j = 0; j < mr; ++j) {
-        const float b = bias ? to_f32(bias[o0 + o]) : 0.f;
+    for (; o < on; ++o) {
+      const float b = bias ? to_f32(bias[o0 + o]) : 0.f;
+      for (int64_t j = 0; j < mr; ++j)
         store_as(out + (m0 + j) * n + o0 + o,
                  static_cast<float>(e[o * kLaneRows + j]) * xs[m0 + j] * scale[o0 + o] + b);
-      }
+    }
   }
 }
 
