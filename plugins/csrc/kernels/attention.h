@@ -427,14 +427,20 @@ void paged_attention_impl(const T* qkv, const T* cos, const T* sin, P* k_pool, P
     }
   };
 
-  // Thread i of n takes items i, i + n, i + 2n, ...: a prefill chunk's later tokens attend over
-  // more positions, so contiguous shares would leave the first thread waiting for the last.
+  // Each thread takes the next item not yet taken (one counter for all of them) until none is
+  // left: a prefill chunk's later tokens attend over more positions, and a decode token's last
+  // chunk is often shorter than its others, so fixed shares leave one thread waiting for another
+  // (items i, i + n, i + 2n, ... for thread i of n gave two threads every token's first, longer,
+  // chunk on one side: attention 1.4x faster on two threads than on one). An item's result is
+  // the same whichever thread computes it.
   const int64_t items = first_item[tokens];
   const int64_t shares = std::min<int64_t>(items, thread_count());
+  std::atomic<int64_t> next_item{0};
   parallel_for(0, shares, 1, [&](int64_t first_share, int64_t last_share) {
     std::vector<float> acc(group * head_dim), scores(group * bs), running_max(group), denom(group);
-    for (int64_t share = first_share; share < last_share; ++share) {
-      for (int64_t item = share; item < items; item += shares) {
+    if (first_share < last_share) {
+      for (int64_t item = next_item.fetch_add(1, std::memory_order_relaxed); item < items;
+           item = next_item.fetch_add(1, std::memory_order_relaxed)) {
         const int64_t t = std::upper_bound(first_item.begin(), first_item.end(), item) - first_item.begin() - 1;
         const int64_t g = (item - first_item[t]) / chunks[t], c = (item - first_item[t]) % chunks[t];
         const int64_t s = token_seq[t];
