@@ -435,12 +435,14 @@ void paged_attention_impl(const T* qkv, const T* cos, const T* sin, P* k_pool, P
   // the same whichever thread computes it.
   const int64_t items = first_item[tokens];
   const int64_t shares = std::min<int64_t>(items, thread_count());
-  std::atomic<int64_t> next_item{0};
+  struct alignas(64) Counter {  // a cache line of its own: not the one holding the locals every thread reads
+    std::atomic<int64_t> value{0};
+  } next_item;
   parallel_for(0, shares, 1, [&](int64_t first_share, int64_t last_share) {
     std::vector<float> acc(group * head_dim), scores(group * bs), running_max(group), denom(group);
     if (first_share < last_share) {
-      for (int64_t item = next_item.fetch_add(1, std::memory_order_relaxed); item < items;
-           item = next_item.fetch_add(1, std::memory_order_relaxed)) {
+      for (int64_t item = next_item.value.fetch_add(1, std::memory_order_relaxed); item < items;
+           item = next_item.value.fetch_add(1, std::memory_order_relaxed)) {
         const int64_t t = std::upper_bound(first_item.begin(), first_item.end(), item) - first_item.begin() - 1;
         const int64_t g = (item - first_item[t]) / chunks[t], c = (item - first_item[t]) % chunks[t];
         const int64_t s = token_seq[t];
