@@ -94,9 +94,8 @@ def main() -> None:
         from host import host_info
 
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        meta = {**host_info(), "kernel": args.kernel, "shapes": args.shapes, "threads": args.threads, "calls": args.calls,
-                "rounds": args.rounds,
-                "libraries": args.libraries}
+        meta = {**host_info(), "kernel": args.kernel, "shapes": args.shapes, "threads": args.threads,
+                "calls": args.calls, "rounds": args.rounds, "libraries": args.libraries}
         args.json.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
 
 

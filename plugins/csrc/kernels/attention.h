@@ -435,71 +435,70 @@ void paged_attention_impl(const T* qkv, const T* cos, const T* sin, P* k_pool, P
   // the same whichever thread computes it.
   const int64_t items = first_item[tokens];
   const int64_t shares = std::min<int64_t>(items, thread_count());
-  struct alignas(64) Counter {  // a cache line of its own: not the one holding the locals every thread reads
+  // the counter on a cache line of its own, not on the one holding the locals every thread reads
+  struct alignas(64) Counter {
     std::atomic<int64_t> value{0};
   } next_item;
-  parallel_for(0, shares, 1, [&](int64_t first_share, int64_t last_share) {
+  parallel_for(0, shares, 1, [&](int64_t, int64_t) {  // a call runs items until none is left
     std::vector<float> acc(group * head_dim), scores(group * bs), running_max(group), denom(group);
-    if (first_share < last_share) {
-      for (int64_t item = next_item.value.fetch_add(1, std::memory_order_relaxed); item < items;
-           item = next_item.value.fetch_add(1, std::memory_order_relaxed)) {
-        const int64_t t = std::upper_bound(first_item.begin(), first_item.end(), item) - first_item.begin() - 1;
-        const int64_t g = (item - first_item[t]) / chunks[t], c = (item - first_item[t]) % chunks[t];
-        const int64_t s = token_seq[t];
-        const int32_t* table = block_tables + s * shape.max_blocks;
-        const int64_t position = position_of(t), context = position + 1, first = first_key(position);
-        const int64_t blocks = (context + bs - 1) / bs;
-        const int64_t b_first = first / bs + c * per_chunk[t], b_last = std::min(blocks, b_first + per_chunk[t]);
-        const float* qf = queries.data() + (t * shape.heads + g * group) * head_dim;  // the group's heads
-        std::fill(acc.begin(), acc.end(), 0.f);
-        std::fill(running_max.begin(), running_max.end(), -std::numeric_limits<float>::infinity());
-        std::fill(denom.begin(), denom.end(), 0.f);
-        // keys / values: the block storage; block_at(b): the storage block holding block b
-        auto attend = [&](const auto* keys, const auto* values, auto block_at) {
-          for (int64_t b = b_first; b < std::min(b_last, b_first + ahead); ++b)
-            prefetch_run(keys, values, block_at(b) * block_stride + g * head_run, std::min(bs, context - b * bs),
-                          head_dim);
-          for (int64_t b = b_first; b < b_last; ++b) {
-            const int64_t skip = std::max<int64_t>(0, first - b * bs);  // keys before the window
-            const int64_t n = std::min(bs, context - b * bs) - skip;
-            const int64_t at = block_at(b) * block_stride + g * head_run + skip * head_dim;
-            if (b + 1 < b_last)  // again: a prefetch the CPU dropped while many were in flight gets another chance
-              prefetch_run(keys, values, block_at(b + 1) * block_stride + g * head_run,
-                            std::min(bs, context - (b + 1) * bs), head_dim);
-            if (ahead > 1 && b + ahead < b_last)
-              prefetch_run(keys, values, block_at(b + ahead) * block_stride + g * head_run,
-                            std::min(bs, context - (b + ahead) * bs), head_dim);
-            group_scores(qf, group, head_dim, keys + at, head_dim, n, head_dim, scores.data(), bs);
-            for (int64_t j = 0; j < group; ++j) {
-              float* sj = scores.data() + j * bs;
-              const float block_max = max_of(sj, n);
-              if (block_max > running_max[j]) {
-                const float correction = std::exp(running_max[j] - block_max);
-                denom[j] *= correction;
-                scale_inplace(acc.data() + j * head_dim, correction, head_dim);
-                running_max[j] = block_max;
-              }
-              denom[j] += exp_shifted(sj, n, running_max[j]);
+    for (int64_t item = next_item.value.fetch_add(1, std::memory_order_relaxed); item < items;
+         item = next_item.value.fetch_add(1, std::memory_order_relaxed)) {
+      const int64_t t = std::upper_bound(first_item.begin(), first_item.end(), item) - first_item.begin() - 1;
+      const int64_t g = (item - first_item[t]) / chunks[t], c = (item - first_item[t]) % chunks[t];
+      const int64_t s = token_seq[t];
+      const int32_t* table = block_tables + s * shape.max_blocks;
+      const int64_t position = position_of(t), context = position + 1, first = first_key(position);
+      const int64_t blocks = (context + bs - 1) / bs;
+      const int64_t b_first = first / bs + c * per_chunk[t], b_last = std::min(blocks, b_first + per_chunk[t]);
+      const float* qf = queries.data() + (t * shape.heads + g * group) * head_dim;  // the group's heads
+      std::fill(acc.begin(), acc.end(), 0.f);
+      std::fill(running_max.begin(), running_max.end(), -std::numeric_limits<float>::infinity());
+      std::fill(denom.begin(), denom.end(), 0.f);
+      // keys / values: the block storage; block_at(b): the storage block holding block b
+      auto attend = [&](const auto* keys, const auto* values, auto block_at) {
+        for (int64_t b = b_first; b < std::min(b_last, b_first + ahead); ++b)
+          prefetch_run(keys, values, block_at(b) * block_stride + g * head_run, std::min(bs, context - b * bs),
+                        head_dim);
+        for (int64_t b = b_first; b < b_last; ++b) {
+          const int64_t skip = std::max<int64_t>(0, first - b * bs);  // keys before the window
+          const int64_t n = std::min(bs, context - b * bs) - skip;
+          const int64_t at = block_at(b) * block_stride + g * head_run + skip * head_dim;
+          if (b + 1 < b_last)  // again: a prefetch the CPU dropped while many were in flight gets another chance
+            prefetch_run(keys, values, block_at(b + 1) * block_stride + g * head_run,
+                          std::min(bs, context - (b + 1) * bs), head_dim);
+          if (ahead > 1 && b + ahead < b_last)
+            prefetch_run(keys, values, block_at(b + ahead) * block_stride + g * head_run,
+                          std::min(bs, context - (b + ahead) * bs), head_dim);
+          group_scores(qf, group, head_dim, keys + at, head_dim, n, head_dim, scores.data(), bs);
+          for (int64_t j = 0; j < group; ++j) {
+            float* sj = scores.data() + j * bs;
+            const float block_max = max_of(sj, n);
+            if (block_max > running_max[j]) {
+              const float correction = std::exp(running_max[j] - block_max);
+              denom[j] *= correction;
+              scale_inplace(acc.data() + j * head_dim, correction, head_dim);
+              running_max[j] = block_max;
             }
-            group_pv(acc.data(), group, head_dim, scores.data(), bs, values + at, head_dim, n, head_dim);
+            denom[j] += exp_shifted(sj, n, running_max[j]);
           }
-        };
-        if (widened.empty() || widened[s].empty()) {
-          attend(k_pool, v_pool, [table](int64_t b) { return static_cast<int64_t>(table[b]); });
-        } else {
-          const std::vector<bf16>& copy = widened[s];
-          attend(copy.data(), copy.data() + copy.size() / 2, [](int64_t b) { return b; });
+          group_pv(acc.data(), group, head_dim, scores.data(), bs, values + at, head_dim, n, head_dim);
         }
-        for (int64_t j = 0; j < group; ++j) {
-          const int64_t h = g * group + j;
-          if (chunks[t] == 1) {
-            write_out(out + (t * shape.heads + h) * head_dim, acc.data() + j * head_dim, 1.f / denom[j], g);
-          } else {
-            float* part = parts.get() + (first_part[t] + h * chunks[t] + c) * part_size;
-            part[0] = running_max[j];
-            part[1] = denom[j];
-            std::copy(acc.begin() + j * head_dim, acc.begin() + (j + 1) * head_dim, part + 2);
-          }
+      };
+      if (widened.empty() || widened[s].empty()) {
+        attend(k_pool, v_pool, [table](int64_t b) { return static_cast<int64_t>(table[b]); });
+      } else {
+        const std::vector<bf16>& copy = widened[s];
+        attend(copy.data(), copy.data() + copy.size() / 2, [](int64_t b) { return b; });
+      }
+      for (int64_t j = 0; j < group; ++j) {
+        const int64_t h = g * group + j;
+        if (chunks[t] == 1) {
+          write_out(out + (t * shape.heads + h) * head_dim, acc.data() + j * head_dim, 1.f / denom[j], g);
+        } else {
+          float* part = parts.get() + (first_part[t] + h * chunks[t] + c) * part_size;
+          part[0] = running_max[j];
+          part[1] = denom[j];
+          std::copy(acc.begin() + j * head_dim, acc.begin() + (j + 1) * head_dim, part + 2);
         }
       }
     }

@@ -225,10 +225,10 @@ inline void lanes_weights_u8(const uint8_t* w, int64_t kb, int64_t U, int64_t u0
 }
 
 // facc [16 outputs][kLaneRows rows] = one tile's float sums for one chunk: each group's int32
-// sums minus the chunk rows' 8 * sum of inputs (the sums start from neg_xsum8 [groups][4][kLaneRows],
-// minus those, the same for each of 4 outputs), times the weight scale (group g's 16 at
-// s_tile + g U 16) times the rows' input scales (xs [groups][kLaneRows]), added in group order as
-// tiles_w4t_pairs<.., true> adds them
+// sums minus the chunk rows' 8 * sum of inputs (the sums start from neg_xsum8
+// [groups][4][kLaneRows]: minus those, once for each of 4 outputs), times the weight scale (group
+// g's 16 at s_tile + g U 16) times the rows' input scales (xs [groups][kLaneRows]), added in group
+// order as tiles_w4t_pairs<.., true> adds them
 inline void lanes_tile_a8(const int32_t* Xc, const int32_t* Wt, const float* s_tile, const int32_t* neg_xsum8,
                           const float* xs, const TiledLayout& L, int64_t U, int64_t group, float* facc) {
   const int64_t steps = 2 * L.kb;
