@@ -5,13 +5,19 @@
 // Rounding follows Hugging Face's LlamaRMSNorm so bf16 engines match it bit for bit where
 // possible: statistics in fp32, the normalized value rounded to the input dtype, then the
 // product with the weight rounded again; the residual sum is rounded as a bf16 add would be.
+// The element-wise passes run kLanes at a time with the same roundings as their scalar tails.
 // Included per ISA inside kiln::<isa> after vec.h.
 
 template <typename T>
 inline void rms_norm_row(const T* xr, const T* weight, T* outr, int64_t n, float eps) {
   const float inv = 1.0f / std::sqrt(dot(xr, xr, n) / static_cast<float>(n) + eps);
-  for (int64_t i = 0; i < n; ++i)
-    store_as(outr + i, to_f32(weight[i]) * round_as<T>(to_f32(xr[i]) * inv));
+  int64_t i = 0;
+#if !defined(KILN_ISA_SCALAR)
+  const vfloat vinv = vset1(inv);
+  for (; i + kLanes <= n; i += kLanes)  // as below, kLanes at a time (the roundings too)
+    vstore_as(outr + i, vmul(vload(weight + i), vround_as<T>(vmul(vload(xr + i), vinv))));
+#endif
+  for (; i < n; ++i) store_as(outr + i, to_f32(weight[i]) * round_as<T>(to_f32(xr[i]) * inv));
 }
 
 template <typename T>
@@ -28,7 +34,11 @@ void add_rms_norm_rows(T* residual, const T* x, const T* weight, T* out, int64_t
     for (int64_t r = begin; r < end; ++r) {
       T* res = residual + r * n;
       const T* xr = x + r * n;
-      for (int64_t i = 0; i < n; ++i) store_as(res + i, to_f32(res[i]) + to_f32(xr[i]));
+      int64_t i = 0;
+#if !defined(KILN_ISA_SCALAR)
+      for (; i + kLanes <= n; i += kLanes) vstore_as(res + i, vadd(vload(res + i), vload(xr + i)));
+#endif
+      for (; i < n; ++i) store_as(res + i, to_f32(res[i]) + to_f32(xr[i]));
       rms_norm_row(res, weight, out + r * n, n, eps);
     }
   });
