@@ -76,8 +76,7 @@ struct WeightRows {
   void ahead(int64_t o) const {
 #if !defined(KILN_ISA_SCALAR)
     if (g_prefetch_ahead == 0) return;
-    const char* p = static_cast<const char*>(base) + o * row_bytes + g_prefetch_ahead;
-    for (int64_t i = 0; i < row_bytes; i += 64) prefetch_line(p + i);
+    prefetch_bytes(static_cast<const char*>(base) + o * row_bytes + g_prefetch_ahead, row_bytes);
 #endif
   }
 };
