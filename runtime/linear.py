@@ -39,7 +39,7 @@ from kiln import constants as names
 from kiln.plugins import ops
 
 FP8_ACTIVATION_KINDS = (names.LINEAR_FP8, names.LINEAR_W4A8_FP8)
-SKINNY_ROWS = 8  # up to this many rows a step runs in one plugin call (ops.decode_layers), if every linear takes its kernel
+SKINNY_ROWS = 8  # without a tactic: how many rows a kind's kernel takes where it sets no other bound
 WIDEN_BLOCK = 1 << 18  # weights gemm() widens to float32 at a time (1 MB, within the caches, never a whole copy)
 
 
@@ -109,9 +109,22 @@ class Routed:
             return self.tactic.choice(rows) == names.TACTIC_KILN
         return rows <= self.kernel_rows
 
-    def fuses(self, rows: int) -> bool:
-        """Whether decode_layers computes `rows` rows of it as __call__ does (it runs the kernel)."""
-        return self.uses_kernel(rows)
+    def kernel_through(self) -> float:
+        """The most rows r such that every row count from 1 to r takes the kernel (inf: every
+        count; 0: not even one row)."""
+        if self.tactic is None:
+            return self.kernel_rows
+        through = 0
+        for bucket, choice in zip(self.tactic.buckets, self.tactic.choices):
+            if choice != names.TACTIC_KILN:
+                return through
+            through = bucket
+        return float("inf")  # rows beyond the last bucket take its choice, the kernel
+
+    def fused_through(self) -> float:
+        """Up to how many rows (every count from 1) decode_layers computes it as __call__ does:
+        where it runs the kernel."""
+        return self.kernel_through()
 
     def run(self, x: torch.Tensor, choice: str) -> torch.Tensor:
         """x through one implementation (a tactic's candidate), as __call__ runs it."""
@@ -141,9 +154,9 @@ class DenseLinear(Routed):
         in_features, out_features = self.features
         return f"dense {str(self.dtype).removeprefix('torch.')} {in_features}x{out_features}"
 
-    def fuses(self, rows: int) -> bool:
-        """float32: decode_layers takes PyTorch's GEMM too."""
-        return self.dtype != torch.bfloat16 or self.uses_kernel(rows)
+    def fused_through(self) -> float:
+        """float32: decode_layers takes PyTorch's GEMM too, at every row count."""
+        return float("inf") if self.dtype != torch.bfloat16 else self.kernel_through()
 
     def plan(self) -> dict:
         """This linear as a record of ops.decode_plan."""

@@ -179,8 +179,8 @@ class LlamaModel:
         # Gemma: embeddings times sqrt(hidden), the factor rounded to the model dtype as HF rounds it
         self.embed_scale = (torch.tensor(spec.embed_scale, dtype=torch.float32).to(self.dtype)
                             if spec.embed_scale is not None else None)
-        # steps of a few rows run every layer in one plugin call (decode_layers, Mixture-of-Experts
-        # layers' routing included); the Python loop runs a few rows' experts in one (moe_mlp)
+        # steps run every layer in one plugin call (decode_layers, Mixture-of-Experts layers' routing
+        # included) up to fused_rows; the Python loop runs a few rows' experts in one (moe_mlp)
         self.fused_decode = True
         self.fused_experts = True
         self.fused_rows = self.fusable_rows()  # up to how many rows the fused calls run
@@ -211,14 +211,18 @@ class LlamaModel:
             linear.tactic = Tactic([1], [names.TACTIC_KILN if linear.uses_kernel(1) else names.TACTIC_TORCH])
         self.fused_rows = self.fusable_rows()
 
-    def fusable_rows(self) -> int:
-        """Up to how many rows (at most SKINNY_ROWS) every layer's linear routes as decode_layers
-        and moe_mlp run it (kiln's kernel; float32 dense: PyTorch's GEMM in both), so a step of that
-        many rows can run in one plugin call with the same numbers as the loop."""
+    def fusable_rows(self) -> float:
+        """Up to how many rows a step runs in one plugin call (decode_layers; moe_mlp for a Mixture
+        of Experts): the most rows up to which every layer's linear routes as those calls run it
+        (kiln's kernel; float32 dense: PyTorch's GEMM in both), so a fused step has the same
+        numbers as the loop. inf: every step the engine allows, prefill chunks beside decodes
+        included (what the loop costs in the interpreter, ~2 ms a step of SmolLM2, is then gone
+        at every size). Mixture-of-Experts models stop at SKINNY_ROWS: their routing's torch ops
+        (the router's GEMM, top-k, gathers) would run on one thread inside the call's team."""
         linears = [linear for layer in self.layers for linear in layer.linears().values()]
-        rows = 0
-        while rows < SKINNY_ROWS and all(linear.fuses(rows + 1) for linear in linears):
-            rows += 1
+        rows = min((linear.fused_through() for linear in linears), default=float("inf"))
+        if any(layer.experts for layer in self.layers):
+            rows = min(rows, SKINNY_ROWS)
         return rows
 
     def decode_plan(self) -> tuple[list, list[int], list[float]]:
@@ -336,8 +340,9 @@ class LlamaModel:
         Per layer: 4 GEMMs and 3 plugin ops: the residual add fused into RMSNorm,
         rotary embedding + KV write + attention in one, SwiGLU (or GeGLU) in one; Gemma's output
         norms add two. Steps of up to
-        fused_rows tokens (decode) run the same loop inside the plugin library (decode_layers),
-        bit for bit the same numbers without the interpreter between the ~240 kernel calls."""
+        fused_rows tokens (decodes and prefill chunks alike) run the same loop inside the plugin
+        library (decode_layers), bit for bit the same numbers without the interpreter between the
+        ~240 kernel calls."""
         spec = self.spec
         eps = spec.norm_eps
         h = F.embedding(tokens, self.embed)

@@ -1,6 +1,7 @@
-"""The fused decode step (kiln::decode_layers: every layer of a step of a few rows in one
-plugin call) against LlamaModel's Python loop over the same kernels: the same logits and the
-same KV cache, bit for bit, for every kind of linear an engine holds."""
+"""The fused step (kiln::decode_layers: every layer of a step in one plugin call) against
+LlamaModel's Python loop over the same kernels: the same logits and the same KV cache, bit for
+bit, for every kind of linear an engine holds, for decode steps and for steps of many rows that
+carry prefill chunks beside decodes."""
 import json
 
 import pytest
@@ -43,6 +44,33 @@ def decode(model, spec, fused: bool, steps: int, rows: int, grouped: bool = Fals
     return torch.stack(out), pool.storage
 
 
+def mixed_step(model, spec, fused: bool):
+    """One step as the executor makes them under load, after each sequence's cache is filled:
+    17 sequences decoding (3-19 cached tokens), a new prompt's first chunk of 21 tokens and
+    another's second chunk of 13 after 9 cached: 51 rows, past the kernels' 16-row lanes (and a
+    remainder for their row paths). Every row's logits and the pool."""
+    model.fused_decode = fused
+    block, blocks = 8, 4
+    g = torch.Generator().manual_seed(19)
+    cached = [3 + r for r in range(17)] + [0, 9]
+    new = [1] * 17 + [21, 13]
+    pool = KVPool(spec, len(cached) * blocks, block, model.kv_dtype)
+    pool.storage.view(torch.uint8).zero_()
+    tables = torch.arange(len(cached) * blocks, dtype=torch.int32).view(1, len(cached), blocks)
+    for s, count in enumerate(cached):
+        if count:
+            ctx = StepContext.single(0, count, [])
+            ctx.block_tables = tables[:, s : s + 1].contiguous()
+            model.forward(torch.randint(1, 256, (count,), generator=g), ctx, pool)
+    starts = torch.tensor([0] + new).cumsum(0).to(torch.int32)
+    ctx = StepContext(positions=torch.cat([torch.arange(c, c + n) for c, n in zip(cached, new)]), query_start=starts,
+                      context_lens=torch.tensor(cached, dtype=torch.int32), block_tables=tables,
+                      logits_rows=torch.arange(sum(new)))
+    logits = model.forward(torch.randint(1, 256, (sum(new),), generator=g), ctx, pool)
+    model.fused_decode = True
+    return logits, pool.storage
+
+
 def assert_fused_equals_loop(model, spec):
     """1 and 3 rows decoding 4 steps: decode_layers gives the Python loop's logits and KV cache, bit for bit."""
     for rows in (1, 3):
@@ -81,6 +109,12 @@ def test_fused_decode_equals_the_python_loop(arch, dtype, quantization, tiny_mod
         quantization.get("key_rotation", "auto") == "auto" and quantization.get("kv_cache") == "fp8")
     assert model.key_hadamard == (engine.spec.head_dim & -engine.spec.head_dim if rotated else 0)
     assert_fused_equals_loop(model, engine.spec)
+    model.make_batch_invariant()  # the runtime's default: every linear its kernel at every row count
+    assert model.fused_rows == float("inf")  # so every step fuses, however many rows
+    fused_logits, fused_pool = mixed_step(model, engine.spec, True)
+    loop_logits, loop_pool = mixed_step(model, engine.spec, False)
+    assert torch.equal(fused_logits, loop_logits)
+    assert torch.equal(fused_pool.view(torch.uint8), loop_pool.view(torch.uint8))
 
 
 @pytest.mark.parametrize("dtype, quantization", [
@@ -211,7 +245,11 @@ def test_step_clock_times_each_phase_of_decode_layers(arch, phases, tiny_engines
     decode(engine.model, engine.spec, True, 3, 2)
     clock = json.loads(ops.step_clock(False))
     seconds = clock["seconds"]
-    assert clock["calls"] == 3, clock  # the decode steps; the prompts ran the Python loop
+    # the decode steps, and the prompts (10 and 9 rows) where steps that long fuse: Llama's bf16
+    # dense linears take the kernel up to 64 rows, a Mixture of Experts fuses up to SKINNY_ROWS
+    prompts = sum(len(PROMPT) - r <= engine.model.fused_rows for r in range(2))
+    assert prompts == (2 if arch == "llama" else 0)
+    assert clock["calls"] == 3 + prompts, clock
     assert {name for name, s in seconds.items() if s > 0} == phases | {"step"}, clock
     assert sum(s for name, s in seconds.items() if name != "step") <= seconds["step"], clock
     assert json.loads(ops.step_clock(False))["calls"] == 0  # read: cleared

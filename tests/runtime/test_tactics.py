@@ -94,8 +94,12 @@ def test_a_model_fuses_steps_only_where_every_linear_takes_its_kernel(tiny_engin
 
     engine = Engine(tiny_engines("llama", "bfloat16"))
     model = engine.model
-    assert model.fused_rows == linear.SKINNY_ROWS
+    assert model.fused_rows == DenseLinear.kernel_rows  # bf16 dense: the kernel's default bound, no tactics
     key = model.layers[1].gate_up.tactic_key()
     taken = model.apply_tactics({key: Tactic([1, 2, 4, 8], [KILN, KILN, TORCH, KILN])})
     assert taken == sum(lin.tactic_key() == key for lin in model.linears()) > 0
     assert model.fused_rows == 2  # 3 and 4 rows take PyTorch's GEMM in one linear: the Python loop
+    model.apply_tactics({lin.tactic_key(): Tactic([1, 16], [KILN, KILN]) for lin in model.linears()})
+    assert model.fused_rows == float("inf")  # the kernel at every row count: every step fuses
+    model.apply_tactics({key: Tactic([1, 16], [TORCH, KILN])})
+    assert model.fused_rows == 0  # one linear's one row takes PyTorch's GEMM: no step fuses
