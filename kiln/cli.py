@@ -50,19 +50,33 @@ def _serve(args) -> int:
 
         openai = OpenAIServer(ServedModel.from_repo(args.repo, args.served_model_name), server.grpc_url,
                               args.address, args.openai_port)
-    print(f"starting tritonserver on {args.repo} ...", file=sys.stderr)
+    # SIGTERM stops it like Ctrl-C, from before the server starts: a supervisor that gives up on a
+    # slow start must not leave a tritonserver behind (start() stops it on the way out). Noted, as
+    # an interrupt inside an import can come out as an ImportError.
+    stopped: list[int] = []
+
+    def interrupt(signum, frame):
+        stopped.append(signum)
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, interrupt)
+    signal.signal(signal.SIGINT, interrupt)
+    print(f"starting tritonserver on {args.repo} ...", file=sys.stderr, flush=True)
     try:
         server.start(args.timeout)
         if openai is not None:
             openai.start()
-    except BaseException:
+    except BaseException as exc:
         if openai is not None:
             openai.stop()
+        server.stop()  # (start() has stopped it where it failed; the OpenAI frontend's failure is after)
+        if isinstance(exc, KeyboardInterrupt) or stopped:
+            print("kiln serve: stopped before the server was ready", file=sys.stderr)
+            return 130
         raise
     extra = f"  OpenAI {openai.url}" if openai is not None else ""
     print(f"ready: gRPC {server.grpc_url}  HTTP {server.http_url}  metrics {server.address}:{server.metrics_port}"
           f"{extra}", file=sys.stderr, flush=True)
-    signal.signal(signal.SIGTERM, signal.default_int_handler)  # SIGTERM stops it like Ctrl-C
     try:
         problem = server.watch(frontend=openai)
     except KeyboardInterrupt:

@@ -39,6 +39,37 @@ def test_a_failed_start_says_why_and_leaves_nothing(tiny_engines):
     assert_nothing_left(server)
 
 
+def test_kiln_serve_stopped_while_starting_leaves_nothing(tiny_engines):
+    """SIGTERM while tritonserver loads the models (a supervisor giving up on a slow start):
+    kiln serve stops the server it started, its backend stubs included, and exits 130."""
+    import subprocess
+    import sys
+
+    from kiln.triton_repo.serve import _proc_stat, free_ports
+
+    repo = tiny_engines("llama").parent / "triton_repo"
+    ports = [str(port) for port in free_ports(3)]
+    process = subprocess.Popen([sys.executable, "-m", "kiln.cli", "serve", str(repo), "--grpc-port", ports[0],
+                                "--http-port", ports[1], "--metrics-port", ports[2]], stderr=subprocess.PIPE,
+                               text=True)
+    try:
+        assert process.stderr.readline().startswith("starting tritonserver")
+        deadline, server = time.monotonic() + 60, None
+        while server is None and time.monotonic() < deadline:  # kiln serve's child, in a group of its own
+            server = next((int(entry.name) for entry in Path("/proc").iterdir() if entry.name.isdigit()
+                           and (_proc_stat(int(entry.name)) or ("", 0, 0))[1] == process.pid), None)
+            time.sleep(0.05)
+        assert server is not None, "kiln serve started no server"
+        process.send_signal(signal.SIGTERM)  # the models take seconds to load: before 'ready:'
+        code, said = process.wait(60), process.stderr.read()
+        assert code == 130, said
+        assert "stopped before the server was ready" in said and "ready:" not in said, said
+    finally:
+        if process.poll() is None:
+            process.kill()
+    assert group_members(server) == {}  # the server and its stubs ended and reaped
+
+
 def test_a_dead_engine_process_is_noticed_and_its_streams_get_errors(smollm2_engines):
     repo = smollm2_engines("float32").parent / "triton_repo"
     server = TritonServer(repo).start()
