@@ -85,6 +85,16 @@ class Tactic:
     def choice(self, rows: int) -> str:
         return self.choices[min(bisect_left(self.buckets, rows), len(self.buckets) - 1)]
 
+    def kernel_through(self) -> float:
+        """The most rows r such that every row count from 1 to r takes kiln's kernel (inf: every
+        count, as rows beyond the last bucket take its choice; 0: not even one row)."""
+        through = 0
+        for bucket, choice in zip(self.buckets, self.choices):
+            if choice != names.TACTIC_KILN:
+                return through
+            through = bucket
+        return float("inf")
+
 
 def tactics_from_json(section: dict) -> dict[str, Tactic]:
     """engine.json's tactics (builder/tactics.py) as tactic_key -> Tactic."""
@@ -109,22 +119,10 @@ class Routed:
             return self.tactic.choice(rows) == names.TACTIC_KILN
         return rows <= self.kernel_rows
 
-    def kernel_through(self) -> float:
-        """The most rows r such that every row count from 1 to r takes the kernel (inf: every
-        count; 0: not even one row)."""
-        if self.tactic is None:
-            return self.kernel_rows
-        through = 0
-        for bucket, choice in zip(self.tactic.buckets, self.tactic.choices):
-            if choice != names.TACTIC_KILN:
-                return through
-            through = bucket
-        return float("inf")  # rows beyond the last bucket take its choice, the kernel
-
     def fused_through(self) -> float:
         """Up to how many rows (every count from 1) decode_layers computes it as __call__ does:
-        where it runs the kernel."""
-        return self.kernel_through()
+        where it runs the kernel (its Tactic's bound, else `kernel_rows`)."""
+        return self.kernel_rows if self.tactic is None else self.tactic.kernel_through()
 
     def run(self, x: torch.Tensor, choice: str) -> torch.Tensor:
         """x through one implementation (a tactic's candidate), as __call__ runs it."""
@@ -156,7 +154,7 @@ class DenseLinear(Routed):
 
     def fused_through(self) -> float:
         """float32: decode_layers takes PyTorch's GEMM too, at every row count."""
-        return float("inf") if self.dtype != torch.bfloat16 else self.kernel_through()
+        return float("inf") if self.dtype != torch.bfloat16 else super().fused_through()
 
     def plan(self) -> dict:
         """This linear as a record of ops.decode_plan."""

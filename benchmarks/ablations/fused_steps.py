@@ -115,8 +115,8 @@ def serve_one(engine: str, cap: bool, level: int, seed: int, args: dict) -> floa
 
 def serve(args) -> list[dict]:
     """Each arm in a fresh process (spawned), the arms taking turns, the same prompts to both.
-    Two engines in one process would not measure the loop fairly: the second one's OpenMP pool
-    makes libgomp put idle threads to sleep at once, and the loop forks threads per kernel."""
+    With both engines in one process the loop arm read far slower (docs/benchmarks.md, "Every
+    step in one call"; the cause not examined), so each arm runs alone, as kiln bench runs it."""
     import multiprocessing
 
     spawn = multiprocessing.get_context("spawn")

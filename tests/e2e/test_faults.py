@@ -5,6 +5,8 @@ import json
 import os
 import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 import urllib.error
@@ -42,9 +44,6 @@ def test_a_failed_start_says_why_and_leaves_nothing(tiny_engines):
 def test_kiln_serve_stopped_while_starting_leaves_nothing(tiny_engines):
     """SIGTERM while tritonserver loads the models (a supervisor giving up on a slow start):
     kiln serve stops the server it started, its backend stubs included, and exits 130."""
-    import subprocess
-    import sys
-
     from kiln.triton_repo.serve import _proc_stat, free_ports
 
     repo = tiny_engines("llama").parent / "triton_repo"
