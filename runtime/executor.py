@@ -10,7 +10,9 @@ The model's ops release the GIL, so callers' threads keep running while a step c
 A full queue gets error responses; the loop keeps serving the others."""
 from __future__ import annotations
 
+import contextlib
 import itertools
+import json
 import logging
 import threading
 import time
@@ -58,6 +60,13 @@ class Executor:
     All torch work stays on that one thread: measured here, a step on a thread other than the
     one whose OpenMP team loaded the weights ran 1.6x slower at 2 threads (10 vs 16 ms a
     decode step), and tritonserver's stub calls the model from yet other threads."""
+
+    # runtime.step_log: one JSON object a step, these keys. time: when it ended (Unix seconds);
+    # ms: the model's share (schedule and sampling bookkeeping excluded); sequences and tokens:
+    # what it computed; decode_tokens: those of sequences past their prompt computing their
+    # latest token (the rest is prefill, or recomputation after a preemption); queued: requests
+    # waiting while it ran; kv_blocks_used: of the pool's blocks, after it.
+    STEP_LOG_FIELDS = ("time", "step", "ms", "sequences", "tokens", "decode_tokens", "queued", "kv_blocks_used")
 
     def __init__(self, engine_dir, options: RuntimeOptions):
         self._ready = threading.Event()
@@ -129,6 +138,13 @@ class Executor:
         self._queued = 0  # requests not yet running
         self._stopped = False
         self._counters = {"steps": 0, "tokens_computed": 0, "tokens_generated": 0, "requests_finished": 0}
+        self._step_log = None  # opened last: nothing after it can fail the load
+        if options.step_log:
+            try:  # line-buffered: each step's line is in the file once the step is done
+                self._step_log = open(options.step_log, "a", buffering=1, encoding="utf-8")
+            except OSError as exc:
+                raise ConfigError(f"runtime.step_log {options.step_log!r} cannot be opened for appending: "
+                                  f"{exc.strerror or exc}") from None
 
     # --- the API -----------------------------------------------------------------------
     def check(self, prompt_ids: list[int], params: SamplingParams) -> None:
@@ -227,6 +243,9 @@ class Executor:
             self._stopped = True
             self._lock.notify_all()
         self._thread.join()
+        if self._step_log is not None:
+            with contextlib.suppress(OSError):  # its last lines could not be written: steps were warned of
+                self._step_log.close()
 
     # --- the loop ----------------------------------------------------------------------
     def _stop_ids(self, params: SamplingParams) -> frozenset[int]:
@@ -287,7 +306,10 @@ class Executor:
             return
         with self._lock:
             self._queued = len(self._incoming) + len(self.scheduler.waiting)
+        decode_tokens = sum(count for seq, count in batch if count == 1 and seq.num_generated > 0)
+        started = time.perf_counter()
         sampled = self.runner.run(batch)
+        ms = (time.perf_counter() - started) * 1000
         with self._lock:
             self._counters["steps"] += 1
             for seq, count in batch:
@@ -298,6 +320,23 @@ class Executor:
                 self._counters["tokens_computed"] += count
             for sample in sampled:
                 self._on_token(sample)
+            if self._step_log is not None:
+                line = dict(zip(self.STEP_LOG_FIELDS, (
+                    round(time.time(), 6), self._counters["steps"], round(ms, 3), len(batch),
+                    sum(count for _, count in batch), decode_tokens, self._queued,
+                    self.kv.num_blocks - self.kv.num_free_blocks)))
+        if self._step_log is not None:
+            self._write_step_log(line)
+
+    def _write_step_log(self, line: dict) -> None:
+        """Outside the lock. A log that cannot be written is closed with a warning; the requests go on."""
+        try:
+            self._step_log.write(json.dumps(line) + "\n")
+        except (OSError, ValueError) as exc:
+            log.warning("runtime.step_log %r: %s; no more steps are logged", self.options.step_log, exc)
+            log_file, self._step_log = self._step_log, None
+            with contextlib.suppress(OSError):
+                log_file.close()
 
     def _on_token(self, sample: Sample) -> None:  # with the lock held
         seq, token = sample.seq, sample.token

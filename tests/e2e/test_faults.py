@@ -231,16 +231,23 @@ def test_request_timeout_bounds_an_abandoned_ensemble_stream(smollm2_engines):
 
 
 @pytest.mark.parametrize("scheduler", ["max_utilization", "guaranteed_no_evict"])
-def test_a_kv_pool_too_small_for_the_load_preempts_or_queues_and_serves_everyone(smollm2_engines, scheduler):
+def test_a_kv_pool_too_small_for_the_load_preempts_or_queues_and_serves_everyone(smollm2_engines, scheduler,
+                                                                                 tmp_path):
     """16 requests of ~200 tokens at once against a KV pool of 68 blocks (room for about four of
     them): max_utilization admits what fits and preempts (recomputes) when blocks run out,
     guaranteed_no_evict admits only what it can finish; either way every request gets its
-    full-length text and the pool ends empty."""
+    full-length text and the pool ends empty. The served engine's step log (runtime.step_log)
+    shows the steps batched and every generated token decoded but each request's first and
+    those after a preemption."""
+    import json
+
     from pydoc_data.topics import topics
 
     repo = smollm2_engines("float32").parent / "triton_repo"
     text = " ".join(topics["assert"].split())[:600]
-    with TritonServer(repo, runtime={"kv_cache_memory": "48MiB", "scheduler": scheduler}) as server:
+    step_log = tmp_path / "steps.jsonl"
+    with TritonServer(repo, runtime={"kv_cache_memory": "48MiB", "scheduler": scheduler,
+                                     "step_log": str(step_log)}) as server:
         def one(i):
             return http_generate(server, "ensemble", {"text_input": f"Request {i}. {text}", "max_tokens": 64,
                                                       "end_id": -1})
@@ -257,3 +264,8 @@ def test_a_kv_pool_too_small_for_the_load_preempts_or_queues_and_serves_everyone
         time.sleep(1)  # the gauges refresh every 0.5 s
         assert wait_for_running(server, 0) == 0
         assert metric(server, names.METRIC_KV_BLOCKS, "used") == 0
+    steps = [json.loads(line) for line in step_log.read_text().splitlines()]
+    assert max(step["sequences"] for step in steps) > 1
+    # a preempted sequence's next token comes from its recomputation, not a decode step
+    decoded = sum(step["decode_tokens"] for step in steps)
+    assert 16 * 63 - preemptions <= decoded <= 16 * 63, (decoded, preemptions, len(steps))

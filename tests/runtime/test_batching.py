@@ -283,3 +283,43 @@ def test_64_concurrent_requests_are_the_bits_of_each_alone_for_every_kind(dtype,
         assert llm.stats()["steps"] - before < sum(n for _, n in requests) / 4  # batched
     finally:
         llm.close()
+
+
+def test_step_log_has_a_line_for_every_step(batch_engine, tmp_path):
+    """runtime.step_log: a JSON line a step whose counts add up to the executor's own, prefill
+    and decode told apart (16 prompts of 17 tokens, 5 new tokens each, all at once)."""
+    import json
+
+    from kiln.runtime.executor import Executor
+    from kiln.runtime.llm import LLM
+
+    path = tmp_path / "steps.jsonl"
+    path.write_text("")  # appended to, not replaced
+    llm = LLM(batch_engine, step_log=str(path), enable_prefix_reuse=False)
+    try:
+        requests = [([3 + (7 * i + j) % 300 for j in range(17)], 5) for i in range(16)]
+        run_together(llm, requests)
+        stats = llm.stats()
+    finally:
+        llm.close()
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    assert len(lines) == stats["steps"] > 0
+    assert all(list(line) == list(Executor.STEP_LOG_FIELDS) for line in lines)
+    assert [line["step"] for line in lines] == list(range(1, len(lines) + 1))
+    assert sum(line["tokens"] for line in lines) == stats["tokens_computed"] == 16 * (17 + 4)
+    # every generated token but each request's first (sampled from its prompt's last step)
+    assert sum(line["decode_tokens"] for line in lines) == 16 * 4
+    assert all(line["ms"] > 0 and 1 <= line["sequences"] <= line["tokens"] for line in lines)
+    assert [line["time"] for line in lines] == sorted(line["time"] for line in lines)
+
+
+def test_a_step_log_that_cannot_be_opened_is_refused_at_load(batch_engine, tmp_path):
+    from kiln.errors import ConfigError
+    from kiln.runtime.llm import LLM
+
+    missing = tmp_path / "no-such-folder" / "steps.jsonl"
+    with pytest.raises(ConfigError, match=r"runtime.step_log '.*no-such-folder/steps.jsonl' cannot be opened for "
+                                          r"appending: No such file or directory"):
+        LLM(batch_engine, step_log=str(missing))
+    with pytest.raises(ValueError, match=r"step_log must be a file path \(a string; empty: none\), got 3"):
+        LLM(batch_engine, step_log=3)
