@@ -204,7 +204,7 @@ def export_checkpoint(engine_dir: Path, output: Path) -> Path:
     if names.linear_tensor(head_prefix, names.QWEIGHT) in weights:  # int8 / int4 lm_head: dequantized (float32)
         q = weights[names.linear_tensor(head_prefix, names.QWEIGHT)]
         s = weights[names.linear_tensor(head_prefix, names.WEIGHT_SCALES)]
-        if quant.get("lm_head") == names.LINEAR_INT4:
+        if quant.get("lm_head") in (names.LINEAR_INT4, names.LINEAR_W4A8):
             out[names.TRTLLM_LM_HEAD] = dequantize_int4(q, s, quant["lm_head_group_size"])
         else:
             out[names.TRTLLM_LM_HEAD] = q.float() * s[:, None]

@@ -335,8 +335,9 @@ def quantize_weights(weights: dict[str, torch.Tensor], spec: ModelSpec, options:
                      progress: Callable[[], None] = lambda: None,
                      grams: Callable[[int, str], torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
     """Packed float32 weights -> the engine's tensors (quantized linears, the rest in `dtype`).
-    lm_head "int8" / "int4": the output projection gets int8 weights per channel (W8A16) or int4
-    weights per group (W4A16, quantize_head_int4) too; with tied embeddings the embedding table
+    lm_head "int8" / "int4" / "w4a8": the output projection gets int8 weights per channel (W8A16)
+    or int4 weights per group (quantize_head_int4; run as W4A16, or W4A8 with int8 activations
+    per row and group) too; with tied embeddings the embedding table
     stays as it is for the input lookup. `grams(layer, linear)`:
     the x^T x sums GPTQ rounding needs (calibrate.Grams), asked for in layer order."""
     out: dict[str, torch.Tensor] = {}
@@ -355,7 +356,7 @@ def quantize_weights(weights: dict[str, torch.Tensor], spec: ModelSpec, options:
                                                             *names.OUTPUT_NORMS, names.MLP_ROUTER,
                                                             names.MLP_SHARED_GATE)):
             out[name] = tensor.to(dtype).contiguous()
-    if options.lm_head in ("int8", "int4"):
+    if options.lm_head in ("int8", "int4", "w4a8"):
         head = weights[names.EMBED if spec.tie_embeddings else names.LM_HEAD]
         if options.lm_head == "int8":
             qweight, scales = quantize_int8(head)
@@ -443,8 +444,8 @@ def quantization_meta(options: QuantOptions) -> dict:
     meta["linear"] = options.kind
     if options.lm_head == "int8":
         meta["lm_head"] = names.LINEAR_INT8
-    elif options.lm_head == "int4":
-        meta["lm_head"] = names.LINEAR_INT4
+    elif options.lm_head in ("int4", "w4a8"):  # the same weights; W4A8 quantizes its input too
+        meta["lm_head"] = names.LINEAR_INT4 if options.lm_head == "int4" else names.LINEAR_W4A8
         meta["lm_head_group_size"] = options.group_size
     if options.kind in INT4_KINDS:
         meta["group_size"] = options.group_size

@@ -180,23 +180,33 @@ def test_each_algorithm_builds_runs_and_reports(algo, options, kind, qdtype, tin
     assert [len(o.token_ids) for o in batched] == [4, 4]
 
 
-@pytest.mark.parametrize("algo", ["int4_awq", "int8_wo"])
-def test_an_int4_lm_head_builds_and_runs_on_the_tiled_kernel(algo, tiny_models, tiny_engines, tmp_path, llm_for):
-    """lm_head: int4 on a calibrated build (AWQ scales folded into the final norm, GPTQ) and on
-    one without calibration (round to nearest)."""
+@pytest.mark.parametrize("algo, lm_head", [("int4_awq", "int4"), ("int8_wo", "int4"), ("w4a8_awq", "w4a8")])
+def test_an_int4_lm_head_builds_and_runs_on_the_tiled_kernel(algo, lm_head, tiny_models, tiny_engines, tmp_path,
+                                                             llm_for):
+    """lm_head: int4 / w4a8 on a calibrated build (AWQ scales folded into the final norm, GPTQ)
+    and int4 on one without calibration (round to nearest). w4a8 is int4's weights run with its
+    input in int8 per row and group: its logits are W4A8's of the same weights."""
+    from kiln.plugins import ops
+
     engine_dir = build_engine(tmp_path / algo, tiny_models["llama"], "bfloat16", quantization={
-        "algo": algo, "lm_head": "int4", "group_size": 32, "calibration": SMALL_CALIBRATION,
+        "algo": algo, "lm_head": lm_head, "group_size": 32, "calibration": SMALL_CALIBRATION,
         "accuracy": SMALL_ACCURACY, "accuracy_gate": None})
     meta = json.loads((engine_dir / names.ENGINE_JSON).read_text())["quantization"]
-    assert meta["lm_head"] == names.LINEAR_INT4 and meta["lm_head_group_size"] == 32
+    kind = {"int4": names.LINEAR_INT4, "w4a8": names.LINEAR_W4A8}[lm_head]
+    assert meta["lm_head"] == kind and meta["lm_head_group_size"] == 32
     engine = Engine(engine_dir)
     head = engine.model.lm_head
-    assert head.kind == names.LINEAR_INT4 and head.tiled and head.group_size == 32
+    assert head.kind == kind and head.tiled and head.group_size == 32
     tensors = _weights(engine)
     assert tensors[names.linear_tensor(names.linear_prefix(names.LM_HEAD), names.QWEIGHT)].dtype == torch.uint8
     unquantized = _weights(Engine(tiny_engines("llama", "bfloat16")))
     folded = not torch.equal(tensors[names.FINAL_NORM], unquantized[names.FINAL_NORM])
-    assert folded == (algo == "int4_awq")  # AWQ's scales live in the final norm
+    assert folded == (algo != "int8_wo")  # AWQ's scales live in the final norm
+    x = torch.randn(3, engine.spec.hidden_size, generator=torch.Generator().manual_seed(11)).to(torch.bfloat16)
+    w4a8 = ops.linear_w4a8_tiled(x, head.qweight, head.scales, 32, None)
+    w4a16 = ops.linear_w4_tiled(x, head.qweight, head.scales, 32, None)
+    assert torch.equal(head(x), w4a8 if lm_head == "w4a8" else w4a16)
+    assert not torch.equal(w4a8, w4a16)  # the two kinds differ: the check above tells them apart
     out = llm_for(engine_dir).generate(PROMPT, max_tokens=8, ignore_eos=True)
     assert len(out.token_ids) == 8
 
