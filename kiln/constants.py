@@ -251,6 +251,13 @@ METRIC_REQUESTS = "kiln_requests"
 METRIC_PREEMPTIONS = "kiln_preemptions"
 METRIC_PREFIX_HIT_RATE = "kiln_prefix_hit_rate"
 
+# runtime.step_log: one JSON object a step, these keys. time: when it ended (Unix seconds); ms:
+# the model's share (schedule and sampling bookkeeping excluded); sequences and tokens: what it
+# computed; decode_tokens: those of sequences past their prompt computing their latest token (the
+# rest is prefill, or recomputation after a preemption); queued: requests waiting while it ran;
+# kv_blocks_used: of the pool's blocks, after it.
+STEP_LOG_FIELDS = ("time", "step", "ms", "sequences", "tokens", "decode_tokens", "queued", "kv_blocks_used")
+
 # --- TensorRT-LLM checkpoint (config.json + rank0.safetensors; kiln export / import) -------
 TRTLLM_CONFIG = "config.json"
 TRTLLM_WEIGHTS = "rank0.safetensors"

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kiln import constants as names
 from kiln.errors import ConfigError, RequestError
 from kiln.runtime.engine import Engine
 from kiln.runtime.kv_cache import KVCacheManager
@@ -60,13 +61,6 @@ class Executor:
     All torch work stays on that one thread: measured here, a step on a thread other than the
     one whose OpenMP team loaded the weights ran 1.6x slower at 2 threads (10 vs 16 ms a
     decode step), and tritonserver's stub calls the model from yet other threads."""
-
-    # runtime.step_log: one JSON object a step, these keys. time: when it ended (Unix seconds);
-    # ms: the model's share (schedule and sampling bookkeeping excluded); sequences and tokens:
-    # what it computed; decode_tokens: those of sequences past their prompt computing their
-    # latest token (the rest is prefill, or recomputation after a preemption); queued: requests
-    # waiting while it ran; kv_blocks_used: of the pool's blocks, after it.
-    STEP_LOG_FIELDS = ("time", "step", "ms", "sequences", "tokens", "decode_tokens", "queued", "kv_blocks_used")
 
     def __init__(self, engine_dir, options: RuntimeOptions):
         self._ready = threading.Event()
@@ -321,7 +315,7 @@ class Executor:
             for sample in sampled:
                 self._on_token(sample)
             if self._step_log is not None:
-                line = dict(zip(self.STEP_LOG_FIELDS, (
+                line = dict(zip(names.STEP_LOG_FIELDS, (
                     round(time.time(), 6), self._counters["steps"], round(ms, 3), len(batch),
                     sum(count for _, count in batch), decode_tokens, self._queued,
                     self.kv.num_blocks - self.kv.num_free_blocks)))

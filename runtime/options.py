@@ -41,7 +41,7 @@ class RuntimeOptions:
     prefill_per_decode_from: int = 8  # decoding streams from which prefill_per_decode applies (below: the share)
     batch_invariant: bool = True  # every linear one route at every row count (LlamaModel.make_batch_invariant)
     # run-time only (a deployment's path, not in the build config): a file each engine step
-    # appends a JSON line to (Executor.STEP_LOG_FIELDS); empty: none
+    # appends a JSON line to (constants.STEP_LOG_FIELDS); empty: none
     step_log: str = ""
 
     def __post_init__(self):
@@ -58,7 +58,6 @@ class RuntimeOptions:
                 or self.prefill_per_decode_from < 1:
             raise ValueError(f"prefill_per_decode_from must be an integer >= 1 (decoding streams), "
                              f"got {self.prefill_per_decode_from!r}")
-
         if not isinstance(self.step_log, str):
             raise ValueError(f"step_log must be a file path (a string; empty: none), got {self.step_log!r}")
 

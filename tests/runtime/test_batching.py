@@ -290,7 +290,7 @@ def test_step_log_has_a_line_for_every_step(batch_engine, tmp_path):
     and decode told apart (16 prompts of 17 tokens, 5 new tokens each, all at once)."""
     import json
 
-    from kiln.runtime.executor import Executor
+    from kiln import constants as names
     from kiln.runtime.llm import LLM
 
     path = tmp_path / "steps.jsonl"
@@ -304,7 +304,7 @@ def test_step_log_has_a_line_for_every_step(batch_engine, tmp_path):
         llm.close()
     lines = [json.loads(line) for line in path.read_text().splitlines()]
     assert len(lines) == stats["steps"] > 0
-    assert all(list(line) == list(Executor.STEP_LOG_FIELDS) for line in lines)
+    assert all(list(line) == list(names.STEP_LOG_FIELDS) for line in lines)
     assert [line["step"] for line in lines] == list(range(1, len(lines) + 1))
     assert sum(line["tokens"] for line in lines) == stats["tokens_computed"] == 16 * (17 + 4)
     # every generated token but each request's first (sampled from its prompt's last step)
