@@ -45,6 +45,9 @@ from kiln.runtime.spec import ModelSpec
 LINEAR_KIND = {"int8_wo": names.LINEAR_INT8, "int4_wo": names.LINEAR_INT4, "int4_awq": names.LINEAR_INT4,
                "w4a8_awq": names.LINEAR_W4A8, "int8_sq": names.LINEAR_W8A8, "fp8": names.LINEAR_FP8}
 INT4_KINDS = (names.LINEAR_INT4, names.LINEAR_W4A8, names.LINEAR_W4A8_FP8)
+# quantization.lm_head -> the head's linear kind; int4 and w4a8 share the int4 head's weights
+# (quantize_head_int4), w4a8 quantizing its input at run time too
+HEAD_KINDS = {"int8": names.LINEAR_INT8, "int4": names.LINEAR_INT4, "w4a8": names.LINEAR_W4A8}
 # Layer field -> the packed tensor it is stored as (runtime.model.LINEARS, in that order)
 LINEAR_WEIGHTS = {"qkv": names.ATTN_QKV, "out": names.ATTN_OUT, "gate_up": names.MLP_GATE_UP,
                   "down": names.MLP_DOWN}
@@ -356,7 +359,7 @@ def quantize_weights(weights: dict[str, torch.Tensor], spec: ModelSpec, options:
                                                             *names.OUTPUT_NORMS, names.MLP_ROUTER,
                                                             names.MLP_SHARED_GATE)):
             out[name] = tensor.to(dtype).contiguous()
-    if options.lm_head in ("int8", "int4", "w4a8"):
+    if options.lm_head in HEAD_KINDS:
         head = weights[names.EMBED if spec.tie_embeddings else names.LM_HEAD]
         if options.lm_head == "int8":
             qweight, scales = quantize_int8(head)
@@ -442,11 +445,10 @@ def quantization_meta(options: QuantOptions) -> dict:
     if options.algo == "none":
         return meta
     meta["linear"] = options.kind
-    if options.lm_head == "int8":
-        meta["lm_head"] = names.LINEAR_INT8
-    elif options.lm_head in ("int4", "w4a8"):  # the same weights; W4A8 quantizes its input too
-        meta["lm_head"] = names.LINEAR_INT4 if options.lm_head == "int4" else names.LINEAR_W4A8
-        meta["lm_head_group_size"] = options.group_size
+    if options.lm_head in HEAD_KINDS:
+        meta["lm_head"] = HEAD_KINDS[options.lm_head]
+        if options.lm_head != "int8":
+            meta["lm_head_group_size"] = options.group_size
     if options.kind in INT4_KINDS:
         meta["group_size"] = options.group_size
     if options.algo == "int8_sq":

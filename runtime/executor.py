@@ -300,26 +300,26 @@ class Executor:
             return
         with self._lock:
             self._queued = len(self._incoming) + len(self.scheduler.waiting)
-        decode_tokens = sum(count for seq, count in batch if count == 1 and seq.num_generated > 0)
+        tokens = sum(count for _, count in batch)
+        logged = self._step_log is not None
+        decode_tokens = sum(count for seq, count in batch if count == 1 and seq.num_generated > 0) if logged else 0
         started = time.perf_counter()
         sampled = self.runner.run(batch)
         ms = (time.perf_counter() - started) * 1000
         with self._lock:
             self._counters["steps"] += 1
+            self._counters["tokens_computed"] += tokens
             for seq, count in batch:
                 seq.num_computed += count
                 self.kv.register_full_blocks(seq)
                 if self.kv.releases_behind_window:
                     self.kv.release_behind_window(seq)
-                self._counters["tokens_computed"] += count
             for sample in sampled:
                 self._on_token(sample)
-            if self._step_log is not None:
-                line = dict(zip(names.STEP_LOG_FIELDS, (
-                    round(time.time(), 6), self._counters["steps"], round(ms, 3), len(batch),
-                    sum(count for _, count in batch), decode_tokens, self._queued,
-                    self.kv.num_blocks - self.kv.num_free_blocks)))
-        if self._step_log is not None:
+            line = None if not logged else dict(zip(names.STEP_LOG_FIELDS, (
+                round(time.time(), 6), self._counters["steps"], round(ms, 3), len(batch), tokens, decode_tokens,
+                self._queued, self.kv.num_used_blocks)))
+        if line is not None:
             self._write_step_log(line)
 
     def _write_step_log(self, line: dict) -> None:

@@ -55,6 +55,10 @@ class KVCacheManager:
         return len(self.free) + len(self.evictable)
 
     @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - self.num_free_blocks
+
+    @property
     def releases_behind_window(self) -> bool:
         return any(self.windows)
 
@@ -156,11 +160,11 @@ class KVCacheManager:
         for table in seq.block_tables:
             for _ in range(per_table):
                 table.append(self._take())
-        self.peak_used = max(self.peak_used, self.num_blocks - self.num_free_blocks)
+        self.peak_used = max(self.peak_used, self.num_used_blocks)
         return True
 
     def reset_peak(self) -> None:
-        self.peak_used = self.num_blocks - self.num_free_blocks
+        self.peak_used = self.num_used_blocks
 
     def register_full_blocks(self, seq: Sequence) -> None:
         """Hash the blocks that the last step filled, so later sequences can reuse them."""
@@ -216,7 +220,7 @@ class KVCacheManager:
         return {
             "blocks_total": self.num_blocks,
             "blocks_free": self.num_free_blocks,
-            "blocks_used": self.num_blocks - self.num_free_blocks,
+            "blocks_used": self.num_used_blocks,
             "blocks_used_peak": self.peak_used,
             "blocks_cached": len(self.evictable),
             "blocks_reused": self.reused_blocks,
