@@ -202,6 +202,11 @@ class RuntimeSection(_Section):
                                                      "size (kiln's kernel where it has one), so a request's tokens "
                                                      "are the same bits whatever else runs; false: the tactics' "
                                                      "fastest route at each batch size")
+    stream_interval: int = Field(1, ge=1, strict=True,
+                                 description="run-time: generated tokens a streaming response carries (the "
+                                             "first token goes out alone, at once): more means fewer "
+                                             "responses for the server and the client to pass on, in "
+                                             "bursts of that many tokens")
     request_timeout: float = Field(0.0, ge=0, allow_inf_nan=False,
                                    description="run-time: seconds after arrival at which a request ends with "
                                                "finish reason 'timeout' and what it generated; 0: never")

@@ -40,7 +40,7 @@ def _serve(args) -> int:
                "request_timeout": args.request_timeout, "batch_invariant": args.batch_invariant,
                "max_prefill_share": args.max_prefill_share, "kv_cache_reserve": args.kv_cache_reserve,
                "prefill_per_decode": args.prefill_per_decode, "prefill_max_wait": args.prefill_max_wait,
-               "prefill_per_decode_from": args.prefill_per_decode_from,
+               "prefill_per_decode_from": args.prefill_per_decode_from, "stream_interval": args.stream_interval,
                "step_log": str(Path(args.step_log).resolve()) if args.step_log else None}
     server = TritonServer(args.repo, args.grpc_port, args.http_port, args.metrics_port, args.log_file, args.address,
                           {key: value for key, value in runtime.items() if value is not None})
@@ -194,6 +194,9 @@ def main(argv: list[str] | None = None) -> int:
     runtime.add_argument("--request-timeout", type=_seconds, default=None, metavar="SECONDS",
                          help="end a request this long after it arrived, with what it generated (finish reason "
                               "'timeout'): bounds what a client that went away unnoticed costs; 0: never")
+    runtime.add_argument("--stream-interval", type=int, default=None, metavar="TOKENS",
+                         help="generated tokens a streaming response carries (the first alone, at once): fewer "
+                              "responses for Triton and the clients to pass on, in bursts of TOKENS; default 1")
     runtime.add_argument("--step-log", default=None, metavar="FILE",
                          help="append a JSON line per engine step to FILE (its time, model ms, sequences, prefill "
                               "and decode tokens, queue, KV blocks: docs/engine.md)")

@@ -54,6 +54,13 @@ class Response:
     generation_logits: list[torch.Tensor] = field(default_factory=list)
     context_logits: torch.Tensor | None = None  # [prompt, vocab], on the first response
 
+    def merged(self, later: "Response") -> "Response":
+        """This response's tokens followed by a later one's, with the later one's ending"""
+        return Response(self.request_id, self.token_ids + later.token_ids, later.finished, later.finish_reason,
+                        later.error, later.busy, self.log_probs + later.log_probs,
+                        self.generation_logits + later.generation_logits,
+                        self.context_logits if self.context_logits is not None else later.context_logits)
+
 
 class Executor:
     """Loads the engine on its own thread and runs every step there.
@@ -129,6 +136,7 @@ class Executor:
         self._cancelled: set[int] = set()
         self._live: dict[int, Sequence] = {}  # enqueued and not finished (executor thread's view)
         self._responses: dict[int, deque[Response]] = {}
+        self._held: dict[int, Response] = {}  # tokens under runtime.stream_interval, not yet emitted
         self._queued = 0  # requests not yet running
         self._stopped = False
         self._counters = {"steps": 0, "tokens_computed": 0, "tokens_generated": 0, "requests_finished": 0}
@@ -355,12 +363,27 @@ class Executor:
         elif seq.num_generated == seq.params.max_tokens:
             self._finish(seq, FINISH_LENGTH, response=response)
         else:
+            self._emit_tokens(seq, response)
+
+    def _emit_tokens(self, seq: Sequence, response: Response) -> None:  # with the lock held
+        """A response of generated tokens that does not end its request: the first token goes out at
+        once, later ones when runtime.stream_interval of them are held (a response each, not one a
+        token: less for every stream's consumer to send and decode)."""
+        held = self._held.pop(seq.request_id, None)
+        if held is not None:
+            response = held.merged(response)
+        if seq.num_generated == 1 or len(response.token_ids) >= self.options.stream_interval:
             self._emit(response)
+        else:
+            self._held[seq.request_id] = response
 
     def _finish(self, seq: Sequence, reason: str, error: str | None = None, response: Response | None = None) -> None:
         self.scheduler.finish(seq, reason)
         del self._live[seq.request_id]
         self._counters["requests_finished"] += 1
         response = response or Response(seq.request_id, [])
+        held = self._held.pop(seq.request_id, None)  # tokens not yet sent go out with the end
+        if held is not None:
+            response = held.merged(response)
         response.finished, response.finish_reason, response.error = True, reason, error
         self._emit(response)

@@ -40,6 +40,7 @@ class RuntimeOptions:
     prefill_max_wait: float = 4.0  # seconds a prompt waits under prefill_per_decode before the share applies
     prefill_per_decode_from: int = 8  # decoding streams from which prefill_per_decode applies (below: the share)
     batch_invariant: bool = True  # every linear one route at every row count (LlamaModel.make_batch_invariant)
+    stream_interval: int = 1  # generated tokens a response carries (the first token alone, at once; the last with the end)
     # run-time only (a deployment's path, not in the build config): a file each engine step
     # appends a JSON line to (constants.STEP_LOG_FIELDS); empty: none
     step_log: str = ""
@@ -58,6 +59,9 @@ class RuntimeOptions:
                 or self.prefill_per_decode_from < 1:
             raise ValueError(f"prefill_per_decode_from must be an integer >= 1 (decoding streams), "
                              f"got {self.prefill_per_decode_from!r}")
+        if isinstance(self.stream_interval, bool) or not isinstance(self.stream_interval, int) \
+                or self.stream_interval < 1:
+            raise ValueError(f"stream_interval must be an integer >= 1 (tokens a response), got {self.stream_interval!r}")
         if not isinstance(self.step_log, str):
             raise ValueError(f"step_log must be a file path (a string; empty: none), got {self.step_log!r}")
 

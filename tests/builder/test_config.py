@@ -138,6 +138,18 @@ def test_prefill_budget_options_reach_the_scheduler_and_bad_ones_are_refused():
             RuntimeOptions(**{key: bad})
 
 
+def test_stream_interval_is_a_run_time_option_and_bad_ones_are_refused():
+    from kiln.runtime.options import RuntimeOptions
+
+    config = parse_config({"model": {"checkpoint": "x"}, "runtime": {"stream_interval": 4}})
+    assert RuntimeOptions.from_engine(config.runtime.model_dump()).stream_interval == 4
+    assert RuntimeOptions.from_engine(config.runtime.model_dump(), stream_interval=2).stream_interval == 2
+    assert parse_config({"model": {"checkpoint": "x"}}).runtime.stream_interval == 1  # the default
+    for bad in (0, -3, 2.5, "4", True):
+        with pytest.raises(ConfigError, match="runtime.stream_interval"):
+            parse_config({"model": {"checkpoint": "x"}, "runtime": {"stream_interval": bad}})
+
+
 @pytest.mark.parametrize("path", sorted((__import__("pathlib").Path(__file__).parents[2] / "configs").glob("*.yaml")),
                          ids=lambda p: p.name)
 def test_shipped_configs_are_valid(path):

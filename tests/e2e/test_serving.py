@@ -96,3 +96,22 @@ def test_concurrent_grpc_streams_equal_one_at_a_time(server, llm):
     with ThreadPoolExecutor(16) as pool:
         together = list(pool.map(lambda p: "".join(stream_generate(server.grpc_url, p, max_tokens=24)), prompts))
     assert together == alone
+
+
+def test_stream_interval_sends_fewer_responses_with_the_same_text(engine_dir, llm, tmp_path):
+    """runtime.stream_interval 4 (kiln serve --stream-interval 4), 8 streams at once over gRPC:
+    each gets the text it gets alone, in at most 7 text chunks for 24 tokens (the first token
+    alone, then 4 a response, the rest with the end) where a response a token gives one a token."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    prompts = [f"{start} {topic}" for start in ("Tell me about", "Facts about") for topic in
+               ("the sea", "mountains", "cats", "bread")]
+    alone = [llm.generate(p, max_tokens=24, end_id=-1).text for p in prompts]
+    with TritonServer(engine_dir.parent / "triton_repo", log_file=tmp_path / "tritonserver.log",
+                      runtime={"stream_interval": 4}) as running:
+        with ThreadPoolExecutor(8) as pool:
+            chunks = list(pool.map(lambda p: list(stream_generate(running.grpc_url, p, max_tokens=24,
+                                                                   end_id=-1)), prompts))
+    assert ["".join(c) for c in chunks] == alone
+    assert all(len(c) <= 2 + (24 - 2) // 4 for c in chunks), [len(c) for c in chunks]
+    assert all(len(c) >= 2 for c in chunks), [len(c) for c in chunks]

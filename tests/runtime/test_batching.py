@@ -285,6 +285,55 @@ def test_64_concurrent_requests_are_the_bits_of_each_alone_for_every_kind(dtype,
         llm.close()
 
 
+@pytest.mark.parametrize("interval", [3, 8])
+def test_stream_interval_sends_tokens_in_bursts_and_loses_none(batch_engine, llm_for, alone, interval):
+    """runtime.stream_interval N, 64 requests in flight: each request's first token comes in a
+    response of its own, later ones N a response, and its final response carries what is left
+    (fewer than N held, plus the last); the tokens are those it gets alone, with their log probs."""
+    requests, expected = alone
+    llm = llm_for(batch_engine, stream_interval=interval)
+    executor = llm.executor
+    ids = [executor.enqueue(prompt, SamplingParams(max_tokens=n, return_log_probs=True)) for prompt, n in requests]
+    for request_id, want in zip(ids, expected):
+        responses = []
+        while not (responses and responses[-1].finished):
+            responses += executor.await_responses(request_id)
+        sizes = [len(r.token_ids) for r in responses]
+        assert [t for r in responses for t in r.token_ids] == want, (request_id, sizes)
+        assert all(len(r.log_probs) == len(r.token_ids) for r in responses), (request_id, sizes)
+        assert all(not r.finished for r in responses[:-1]), (request_id, sizes)
+        if len(want) > 1:
+            assert sizes[0] == 1 and all(size == interval for size in sizes[1:-1]), (request_id, sizes)
+            assert len(responses) == 2 + (len(want) - 2) // interval or sizes[-1] == 0, (request_id, sizes)
+    assert_pool_empty(llm)
+
+
+def test_stream_interval_tokens_held_at_a_cancel_are_sent_with_the_end(batch_engine, llm_for):
+    """A request cancelled while tokens wait for their burst gets them in its final response."""
+    llm = llm_for(batch_engine, stream_interval=1000)
+    executor = llm.executor
+    before = executor.stats()["tokens_generated"]
+    request_id = executor.enqueue([5, 6, 7], SamplingParams(max_tokens=200, ignore_eos=True))
+    first = executor.await_responses(request_id)
+    assert [len(r.token_ids) for r in first] == [1] and not first[0].finished
+    while executor.stats()["tokens_generated"] < before + 6:  # held: no response until the end
+        assert executor.await_responses(request_id, timeout=0.05) == []
+    executor.cancel(request_id)
+    rest = []
+    while not (rest and rest[-1].finished):
+        rest += executor.await_responses(request_id)
+    assert len(rest) == 1 and rest[0].finish_reason == "cancelled", rest
+    assert 5 <= len(rest[0].token_ids) < 200
+
+
+@pytest.mark.parametrize("value", [0, -1, 1.5, True, "4"])
+def test_a_stream_interval_that_is_not_a_positive_integer_is_refused(batch_engine, value):
+    from kiln.runtime.llm import LLM
+
+    with pytest.raises(ValueError, match=r"stream_interval must be an integer >= 1 \(tokens a response\), got "):
+        LLM(batch_engine, stream_interval=value)
+
+
 def test_step_log_has_a_line_for_every_step(batch_engine, tmp_path):
     """runtime.step_log: a JSON line a step whose counts add up to the executor's own, prefill
     and decode told apart (16 prompts of 17 tokens, 5 new tokens each, all at once)."""

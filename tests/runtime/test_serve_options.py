@@ -30,3 +30,19 @@ def test_the_flags_reach_the_run_time_options(word, value, monkeypatch):
     with pytest.raises(Refused):
         main(["serve", "/nonexistent/repo", *[part for flag in FLAGS for part in (flag, word)]])
     assert seen == {"enable_prefix_reuse": value, "batch_invariant": value, "kv_cache_reserve": value}
+
+
+def test_stream_interval_reaches_the_run_time_options(monkeypatch):
+    seen = {}
+
+    class Refused(Exception):
+        pass
+
+    def server(repo, *args):
+        seen.update(args[-1])
+        raise Refused
+
+    monkeypatch.setattr("kiln.triton_repo.serve.TritonServer", server)
+    with pytest.raises(Refused):
+        main(["serve", "/nonexistent/repo", "--stream-interval", "4"])
+    assert seen == {"stream_interval": 4}
