@@ -27,6 +27,11 @@ def available_memory() -> int:
     raise RuntimeError("cannot read MemAvailable from /proc/meminfo")
 
 
+def _at_least_one(name: str, value, what: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be an integer >= 1 ({what}), got {value!r}")
+
+
 @dataclass(frozen=True)
 class RuntimeOptions:
     kv_cache_memory: str | float = "2GiB"  # bytes, or a fraction of the memory available once the weights are loaded
@@ -55,13 +60,8 @@ class RuntimeOptions:
             raise ValueError(f"prefill_per_decode must be a finite number >= 0 (0: off), got {self.prefill_per_decode}")
         if not (self.prefill_max_wait >= 0 and self.prefill_max_wait != float("inf")):
             raise ValueError(f"prefill_max_wait must be a finite number of seconds >= 0, got {self.prefill_max_wait}")
-        if isinstance(self.prefill_per_decode_from, bool) or not isinstance(self.prefill_per_decode_from, int) \
-                or self.prefill_per_decode_from < 1:
-            raise ValueError(f"prefill_per_decode_from must be an integer >= 1 (decoding streams), "
-                             f"got {self.prefill_per_decode_from!r}")
-        if isinstance(self.stream_interval, bool) or not isinstance(self.stream_interval, int) \
-                or self.stream_interval < 1:
-            raise ValueError(f"stream_interval must be an integer >= 1 (tokens a response), got {self.stream_interval!r}")
+        _at_least_one("prefill_per_decode_from", self.prefill_per_decode_from, "decoding streams")
+        _at_least_one("stream_interval", self.stream_interval, "tokens a response")
         if not isinstance(self.step_log, str):
             raise ValueError(f"step_log must be a file path (a string; empty: none), got {self.step_log!r}")
 

@@ -46,3 +46,12 @@ def test_stream_interval_reaches_the_run_time_options(monkeypatch):
     with pytest.raises(Refused):
         main(["serve", "/nonexistent/repo", "--stream-interval", "4"])
     assert seen == {"stream_interval": 4}
+
+
+@pytest.mark.parametrize("flag", ["--stream-interval", "--prefill-per-decode-from"])
+@pytest.mark.parametrize("word", ["0", "-2", "1.5", "four"])
+def test_a_count_flag_refuses_what_is_not_a_positive_integer(flag, word, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["serve", "/nonexistent/repo", flag, word])
+    assert exit_.value.code == 2
+    assert f"argument {flag}: expected an integer >= 1, got '{word}'" in capsys.readouterr().err
