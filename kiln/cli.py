@@ -23,7 +23,7 @@ def _seconds(text: str) -> float:
     return value
 
 
-def _at_least_one(text: str) -> int:
+def _positive_int(text: str) -> int:
     try:
         value = int(text)
     except ValueError:
@@ -194,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
     runtime.add_argument("--prefill-max-wait", type=float, default=None, metavar="SECONDS",
                          help="with --prefill-per-decode: how long the oldest prompt may wait before prefill takes "
                               "its whole share again")
-    runtime.add_argument("--prefill-per-decode-from", type=_at_least_one, default=None, metavar="STREAMS",
+    runtime.add_argument("--prefill-per-decode-from", type=_positive_int, default=None, metavar="STREAMS",
                          help="with --prefill-per-decode: the decoding streams from which it applies (below: the "
                               "share; default 8)")
     runtime.add_argument("--batch-invariant", type=_true_false, default=None,
@@ -204,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
     runtime.add_argument("--request-timeout", type=_seconds, default=None, metavar="SECONDS",
                          help="end a request this long after it arrived, with what it generated (finish reason "
                               "'timeout'): bounds what a client that went away unnoticed costs; 0: never")
-    runtime.add_argument("--stream-interval", type=_at_least_one, default=None, metavar="TOKENS",
+    runtime.add_argument("--stream-interval", type=_positive_int, default=None, metavar="TOKENS",
                          help="generated tokens a streaming response carries (the first alone, at once): fewer "
                               "responses for Triton and the clients to pass on, in bursts of TOKENS; default 1")
     runtime.add_argument("--step-log", default=None, metavar="FILE",

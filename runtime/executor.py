@@ -54,12 +54,15 @@ class Response:
     generation_logits: list[torch.Tensor] = field(default_factory=list)
     context_logits: torch.Tensor | None = None  # [prompt, vocab], on the first response
 
-    def merged(self, later: "Response") -> "Response":
-        """This response's tokens followed by a later one's, with the later one's ending"""
-        return Response(self.request_id, self.token_ids + later.token_ids, later.finished, later.finish_reason,
-                        later.error, later.busy, self.log_probs + later.log_probs,
-                        self.generation_logits + later.generation_logits,
-                        self.context_logits if self.context_logits is not None else later.context_logits)
+    def extend(self, later: "Response") -> "Response":
+        """This response with a later one's tokens (and what came with them) appended; its ending is
+        set by whoever ends the request"""
+        self.token_ids += later.token_ids
+        self.log_probs += later.log_probs
+        self.generation_logits += later.generation_logits
+        if self.context_logits is None:
+            self.context_logits = later.context_logits
+        return self
 
 
 class Executor:
@@ -369,21 +372,22 @@ class Executor:
         """A response of generated tokens that does not end its request: the first token goes out at
         once, later ones when runtime.stream_interval of them are held (a response each, not one a
         token: less for every stream's consumer to send and decode)."""
-        held = self._held.pop(seq.request_id, None)
-        if held is not None:
-            response = held.merged(response)
+        response = self._with_held(seq, response)
         if seq.num_generated == 1 or len(response.token_ids) >= self.options.stream_interval:
             self._emit(response)
         else:
             self._held[seq.request_id] = response
 
+    def _with_held(self, seq: Sequence, response: Response) -> Response:  # with the lock held
+        """The tokens held back for seq (runtime.stream_interval), if any, followed by response's"""
+        held = self._held.pop(seq.request_id, None)
+        return response if held is None else held.extend(response)
+
     def _finish(self, seq: Sequence, reason: str, error: str | None = None, response: Response | None = None) -> None:
         self.scheduler.finish(seq, reason)
         del self._live[seq.request_id]
         self._counters["requests_finished"] += 1
-        response = response or Response(seq.request_id, [])
-        held = self._held.pop(seq.request_id, None)  # tokens not yet sent go out with the end
-        if held is not None:
-            response = held.merged(response)
+        # tokens held back go out with the end
+        response = self._with_held(seq, response or Response(seq.request_id, []))
         response.finished, response.finish_reason, response.error = True, reason, error
         self._emit(response)

@@ -15,37 +15,39 @@ def test_a_true_false_flag_refuses_other_words(flag, capsys):
     assert f"argument {flag}: expected true or false, got 'ture'" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("word, value", [("true", True), ("False", False), ("yes", True), ("0", False)])
-def test_the_flags_reach_the_run_time_options(word, value, monkeypatch):
+class Refused(Exception):
+    pass
+
+
+@pytest.fixture
+def serve_options(monkeypatch):
+    """kiln serve with these arguments -> the run-time options it gives the server (TritonServer's
+    constructor stands in: it records them and starts nothing)"""
     seen = {}
-
-    class Refused(Exception):
-        pass
-
-    def server(repo, *args):  # stands in for TritonServer's constructor: records, starts nothing
-        seen.update(args[-1])
-        raise Refused
-
-    monkeypatch.setattr("kiln.triton_repo.serve.TritonServer", server)
-    with pytest.raises(Refused):
-        main(["serve", "/nonexistent/repo", *[part for flag in FLAGS for part in (flag, word)]])
-    assert seen == {"enable_prefix_reuse": value, "batch_invariant": value, "kv_cache_reserve": value}
-
-
-def test_stream_interval_reaches_the_run_time_options(monkeypatch):
-    seen = {}
-
-    class Refused(Exception):
-        pass
 
     def server(repo, *args):
         seen.update(args[-1])
         raise Refused
 
     monkeypatch.setattr("kiln.triton_repo.serve.TritonServer", server)
-    with pytest.raises(Refused):
-        main(["serve", "/nonexistent/repo", "--stream-interval", "4"])
-    assert seen == {"stream_interval": 4}
+
+    def run(*arguments: str) -> dict:
+        seen.clear()
+        with pytest.raises(Refused):
+            main(["serve", "/nonexistent/repo", *arguments])
+        return dict(seen)
+
+    return run
+
+
+@pytest.mark.parametrize("word, value", [("true", True), ("False", False), ("yes", True), ("0", False)])
+def test_the_flags_reach_the_run_time_options(word, value, serve_options):
+    seen = serve_options(*[part for flag in FLAGS for part in (flag, word)])
+    assert seen == {"enable_prefix_reuse": value, "batch_invariant": value, "kv_cache_reserve": value}
+
+
+def test_stream_interval_reaches_the_run_time_options(serve_options):
+    assert serve_options("--stream-interval", "4") == {"stream_interval": 4}
 
 
 @pytest.mark.parametrize("flag", ["--stream-interval", "--prefill-per-decode-from"])
