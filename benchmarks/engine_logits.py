@@ -4,8 +4,8 @@ or runtime leave an engine's numbers exactly as they were?
     python benchmarks/engine_logits.py ENGINE_DIR --save before.safetensors
     python benchmarks/engine_logits.py ENGINE_DIR --compare before.safetensors
 
-For every instruction set this CPU runs (scalar, avx2, avx2vnni, avx512, avx512bf16) the engine is loaded
-afresh (weights are laid out for the ISA at load) and run on fixed token ids: a 40-token
+For every instruction set this CPU runs (scalar, avx2, avx2vnni, avx512, avx512bf16, avx512amx) the
+engine is loaded afresh (weights are laid out for the ISA at load) and run on fixed token ids: a 40-token
 prefill in chunks (16, 24), then 6 single-token decode steps (the fused decode_layers path), then
 one decode step of 3 sequences together. Each ISA's float32 logits are stored under its name.
 --compare prints the largest difference per ISA and exits 1 unless all are 0 (bit for bit)."""
@@ -22,7 +22,7 @@ from kiln.plugins import ops
 from kiln.runtime.engine import Engine, read_engine_json
 from kiln.runtime.model import KVPool, StepContext
 
-ISAS = ("scalar", "avx2", "avx2vnni", "avx512", "avx512bf16")
+ISAS = ("scalar", "avx2", "avx2vnni", "avx512", "avx512bf16", "avx512amx")
 SEED = 1234
 
 

@@ -14,7 +14,14 @@ each weight that the copies together exceed MB and each call reads the next one,
 step reads every weight from memory once (the memory-bound rate, next to a `sum`'s read rate in
 the same run); every copy is read once, untimed, before the timed calls:
 
-    python benchmarks/gemv_isa.py --isa avx2vnni avx512bf16 --cold 256"""
+    python benchmarks/gemv_isa.py --isa avx2vnni avx512bf16 --cold 256
+
+--rows N times calls of N input rows instead (a step of N sequences), --kinds picks kernel kinds
+("int8 tiled": W8A16 on the tiled int8 layout, AVX-512 engines' int8 linears) and
+--output-projection adds the output projection's shape (49,152 x 576):
+
+    python benchmarks/gemv_isa.py --isa avx512bf16 avx512amx --rows 16 --kinds "int4 tiled" \
+        "w4a8 tiled" "int8 tiled" --output-projection"""
 from __future__ import annotations
 
 import argparse
@@ -31,10 +38,12 @@ from rich.table import Table
 
 # SmolLM2-135M's decode-step linears (out_features, in_features): fused qkv, o_proj, gate_up, down
 SMOLLM2_SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]
+OUTPUT_PROJECTION = (49152, 576)
 GROUP = 64
 
 
 KINDS = ["int4 tiled", "w4a8 tiled", "int8 rows", "w8a8", "fp8", "bf16"]
+EXTRA_KINDS = ["int8 tiled"]  # only with --kinds
 
 
 def kernel(kind: str, n: int, k: int, g: torch.Generator):
@@ -49,6 +58,9 @@ def kernel(kind: str, n: int, k: int, g: torch.Generator):
         run = ops.linear_w4_tiled if kind == "int4 tiled" else ops.linear_w4a8_tiled
         return (lambda x: run(x, t4, ts4, GROUP)), t4.nbytes + ts4.nbytes
     s8 = torch.rand(n, generator=g) + 0.5
+    if kind == "int8 tiled":
+        t8 = ops.pack_int8_tiled(torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=g))
+        return (lambda x: ops.linear_w8_tiled(x, t8, s8)), t8.nbytes + s8.nbytes
     if kind in ("int8 rows", "w8a8"):
         w8 = ops.to_hugepages(torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=g))
         if kind == "int8 rows":
@@ -71,6 +83,9 @@ def main() -> None:
                         help="rotate through copies of each weight exceeding MB (0: one copy, in cache)")
     parser.add_argument("--prefetch", type=int, nargs="+", default=None, metavar="BYTES",
                         help="software prefetch distances to take turns with on each level (0: none)")
+    parser.add_argument("--rows", type=int, default=1, help="input rows a call (1: a decode step of one sequence)")
+    parser.add_argument("--kinds", nargs="+", choices=KINDS + EXTRA_KINDS, default=KINDS)
+    parser.add_argument("--output-projection", action="store_true", help="also the 49,152 x 576 output projection")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
 
@@ -87,9 +102,9 @@ def main() -> None:
     g = torch.Generator().manual_seed(20261201)
     rows = []
     try:
-        for n, k in SMOLLM2_SHAPES:
-            x = torch.randn(1, k, generator=g).bfloat16()
-            for kind in KINDS:
+        for n, k in SMOLLM2_SHAPES + ([OUTPUT_PROJECTION] if args.output_projection else []):
+            x = torch.randn(args.rows, k, generator=g).bfloat16()
+            for kind in args.kinds:
                 copies = [kernel(kind, n, k, g)]
                 nbytes = copies[0][1]
                 while len(copies) * nbytes < args.cold * 1e6:
@@ -123,7 +138,8 @@ def main() -> None:
 
     bandwidth = read_bandwidth(args.threads) if args.cold else None
     where = f"weights from memory (> {args.cold:g} MB of copies)" if args.cold else "weights in cache"
-    table = Table(title=f"GEMV, one bf16 row, {args.threads} thread(s), {where}, median of {args.calls} calls per level")
+    table = Table(title=f"GEMV, {args.rows} bf16 row(s), {args.threads} thread(s), {where}, "
+                        f"median of {args.calls} calls per level")
     for column in ("shape", "kernel", *(f"{name} µs" for name in names), *(f"{name} GB/s" for name in names),
                    *(f"{name} / {names[0]}" for name in names[1:])):
         table.add_column(column, justify="right")
@@ -136,7 +152,8 @@ def main() -> None:
         print(f"read bandwidth (a sum over 1 GiB, {args.threads} thread(s)): {bandwidth / 1e9:.1f} GB/s")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        meta = {**host_info(), "threads": args.threads, "calls": args.calls, "isa": args.isa, "prefetch": args.prefetch, "cold_mb": args.cold,
+        meta = {**host_info(), "threads": args.threads, "calls": args.calls, "isa": args.isa, "prefetch": args.prefetch,
+                "cold_mb": args.cold, "rows": args.rows, "kinds": args.kinds,
                 "read_bandwidth_GBps": bandwidth and bandwidth / 1e9}
         args.json.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
 

@@ -93,8 +93,8 @@ def library_info() -> dict:
 # --- ops on the library itself ------------------------------------------------------------
 @host_op
 def select_isa(isa: str) -> str:
-    """Switch every kernel to one instruction set ('auto', 'avx512bf16', 'avx512', 'avx2vnni', 'avx2',
-    'scalar'); returns the one chosen."""
+    """Switch every kernel to one instruction set ('auto', 'avx512amx', 'avx512bf16', 'avx512',
+    'avx2vnni', 'avx2', 'scalar'); returns the one chosen."""
 
 
 @host_op

@@ -49,7 +49,7 @@ def native_bf16_gemm() -> bool:
     Elsewhere it widens in a slow path: on an AVX2 CPU (AMD EPYC, Zen 3) a 128-token prefill
     took 3.7-5.5x as long through it as through gemm()'s float32 route (docs/benchmarks.md,
     "An AVX2-only CPU")."""
-    return ops.active_isa() == "avx512bf16"
+    return ops.active_isa() in ("avx512bf16", "avx512amx")
 
 
 def gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -6,7 +6,7 @@ import pytest
 from tests.helpers import SMOLLM2_CHECKPOINT, build_engine, make_tiny_model, seed_of
 
 # every kernel level the plugin library has, lowest first (AVX2 with AVX-VNNI is its own level)
-ISAS = ("scalar", "avx2", "avx2vnni", "avx512", "avx512bf16")
+ISAS = ("scalar", "avx2", "avx2vnni", "avx512", "avx512bf16", "avx512amx")
 
 
 @pytest.fixture(autouse=True)

@@ -8,6 +8,10 @@ all B together. Shows how a step's time grows with its rows (tok/s = B / step ti
     PYTHONPATH=. python benchmarks/ablations/batch_steps.py out/smollm2-bf16/engine --rows 16 64 --prefill 128 512 \
         --batch-invariant off    # the tactics' routes instead of one route at every row count
     PYTHONPATH=. python benchmarks/ablations/batch_steps.py out/smollm2-int4-awq/engine --profile 16
+    PYTHONPATH=. python benchmarks/ablations/batch_steps.py out/smollm2-int4-awq/engine --phases 16 --threads 1
+
+--phases B splits a B-row step inside kiln::decode_layers by the library's step clock (linears,
+attention, norms, activation; decode_profile.py --phases does so for one sequence).
 
 Prints medians of --rounds rounds and writes JSON. No timing is asserted anywhere."""
 from __future__ import annotations
@@ -80,6 +84,8 @@ def main() -> None:
     parser.add_argument("--batch-invariant", choices=["on", "off"], default="on",
                         help="on: the runtime's default routes (LlamaModel.make_batch_invariant); off: the tactics'")
     parser.add_argument("--profile", type=int, default=None, metavar="ROWS", help="profile a ROWS-row step instead")
+    parser.add_argument("--phases", type=int, default=None, metavar="ROWS",
+                        help="a ROWS-row step's phases inside decode_layers instead (the step clock)")
     parser.add_argument("--prefill", type=int, nargs="*", default=[], metavar="TOKENS",
                         help="also time one prompt of each of these lengths (a step of that many rows)")
     parser.add_argument("--json", type=Path, default=None)
@@ -98,6 +104,15 @@ def main() -> None:
         with profile() as prof:
             run()
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=20))
+        return
+    if args.phases:
+        from decode_profile import phase_rounds
+
+        torch.set_num_threads(args.threads[0])
+        rounds = phase_rounds(batch_timer(engine, args.phases, args.cached, args.steps), args.rounds)
+        print(f"{args.phases} rows, {args.threads[0]} thread(s), ms a step (median of {args.rounds} rounds):")
+        for name in rounds[0]:
+            print(f"  {name:>24}: {statistics.median(r[name] for r in rounds):8.2f}")
         return
     results = []
     for threads in args.threads:

@@ -1,7 +1,17 @@
 // Which ISA's kernel table runs: chosen once when the library loads (KILN_ISA overrides, e.g. to
 // run the scalar reference path), switched only by the select_isa op (tests, benchmarks).
 
+// AMX's tile registers are usable once the kernel grants this process their state (Linux 5.16+:
+// arch_prctl ARCH_REQ_XCOMP_PERM for XTILEDATA; a hypervisor may leave it off). Asked once.
+static bool amx_permitted() {
+  static const bool granted = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
+  return granted;
+}
+
 static bool host_supports(const std::string& isa) {
+  if (isa == "avx512amx")
+    return host_supports("avx512bf16") && __builtin_cpu_supports("amx-tile") && __builtin_cpu_supports("amx-int8") &&
+           amx_permitted();
   if (isa == "avx512bf16")
     return host_supports("avx512") && __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512vnni");
   if (isa == "avx512")
@@ -15,14 +25,18 @@ static bool host_supports(const std::string& isa) {
 static Kernels kernels_for(const std::string& requested) {
   std::string isa = requested;
   if (isa == "auto")
-    isa = host_supports("avx512bf16") ? "avx512bf16"
-          : host_supports("avx512")   ? "avx512"
-          : host_supports("avx2vnni") ? "avx2vnni"
-          : host_supports("avx2")     ? "avx2"
-                                      : "scalar";
-  TORCH_CHECK(isa == "avx512bf16" || isa == "avx512" || isa == "avx2vnni" || isa == "avx2" || isa == "scalar",
-              "kiln: unknown ISA '", requested, "'; expected auto, avx512bf16, avx512, avx2vnni, avx2 or scalar");
+    isa = host_supports("avx512amx")    ? "avx512amx"
+          : host_supports("avx512bf16") ? "avx512bf16"
+          : host_supports("avx512")     ? "avx512"
+          : host_supports("avx2vnni")   ? "avx2vnni"
+          : host_supports("avx2")       ? "avx2"
+                                        : "scalar";
+  TORCH_CHECK(isa == "avx512amx" || isa == "avx512bf16" || isa == "avx512" || isa == "avx2vnni" || isa == "avx2" ||
+                  isa == "scalar",
+              "kiln: unknown ISA '", requested,
+              "'; expected auto, avx512amx, avx512bf16, avx512, avx2vnni, avx2 or scalar");
   TORCH_CHECK(host_supports(isa), "kiln: this CPU does not support ISA '", isa, "'");
+  if (isa == "avx512amx") return KILN_KERNELS_OF(avx512amx);
   if (isa == "avx512bf16") return KILN_KERNELS_OF(avx512bf16);
   if (isa == "avx512") return KILN_KERNELS_OF(avx512);
   if (isa == "avx2vnni") return KILN_KERNELS_OF(avx2vnni);

@@ -21,6 +21,8 @@
 #include <immintrin.h>
 #include <omp.h>
 #include <sys/mman.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
@@ -100,6 +102,21 @@ namespace avx512bf16 {  // AVX512-BF16 and AVX512-VNNI (Cooper Lake, Sapphire Ra
 #undef KILN_ISA_AVX512BF16
 #undef KILN_ISA_AVX512
 }  // namespace avx512bf16
+#pragma GCC pop_options
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx512vnni,amx-tile,amx-int8,avx2,fma,f16c")
+namespace avx512amx {  // avx512bf16 with AMX tiles (Sapphire Rapids and later Xeons): W4A8 at many rows
+#define KILN_ISA_AVX512
+#define KILN_ISA_AVX512BF16
+#define KILN_ISA_VNNI
+#define KILN_ISA_AMX
+#include "kernels/all.h"
+#undef KILN_ISA_AMX
+#undef KILN_ISA_VNNI
+#undef KILN_ISA_AVX512BF16
+#undef KILN_ISA_AVX512
+}  // namespace avx512amx
 #pragma GCC pop_options
 
 #include "kernel_table.h"

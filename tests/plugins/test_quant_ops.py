@@ -387,6 +387,68 @@ def test_avx_vnni_sums_the_same_integers_as_avx2(plugin_isas, kernel, rows, k, n
     assert torch.equal(out["avx2"], out["avx2vnni"]), f"{kernel} differs: {(out['avx2'] - out['avx2vnni']).abs().max()}"
 
 
+@pytest.mark.parametrize("kernel", ["linear_w4_tiled", "linear_w4a8_tiled"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows, k, n, group", [(16, 576, 64, 64), (17, 1536, 48, 64), (64, 576, 80, 128),
+                                               (33, 576, 16, 192), (100, 128, 112, 64)])
+def test_amx_int4_gives_the_bits_of_avx512_vnni(plugin_isas, kernel, dtype, rows, k, n, group):
+    """int4 (W4A16, W4A8) on AMX tiles (tdpbssd, from 16 rows) sums the row kernel's integers and
+    turns them to float in its order, so avx512amx and avx512bf16 give the same bits: whole and
+    padded chunks of 16 rows, a last group shorter than the others (576 by 128), groups of three
+    tiles (192), a zero row, bias; and both match the reference."""
+    if "avx512amx" not in plugin_isas:
+        pytest.skip("this CPU lacks AMX (avx512amx), or the kernel does not grant it")
+    g = generator("amx int4", kernel, str(dtype), rows, k, n, group)
+    x = rand(g, rows, k, scale=3).to(dtype)
+    x[rows // 3] = 0
+    packed, scales = quantize_int4(rand(g, n, k, scale=0.05), group)
+    bias = rand(g, n).to(dtype)
+    args = (x, *ops.pack_int4_tiled(packed, scales, group), group, bias)
+    out = {}
+    try:
+        for level in ("avx512bf16", "avx512amx"):
+            ops.select_isa(level)
+            out[level] = getattr(ops, kernel)(*args)
+    finally:
+        ops.select_isa(os.environ.get("KILN_ISA", "auto"))
+    differ = (out["avx512bf16"] != out["avx512amx"]).any(dim=1).nonzero().flatten().tolist()
+    assert not differ, f"{kernel}: rows {differ} of {rows} differ between avx512bf16 and avx512amx"
+    if kernel == "linear_w4_tiled":  # 15-bit inputs
+        assert_within_input_quantization(out["avx512amx"], reference.linear_w4(x, packed, scales, group, bias), x,
+                                         dequantize_int4(packed, scales, group))
+    else:
+        close = dict(rtol=1e-2, atol=0.07) if dtype == torch.bfloat16 else dict(rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(out["avx512amx"].float(),
+                                   reference.linear_w4a8(x, packed, scales, group, bias).float(), **close)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows, k, n", [(16, 576, 64), (17, 1536, 48), (64, 576, 80), (40, 4160, 32), (100, 128, 112)])
+def test_amx_int8_tiled_gives_the_bits_of_avx512_vnni(plugin_isas, dtype, rows, k, n):
+    """W8A16 on AMX tiles (tdpbsud on the tiled layout's vectors as they lie, from 16 rows) sums
+    the row kernel's integers per flush chunk (4,160 inputs: two chunks) and turns them to float in
+    its order, so avx512amx and avx512bf16 give the same bits; whole and padded chunks of 16 rows,
+    a zero row, bias; and both are within the inputs' 15-bit quantization of the reference."""
+    if "avx512amx" not in plugin_isas:
+        pytest.skip("this CPU lacks AMX (avx512amx), or the kernel does not grant it")
+    g = generator("amx int8 tiled", str(dtype), rows, k, n)
+    x = rand(g, rows, k, scale=3).to(dtype)
+    x[rows // 3] = 0
+    q, s = quantize_int8(rand(g, n, k, scale=0.05))
+    bias = rand(g, n).to(dtype)
+    out = {}
+    try:
+        for level in ("avx512bf16", "avx512amx"):
+            ops.select_isa(level)
+            out[level] = ops.linear_w8_tiled(x, ops.pack_int8_tiled(q), s, bias)
+    finally:
+        ops.select_isa(os.environ.get("KILN_ISA", "auto"))
+    differ = (out["avx512bf16"] != out["avx512amx"]).any(dim=1).nonzero().flatten().tolist()
+    assert not differ, f"rows {differ} of {rows} differ between avx512bf16 and avx512amx"
+    assert_within_input_quantization(out["avx512amx"], reference.linear_w8(x, q, s, bias), x,
+                                     q.float() * s[:, None])
+
+
 def test_set_prefetch_returns_the_previous_distance_and_refuses_bad_ones(plugin_isas):
     before = ops.set_prefetch(0)
     try:

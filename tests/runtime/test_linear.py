@@ -35,7 +35,7 @@ def test_gemm_takes_float32_below_avx512bf16(isa, monkeypatch):
     monkeypatch.setattr(linear.F, "linear", spy)
     x, w = torch.randn(16, 128).bfloat16(), torch.randn(40, 128).bfloat16()
     out = gemm(x, w)
-    expected = (torch.bfloat16, torch.bfloat16) if isa == "avx512bf16" else (torch.float32, torch.float32)
+    expected = (torch.bfloat16, torch.bfloat16) if isa in ("avx512bf16", "avx512amx") else (torch.float32, torch.float32)
     assert seen and all(s == expected for s in seen), (isa, seen)
     assert out.dtype == torch.bfloat16
 

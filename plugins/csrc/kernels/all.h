@@ -7,6 +7,7 @@
 #include "attention.h"
 #include "gemv.h"
 #include "lanes.h"
+#include "amx.h"
 #include "dense_lanes.h"
 #include "int8.h"
 #include "int8_tiled.h"

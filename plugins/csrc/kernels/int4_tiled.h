@@ -8,7 +8,9 @@
 //                               vpmaddubsw multiply 8 rows by four inputs into int16 pairs
 //                               (with AVX-VNNI, one 256-bit vpdpbusd); from 15 rows on plain
 //                               AVX2, tiled_w4_lanes: the rows in the lanes, one vpmaddwd
-//                               multiplies 8 rows by two inputs (lanes.h, lane_rows)
+//                               multiplies 8 rows by two inputs (lanes.h, lane_rows); with AMX
+//                               from kAmxRowsFrom rows, tiled_w4_amx: tdpbssd, 16 rows by 64
+//                               inputs by 16 outputs (shared with W4A8)
 //   dequantize_int4_tiled_avx512 / _rows  the weights back to [out, in] in the model dtype
 //                               (prefill's GEMM)
 
@@ -278,6 +280,153 @@ void tiled_w4_lanes(const int8_t* hi, const int8_t* lo, const float* xs_row, con
 }
 #endif
 
+#if defined(KILN_ISA_AMX)
+// int4 at many rows with AMX tiles (W4A16 and W4A8). One tdpbssd multiplies 16 input rows by 64
+// inputs of 16 outputs into int32 [16 rows][16 outputs] (16,384 multiply-adds): the tile A
+// holds an int8 plane of the rows' inputs, the tile B a tiled-layout tile's weights as int8
+// (the nibbles - 8): B's row 2j is block j's low nibbles (4 inputs x 16 outputs, dwords as AMX
+// wants them), row 2j + 1 its high nibbles, so B is the weight vectors masked, shifted and
+// centred, nothing moved between lanes (amx.h). The sums are the row kernel's exact integers (there:
+// the nibbles as stored, minus 8 * sum(x)): W4A8 one plane; W4A16 two, hi * 256 + lo. Per group
+// they go to float in tiles_w4t's order (one fmadd a group, from zero; W4A16's row scale at the
+// end), so each row gets the bits it gets alone. Rows go 16 at a time (the last chunk padded
+// with zero rows), two groups in flight (one group's sums go to float while the next one's
+// multiply); inputs and group_size multiples of 64. The tile state is configured and released
+// per thread share.
+inline bool amx_tiles_fit(int64_t k, int64_t group) { return k % kAmxK == 0 && group % kAmxK == 0; }
+
+// B for every 64 inputs of tiles u0 .. u0 + count - 1 of the tile group at t0, in one pass over
+// their interleaved vectors (as the one-row GEMV reads them, prefetched alike: gemv.h): each
+// tile's kb / 8 tiles of 16 x 64 int8 at B + v * kb * 128. (Tile by tile, each pass read every
+// U-th cache line of the group and its B tiles waited on memory: 1.3-1.5x slower, weights from
+// memory, 16 rows.)
+inline void amx_weight_tiles(const uint8_t* w, const TiledLayout& L, int64_t t0, int64_t U, int64_t u0, int64_t count,
+                             int8_t* B) {
+  const __m512i nib = _mm512_set1_epi8(0x0F), eight = _mm512_set1_epi8(8);
+  const uint8_t* group_w = w + t0 * L.kb * 64;
+  for (int64_t b = 0; b < L.kb; ++b) {
+    tiles_ahead(group_w, b, U, u0, static_cast<int>(count));
+    for (int64_t v = 0; v < count; ++v) {
+      const __m512i wv = _mm512_loadu_si512(group_w + (b * U + u0 + v) * 64);
+      int8_t* Bv = B + v * L.kb * 128;
+      _mm512_store_si512(Bv + 2 * b * 64, _mm512_sub_epi8(_mm512_and_si512(wv, nib), eight));
+      _mm512_store_si512(Bv + (2 * b + 1) * 64,
+                         _mm512_sub_epi8(_mm512_and_si512(_mm512_srli_epi16(wv, 4), nib), eight));
+    }
+  }
+}
+
+// One group's sums of plane x into C tile c, by A tile a and B tile 6 (GCC's tile intrinsics
+// take tile numbers as literals: one function per C tile)
+#define KILN_AMX_GROUP(c, a)                                                                          \
+  inline void amx_group_##c(const int8_t* x, const int8_t* B, int64_t k, int64_t i0, int64_t i1) { \
+    _tile_zero(c);                                                                                  \
+    for (int64_t i = i0; i < i1; i += kAmxK) {                                                      \
+      _tile_loadd(a, x + i, k);                                                                     \
+      _tile_loadd(6, B + i / 4 * 64, 64);                                                           \
+      _tile_dpbssd(c, a, 6);                                                                        \
+    }                                                                                               \
+  }
+KILN_AMX_GROUP(0, 4)  // lo planes, groups in slots 0 and 1
+KILN_AMX_GROUP(1, 4)
+KILN_AMX_GROUP(2, 5)  // hi planes (W4A16)
+KILN_AMX_GROUP(3, 5)
+#undef KILN_AMX_GROUP
+
+// out [rows, n]. W4A8 (A8): the plane lo [rows, k] and its scales per row and group xs_group
+// [rows, groups]. W4A16: the planes hi and lo (split_rows_i8) and each row's scale xs_row.
+template <bool A8, typename T>
+void tiled_w4_amx(const int8_t* hi, const int8_t* lo, const float* xs_group, const float* xs_row, const uint8_t* w,
+                  const float* s, int64_t group, const T* bias, T* out, int64_t rows, int64_t k, int64_t n) {
+  const TiledLayout L = tiled_int4_layout(k, n, group);
+  const int64_t groups = L.groups, chunks = (rows + kTileRows - 1) / kTileRows, padded = chunks * kTileRows;
+  std::vector<int8_t> hi_padded, lo_padded;
+  std::vector<float> xs_padded;
+  if (padded > rows) {  // tileloadd reads 16 rows, and the sums go to float 16 rows at a time
+    auto pad = [&](auto*& p, auto& v, int64_t width) {
+      v.assign(padded * width, 0);
+      std::copy(p, p + rows * width, v.begin());
+      p = v.data();
+    };
+    pad(lo, lo_padded, k);
+    if (A8) pad(xs_group, xs_padded, groups);
+    else pad(hi, hi_padded, k);
+  }
+  parallel_for(0, L.tiles, 1, [&](int64_t begin, int64_t end) {
+    amx_configure(7);  // C 0-3, A 4-5, B 6
+    const LineBuffer<int8_t> Bs(kTileGroup * L.kb * 128);
+    alignas(64) int32_t C[2][2][kTileRows * kTileRows];  // [slot][lo, hi][row][output]
+    int64_t B_t0 = -1, B_u0 = 0;  // the tiles whose B tiles Bs holds: from u0 of the group at t0
+    const uint8_t* next_w = nullptr;
+    int64_t next_lines = 0, per_group = 0, issued = 0;
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t t0 = t / kTileGroup * kTileGroup, U = L.width(t0), u = t - t0;
+      if (t0 != B_t0) {  // this share's tiles of the group, in one pass
+        B_t0 = t0, B_u0 = u;
+        const int64_t count = std::min(end, t0 + U) - t;
+        amx_weight_tiles(w, L, t0, U, u, count, Bs.data);
+        // the next group's lines (if in this share) into L2 while these tiles' first rows
+        // multiply, spread over their groups: the pass above then reads them from cache
+        next_w = w + (t0 + U) * L.kb * 64;
+        next_lines = (g_prefetch_ahead > 0 && t0 + U < end) ? L.width(t0 + U) * L.kb : 0;
+        per_group = (next_lines + count * groups - 1) / (count * groups);
+        issued = 0;
+      }
+      const int8_t* B = Bs.data + (u - B_u0) * L.kb * 128;
+      const float* st = s + t0 * groups * kTileRows;
+      for (int64_t c = 0; c < chunks; ++c) {
+        const int8_t *hc = A8 ? nullptr : hi + c * kTileRows * k, *lc = lo + c * kTileRows * k;
+        auto start = [&](int64_t g) {  // group g's multiplies, into the C tiles of slot g % 2
+          const int64_t i0 = g * group, i1 = std::min(k, i0 + group);
+          if (g % 2 == 0) {
+            amx_group_0(lc, B, k, i0, i1);
+            if (!A8) amx_group_2(hc, B, k, i0, i1);
+          } else {
+            amx_group_1(lc, B, k, i0, i1);
+            if (!A8) amx_group_3(hc, B, k, i0, i1);
+          }
+        };
+        auto finish = [&](int64_t g) {  // slot g % 2's sums to memory
+          if (g % 2 == 0) {
+            _tile_stored(0, C[0][0], 64);
+            if (!A8) _tile_stored(2, C[0][1], 64);
+          } else {
+            _tile_stored(1, C[1][0], 64);
+            if (!A8) _tile_stored(3, C[1][1], 64);
+          }
+        };
+        __m512 facc[kTileRows];
+        for (int r = 0; r < kTileRows; ++r) facc[r] = _mm512_setzero_ps();
+        start(0);
+        for (int64_t g = 0; g < groups; ++g) {
+          finish(g);
+          if (g + 1 < groups) start(g + 1);
+          if (c == 0)
+            for (int64_t j = 0; j < per_group && issued < next_lines; ++j, ++issued)
+              _mm_prefetch(reinterpret_cast<const char*>(next_w + issued * 64), _MM_HINT_T1);
+          const int32_t *lsum = C[g % 2][0], *hsum = C[g % 2][1];
+          const __m512 vs = _mm512_loadu_ps(st + (g * U + u) * kTileRows);
+          for (int r = 0; r < kTileRows; ++r) {  // every row, so that facc stays in registers
+            __m512i sum = _mm512_load_si512(lsum + r * kTileRows);
+            if (!A8) sum = _mm512_add_epi32(_mm512_slli_epi32(_mm512_load_si512(hsum + r * kTileRows), 8), sum);
+            const __m512 scales =
+                A8 ? _mm512_mul_ps(vs, _mm512_set1_ps(xs_group[(c * kTileRows + r) * groups + g])) : vs;
+            facc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), scales, facc[r]);
+          }
+        }
+        for (int64_t r = 0; r < std::min<int64_t>(kTileRows, rows - c * kTileRows); ++r) {
+          alignas(64) float sums[kTileRows];
+          store16(sums, A8 ? facc[r] : scaled16(facc[r], xs_row[c * kTileRows + r]));
+          T* o = out + (c * kTileRows + r) * n + t * kTileRows;
+          for (int64_t j = 0; j < kTileRows; ++j) store_as(o + j, sums[j] + (bias ? to_f32(bias[t * kTileRows + j]) : 0.f));
+        }
+      }
+    }
+    _tile_release();
+  });
+}
+#endif
+
 #if !defined(KILN_ISA_SCALAR)
 // int4 rows: xs_row, each row's scale applied to its outputs (W4A16; W4A8's scales are per
 // group, inside the tiles)
@@ -304,6 +453,10 @@ void linear_w4_tiled_dp(const T* x, const uint8_t* w, const float* s, int64_t gr
   std::vector<float> xs(rows);
   std::vector<int32_t> hsum(rows * groups), xsum8(rows * groups);
   split_rows_i8(x, rows, k, k, group, hi.data(), lo.data(), xs.data(), hsum.data(), xsum8.data());
+#if defined(KILN_ISA_AMX)
+  if (rows >= kAmxRowsFrom && amx_tiles_fit(k, group))
+    return tiled_w4_amx<false>(hi.data(), lo.data(), nullptr, xs.data(), w, s, group, bias, out, rows, k, n);
+#endif
   int64_t m0 = 0;  // the rows from m0 on go to the row kernel
 #if defined(KILN_ISA_AVX2) && !defined(KILN_ISA_AVXVNNI)
   m0 = lane_rows(rows);

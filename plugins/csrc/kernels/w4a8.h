@@ -12,7 +12,8 @@
 //   linear_w4a8_tiled_dp     the tiled layout: one int8 plane against the nibbles (tiles_w4t;
 //                            AVX2 and AVX-512); from kW4A8LanesFrom rows on plain AVX2,
 //                            tiled_w4a8_lanes: the rows in the lanes, one vpmaddubsw multiplies
-//                            8 rows by 4 inputs (lanes.h)
+//                            8 rows by 4 inputs (lanes.h); with AMX from kAmxRowsFrom rows,
+//                            tiled_w4_amx (int4_tiled.h)
 
 // x [rows, k] -> q int8 [rows, k] (permute64: in the vnni kernel's order), scale and sum of q
 // per row and group [rows, groups]
@@ -290,7 +291,8 @@ void tiled_w4a8_lanes(const GroupedInput& in, const uint8_t* w, const float* s, 
 
 #if !defined(KILN_ISA_SCALAR)
 // one int8 plane against the nibbles (tiles_w4t<.., true>); on plain AVX2 at many rows, the rows
-// in the lanes (tiled_w4a8_lanes) and the rest by the row kernel
+// in the lanes (tiled_w4a8_lanes) and the rest by the row kernel; with AMX from kAmxRowsFrom
+// rows, tiled_w4_amx (int4_tiled.h)
 template <typename T>
 void linear_w4a8_tiled_dp(const T* x, const uint8_t* w, const float* s, int64_t group, const T* bias, T* out,
                               int64_t rows, int64_t k, int64_t n) {
@@ -300,6 +302,10 @@ void linear_w4a8_tiled_dp(const T* x, const uint8_t* w, const float* s, int64_t 
   m0 = lane_rows(rows, kW4A8LanesFrom, kW4A8LaneTail);
   if (m0 > 0) tiled_w4a8_lanes(in, w, s, group, bias, out, m0, k, n);
   if (m0 == rows) return;
+#endif
+#if defined(KILN_ISA_AMX)
+  if (rows >= kAmxRowsFrom && amx_tiles_fit(k, group))
+    return tiled_w4_amx<true>(nullptr, in.q.data(), in.scale.data(), nullptr, w, s, group, bias, out, rows, k, n);
 #endif
   const int64_t groups = (k + group - 1) / group;
   for (auto& v : in.sum) v *= 8;  // the nibbles' + 8

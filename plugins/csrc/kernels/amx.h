@@ -1,0 +1,25 @@
+// AMX tiles (the avx512amx level: Sapphire Rapids and later Xeons): what the kernels that use
+// them share. Included per ISA inside kiln::<isa>; empty below that level. Every tile these
+// kernels use is 16 rows of 64 bytes: A 16 input rows x 64 int8 inputs, B 16 rows of 4 inputs
+// x 16 outputs (the tiled layouts' vectors, formats.h), C 16 rows x 16 int32 sums.
+//
+//   kAmxRowsFrom        the row count from which the int4 and int8 tiled kernels take AMX
+//   amx_configure(n)    tiles 0 .. n - 1 as 16 x 64 bytes, on the calling thread (ldtilecfg;
+//                       the kernels release them with _tile_release at the end of their share)
+
+#if defined(KILN_ISA_AMX)
+constexpr int64_t kAmxRowsFrom = 16;  // below, the row kernels (docs/benchmarks.md)
+constexpr int64_t kAmxK = 64;         // inputs a tile multiplies: 64 bytes a row
+
+struct AmxTileConfig {  // ldtilecfg's 64-byte operand (palette 1)
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+inline void amx_configure(int tiles) {
+  AmxTileConfig config;
+  for (int t = 0; t < tiles; ++t) config.rows[t] = 16, config.colsb[t] = 64;
+  _tile_loadconfig(&config);
+}
+#endif
