@@ -361,6 +361,18 @@ def test_fp8_weights_round_trip_within_half_a_step():
                               w.abs().amax(dim=1 if not per_tensor else None))
 
 
+def on_levels(levels, run):
+    """{level: run()} with each kernel level selected in turn (then KILN_ISA's, or auto, again)."""
+    out = {}
+    try:
+        for level in levels:
+            ops.select_isa(level)
+            out[level] = run()
+    finally:
+        ops.select_isa(os.environ.get("KILN_ISA", "auto"))
+    return out
+
+
 @pytest.mark.parametrize("kernel", ["linear_w4_tiled", "linear_w4a8_tiled", "linear_w8", "linear_w8a8"])
 @pytest.mark.parametrize("rows, k, n", [(1, 576, 64), (3, 1536, 48), (2, 200, 112), (5, 2112, 16)])
 def test_avx_vnni_sums_the_same_integers_as_avx2(plugin_isas, kernel, rows, k, n):
@@ -377,13 +389,7 @@ def test_avx_vnni_sums_the_same_integers_as_avx2(plugin_isas, kernel, rows, k, n
     else:
         q, s = quantize_int8(w)
         args = (x, q, s, None) if kernel == "linear_w8" else (x, q, s, q.to(torch.int32).sum(dim=1, dtype=torch.int32))
-    out = {}
-    try:
-        for level in ("avx2", "avx2vnni"):
-            ops.select_isa(level)
-            out[level] = getattr(ops, kernel)(*args)
-    finally:
-        ops.select_isa(os.environ.get("KILN_ISA", "auto"))
+    out = on_levels(("avx2", "avx2vnni"), lambda: getattr(ops, kernel)(*args))
     assert torch.equal(out["avx2"], out["avx2vnni"]), f"{kernel} differs: {(out['avx2'] - out['avx2vnni']).abs().max()}"
 
 
@@ -404,13 +410,7 @@ def test_amx_int4_gives_the_bits_of_avx512_vnni(plugin_isas, kernel, dtype, rows
     packed, scales = quantize_int4(rand(g, n, k, scale=0.05), group)
     bias = rand(g, n).to(dtype)
     args = (x, *ops.pack_int4_tiled(packed, scales, group), group, bias)
-    out = {}
-    try:
-        for level in ("avx512bf16", "avx512amx"):
-            ops.select_isa(level)
-            out[level] = getattr(ops, kernel)(*args)
-    finally:
-        ops.select_isa(os.environ.get("KILN_ISA", "auto"))
+    out = on_levels(("avx512bf16", "avx512amx"), lambda: getattr(ops, kernel)(*args))
     differ = (out["avx512bf16"] != out["avx512amx"]).any(dim=1).nonzero().flatten().tolist()
     assert not differ, f"{kernel}: rows {differ} of {rows} differ between avx512bf16 and avx512amx"
     if kernel == "linear_w4_tiled":  # 15-bit inputs
@@ -436,13 +436,8 @@ def test_amx_int8_tiled_gives_the_bits_of_avx512_vnni(plugin_isas, dtype, rows, 
     x[rows // 3] = 0
     q, s = quantize_int8(rand(g, n, k, scale=0.05))
     bias = rand(g, n).to(dtype)
-    out = {}
-    try:
-        for level in ("avx512bf16", "avx512amx"):
-            ops.select_isa(level)
-            out[level] = ops.linear_w8_tiled(x, ops.pack_int8_tiled(q), s, bias)
-    finally:
-        ops.select_isa(os.environ.get("KILN_ISA", "auto"))
+    tiled = ops.pack_int8_tiled(q)
+    out = on_levels(("avx512bf16", "avx512amx"), lambda: ops.linear_w8_tiled(x, tiled, s, bias))
     differ = (out["avx512bf16"] != out["avx512amx"]).any(dim=1).nonzero().flatten().tolist()
     assert not differ, f"rows {differ} of {rows} differ between avx512bf16 and avx512amx"
     assert_within_input_quantization(out["avx512amx"], reference.linear_w8(x, q, s, bias), x,

@@ -286,20 +286,18 @@ void tiled_w4_lanes(const int8_t* hi, const int8_t* lo, const float* xs_row, con
 // holds an int8 plane of the rows' inputs, the tile B a tiled-layout tile's weights as int8
 // (the nibbles - 8): B's row 2j is block j's low nibbles (4 inputs x 16 outputs, dwords as AMX
 // wants them), row 2j + 1 its high nibbles, so B is the weight vectors masked, shifted and
-// centred, nothing moved between lanes (amx.h). The sums are the row kernel's exact integers (there:
-// the nibbles as stored, minus 8 * sum(x)): W4A8 one plane; W4A16 two, hi * 256 + lo. Per group
-// they go to float in tiles_w4t's order (one fmadd a group, from zero; W4A16's row scale at the
-// end), so each row gets the bits it gets alone. Rows go 16 at a time (the last chunk padded
-// with zero rows), two groups in flight (one group's sums go to float while the next one's
-// multiply); inputs and group_size multiples of 64. The tile state is configured and released
-// per thread share.
+// centred, nothing moved between lanes (amx.h). The sums are the row kernel's exact integers
+// (there: the nibbles as stored, minus 8 * sum(x)): W4A8 one plane; W4A16 two, hi * 256 + lo.
+// Per group they go to float in tiles_w4t's order (one fmadd a group, from zero; W4A16's row
+// scale at the end), so each row gets the bits it gets alone. Rows go 16 at a time (the last
+// chunk padded with zero rows), two groups in flight (one group's sums go to float while the
+// next one's multiply); inputs and group_size multiples of 64. The tile state is configured and
+// released per thread share.
 inline bool amx_tiles_fit(int64_t k, int64_t group) { return k % kAmxK == 0 && group % kAmxK == 0; }
 
 // B for every 64 inputs of tiles u0 .. u0 + count - 1 of the tile group at t0, in one pass over
 // their interleaved vectors (as the one-row GEMV reads them, prefetched alike: gemv.h): each
-// tile's kb / 8 tiles of 16 x 64 int8 at B + v * kb * 128. (Tile by tile, each pass read every
-// U-th cache line of the group and its B tiles waited on memory: 1.3-1.5x slower, weights from
-// memory, 16 rows.)
+// tile's kb / 8 tiles of 16 x 64 int8 at B + v * kb * 128
 inline void amx_weight_tiles(const uint8_t* w, const TiledLayout& L, int64_t t0, int64_t U, int64_t u0, int64_t count,
                              int8_t* B) {
   const __m512i nib = _mm512_set1_epi8(0x0F), eight = _mm512_set1_epi8(8);
@@ -418,7 +416,8 @@ void tiled_w4_amx(const int8_t* hi, const int8_t* lo, const float* xs_group, con
           alignas(64) float sums[kTileRows];
           store16(sums, A8 ? facc[r] : scaled16(facc[r], xs_row[c * kTileRows + r]));
           T* o = out + (c * kTileRows + r) * n + t * kTileRows;
-          for (int64_t j = 0; j < kTileRows; ++j) store_as(o + j, sums[j] + (bias ? to_f32(bias[t * kTileRows + j]) : 0.f));
+          for (int64_t j = 0; j < kTileRows; ++j)
+            store_as(o + j, sums[j] + (bias ? to_f32(bias[t * kTileRows + j]) : 0.f));
         }
       }
     }
