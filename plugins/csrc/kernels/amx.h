@@ -6,6 +6,7 @@
 //   kAmxRowsFrom        the row count from which the int4 and int8 tiled kernels take AMX
 //   amx_configure(n)    tiles 0 .. n - 1 as 16 x 64 bytes, on the calling thread (ldtilecfg;
 //                       the kernels release them with _tile_release at the end of their share)
+//   amx_pad_rows        a [rows, width] array copied out to whole chunks of 16 rows (zeros)
 
 #if defined(KILN_ISA_AMX)
 constexpr int64_t kAmxRowsFrom = 16;  // below, the row kernels (docs/benchmarks.md)
@@ -21,5 +22,15 @@ inline void amx_configure(int tiles) {
   AmxTileConfig config;
   for (int t = 0; t < tiles; ++t) config.rows[t] = 16, config.colsb[t] = 64;
   _tile_loadconfig(&config);
+}
+
+// p [rows, width] -> padded rows (a multiple of 16): p itself if it has them, else a copy in
+// storage with zero rows after (tileloadd reads 16 rows; the int4 sums go to float 16 at a time)
+template <typename V>
+const V* amx_pad_rows(const V* p, int64_t rows, int64_t padded, int64_t width, std::vector<V>& storage) {
+  if (padded == rows) return p;
+  storage.assign(padded * width, V{});
+  std::copy(p, p + rows * width, storage.begin());
+  return storage.data();
 }
 #endif

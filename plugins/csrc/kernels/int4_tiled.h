@@ -340,16 +340,9 @@ void tiled_w4_amx(const int8_t* hi, const int8_t* lo, const float* xs_group, con
   const int64_t groups = L.groups, chunks = (rows + kTileRows - 1) / kTileRows, padded = chunks * kTileRows;
   std::vector<int8_t> hi_padded, lo_padded;
   std::vector<float> xs_padded;
-  if (padded > rows) {  // tileloadd reads 16 rows, and the sums go to float 16 rows at a time
-    auto pad = [&](auto*& p, auto& v, int64_t width) {
-      v.assign(padded * width, 0);
-      std::copy(p, p + rows * width, v.begin());
-      p = v.data();
-    };
-    pad(lo, lo_padded, k);
-    if (A8) pad(xs_group, xs_padded, groups);
-    else pad(hi, hi_padded, k);
-  }
+  lo = amx_pad_rows(lo, rows, padded, k, lo_padded);
+  if (A8) xs_group = amx_pad_rows(xs_group, rows, padded, groups, xs_padded);
+  else hi = amx_pad_rows(hi, rows, padded, k, hi_padded);
   parallel_for(0, L.tiles, 1, [&](int64_t begin, int64_t end) {
     amx_configure(7);  // C 0-3, A 4-5, B 6
     const LineBuffer<int8_t> Bs(kTileGroup * L.kb * 128);

@@ -136,11 +136,8 @@ void tiled_w8_amx(const int8_t* hi, const int8_t* lo, const float* xs, const flo
   const TiledLayout L = tiled_int8_layout(k, n);
   const int64_t chunks = (rows + kTileRows - 1) / kTileRows, padded = chunks * kTileRows;
   std::vector<int8_t> hi_padded, lo_padded;
-  if (padded > rows) {  // tileloadd reads 16 rows
-    hi_padded.assign(padded * k, 0), lo_padded.assign(padded * k, 0);
-    std::copy(hi, hi + rows * k, hi_padded.begin()), std::copy(lo, lo + rows * k, lo_padded.begin());
-    hi = hi_padded.data(), lo = lo_padded.data();
-  }
+  hi = amx_pad_rows(hi, rows, padded, k, hi_padded);
+  lo = amx_pad_rows(lo, rows, padded, k, lo_padded);
   parallel_for(0, L.tiles, 1, [&](int64_t begin, int64_t end) {
     amx_configure(8);  // C 0-3; A 4 (hi), 5 (lo); B 6, 7
     __m512 fh[2 * kTileRows], fl[2 * kTileRows];
