@@ -105,7 +105,7 @@ def active_isa() -> str:
 @host_op
 def tiled_layouts() -> str:
     """The weight layouts to make at load for the active instruction set, comma-separated
-    ('int4,int8': both tiled; csrc/kernels/select.h decides)."""
+    ('int4,int8,bf16': all three tiled; csrc/kernels/select.h decides)."""
 
 
 @host_op
@@ -132,7 +132,7 @@ _HOST_OPS.add("library_info")  # read once at load: library_info() below
 
 
 def tiled(weight: str) -> bool:
-    """Whether `weight` ('int4' or 'int8') takes the tiled layout on the active ISA."""
+    """Whether `weight` ('int4', 'int8' or 'bf16') takes the tiled layout on the active ISA."""
     return weight in tiled_layouts().split(",")
 
 
@@ -164,6 +164,13 @@ def gelu_tanh_mul(gate_up):
 @op
 def linear(x, weight, bias=None):
     """x @ weight.T (+ bias) for a few rows (decode steps): streams each weight row once."""
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+@op
+def linear_bf16_tiled(x, weight, bias=None):
+    """x @ weight.T (+ bias) for bf16 rows, any number of them, on a weight from pack_bf16_tiled
+    (AMX tiles on the avx512amx level: each row's bits do not depend on the other rows)."""
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
 
@@ -325,6 +332,14 @@ def pack_int8_tiled(qweight):
 
 
 @op
+def pack_bf16_tiled(weight):
+    """bf16 [out, in] -> the layout of AMX's B tiles linear_bf16_tiled streams (same shape):
+    outputs in groups of 16, each group's inputs in pairs, a pair's two values side by side per
+    output (csrc/formats.h explains the layout)."""
+    return torch.empty_like(weight, memory_format=torch.contiguous_format)
+
+
+@op
 def to_hugepages(t):
     """A contiguous copy of t in memory advised for 2 MB transparent huge pages: streamed weights
     take far fewer TLB misses (csrc/ops/layout_ops.h has the measurements)."""
@@ -341,6 +356,11 @@ def int4_tiles_fit(out_features: int, in_features: int, group_size: int) -> bool
 def int8_tiles_fit(out_features: int, in_features: int) -> bool:
     """Whether an int8 weight of this shape can take the tiled layout (linear_w8_tiled)."""
     return out_features % library_info()["tile_rows"] == 0 and in_features % 4 == 0 and in_features > 0
+
+
+def bf16_tiles_fit(out_features: int, in_features: int) -> bool:
+    """Whether a bf16 weight of this shape can take the tiled layout (linear_bf16_tiled)."""
+    return out_features % library_info()["tile_rows"] == 0 and in_features % 32 == 0 and in_features > 0
 
 
 # --- the decode plan -----------------------------------------------------------------------

@@ -184,6 +184,23 @@ def pack_int8_tiled(qweight):
     return torch.cat(parts).reshape(n, k)
 
 
+def pack_bf16_tiled(weight):
+    """The tiled bf16 layout by reshapes: outputs in groups of 16, per pair of inputs each
+    output's two values."""
+    n, k = weight.shape
+    return weight.reshape(n // 16, 16, k // 2, 2).permute(0, 2, 1, 3).reshape(n, k).contiguous()
+
+
+def unpack_bf16_tiled(packed):
+    """pack_bf16_tiled's inverse."""
+    n, k = packed.shape
+    return packed.reshape(n // 16, k // 2, 16, 2).permute(0, 2, 1, 3).reshape(n, k).contiguous()
+
+
+def linear_bf16_tiled(x, weight, bias=None):
+    return linear(x, unpack_bf16_tiled(weight), bias)
+
+
 def pack_int4_tiled(qweight, scales, group_size):
     """The tiled int4 layout by reshapes: rows in tiles of 16, tiles in groups of up to four; per
     block of 8 inputs, each tile's 16 rows x 4 bytes (byte j = q[8b + j] | q[8b + 4 + j] << 4)."""

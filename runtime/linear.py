@@ -130,6 +130,11 @@ class Routed:
 
 
 class DenseLinear(Routed):
+    """Where the host multiplies bf16 on AMX tiles (ops.tiled("bf16")), a bf16 weight whose shape
+    allows it is reordered once, at load, into the tiled layout (ops.pack_bf16_tiled; the engine
+    file keeps [out, in]; a tied output projection gets its own copy beside the embedding table),
+    and every row count takes linear_bf16_tiled: one route, so no tactic applies."""
+
     streamed_attr = "weight"  # the tensor a GEMV streams (runtime/weight_arena.py)
     # bf16, AVX2 (AMD EPYC, Zen 3, one thread): the kernel 1.11-1.29x PyTorch's at 64 rows (the output
     # projection 0.93x), 0.96-1.06x at 128, 0.87-0.94x at 256 (docs/benchmarks.md, the bf16 lanes)
@@ -137,6 +142,11 @@ class DenseLinear(Routed):
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
         self.weight, self.bias = weight, bias
+        out_features, in_features = weight.shape
+        self.tiled = (weight.dtype == torch.bfloat16 and ops.tiled("bf16")
+                      and ops.bf16_tiles_fit(out_features, in_features))
+        if self.tiled:
+            self.weight, self.kernel_rows = ops.pack_bf16_tiled(weight), float("inf")
 
     @property
     def features(self) -> tuple[int, int]:
@@ -150,17 +160,27 @@ class DenseLinear(Routed):
     def tactic_key(self) -> str:
         """What tactics are chosen by (builder/tactics.py): the implementation, dtype and shape."""
         in_features, out_features = self.features
-        return f"dense {str(self.dtype).removeprefix('torch.')} {in_features}x{out_features}"
+        kind = "dense_tiled" if self.tiled else "dense"
+        return f"{kind} {str(self.dtype).removeprefix('torch.')} {in_features}x{out_features}"
+
+    def candidates(self) -> tuple[str, ...]:
+        return () if self.tiled else super().candidates()
+
+    def uses_kernel(self, rows: int) -> bool:
+        return self.tiled or super().uses_kernel(rows)
 
     def fused_through(self) -> float:
-        """float32: decode_layers takes PyTorch's GEMM too, at every row count."""
-        return float("inf") if self.dtype != torch.bfloat16 else super().fused_through()
+        """float32: decode_layers takes PyTorch's GEMM too, at every row count; tiled: the kernel at every
+        row count."""
+        return float("inf") if self.dtype != torch.bfloat16 or self.tiled else super().fused_through()
 
     def plan(self) -> dict:
         """This linear as a record of ops.decode_plan."""
-        return {"kind": "dense", "weight": self.weight, "bias": self.bias}
+        return {"kind": "dense_tiled" if self.tiled else "dense", "weight": self.weight, "bias": self.bias}
 
     def run(self, x: torch.Tensor, choice: str) -> torch.Tensor:
+        if self.tiled:  # the one route
+            return ops.linear_bf16_tiled(x, self.weight, self.bias)
         if choice == names.TACTIC_KILN and x.dtype == torch.bfloat16:
             return ops.linear(x, self.weight, self.bias)
         return gemm(x, self.weight, self.bias)

@@ -58,7 +58,7 @@ def place_weights(model) -> int:
 
 def apart(model) -> None:
     """The layout before the arena, for comparisons (Engine(..., weight_arena=False)): each tiled
-    int4 / int8 weight (which the packers leave in ordinary memory) in 2 MB pages of its own,
+    int4 / int8 / bf16 weight (which the packers leave in ordinary memory) in 2 MB pages of its own,
     rounded up to whole pages; the loader gives the other weights of 1 MB or more theirs."""
     for owner, attr in streamed(model):
         if getattr(owner, "tiled", False):

@@ -11,6 +11,7 @@ static bool amx_permitted() {
 static bool host_supports(const std::string& isa) {
   if (isa == "avx512amx")
     return host_supports("avx512bf16") && __builtin_cpu_supports("amx-tile") && __builtin_cpu_supports("amx-int8") &&
+           __builtin_cpu_supports("amx-bf16") &&
            amx_permitted();
   if (isa == "avx512bf16")
     return host_supports("avx512") && __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512vnni");
@@ -57,10 +58,11 @@ std::string select_isa(std::string isa) {
 std::string active_isa() { return active().isa; }
 
 // The weight layouts the runtime should make at load for the active ISA, comma-separated
-// ("int4,int8": both tiled)
+// ("int4,int8,bf16": all three tiled)
 std::string tiled_layouts() {
   std::string out = active().tiled_int4 ? "int4" : "";
   if (active().tiled_int8) out += out.empty() ? "int8" : ",int8";
+  if (active().tiled_bf16) out += out.empty() ? "bf16" : ",bf16";
   return out;
 }
 

@@ -1,6 +1,6 @@
 // The formats kiln's kernels and ops agree on, outside the per-ISA namespaces: the shape of a
-// paged-attention batch and the weight layouts (the stored int4 rows, the tiled int4 and int8
-// layouts made at load, with their packers). The Python side's copies of these layouts are the
+// paged-attention batch and the weight layouts (the stored int4 rows, the tiled int4, int8 and
+// bf16 layouts made at load, with their packers). The Python side's copies of these layouts are the
 // references in plugins/reference.py and plugins/formats.py.
 
 struct fp8e4m3 {  // FP8 E4M3 bits (1 sign, 4 exponent bits biased by 7, 3 mantissa bits)
@@ -90,5 +90,25 @@ inline void pack_int8_tiled_bytes(const int8_t* w, uint8_t* pw, int64_t k, int64
 
 inline int tiled_int8_at(const uint8_t* w, const TiledLayout& L, int64_t o, int64_t i) {
   return static_cast<int>(w[L.byte(o, i / 4, i % 4)]) - 128;
+}
+
+// --- bf16, tiled ---------------------------------------------------------------------------
+// The layout of AMX's B tiles for bf16 weights (pack_bf16_tiled at load, on the avx512amx level;
+// kernels/dense_tiled.h): outputs in groups of 16, each group's inputs in pairs, the pair's two
+// values side by side for each of the 16 outputs: element (o, i) at ((o / 16) * (k / 2) + i / 2) *
+// 32 + (o % 16) * 2 + i % 2. Inputs [32c, 32c + 32) of a group are then one 1 KB tile (16 rows
+// of pairs x 16 outputs), a group's tiles one after the other. Needs n % 16 == 0, k % 32 == 0.
+inline bool bf16_tiles_fit(int64_t k, int64_t n) { return k > 0 && n > 0 && k % 32 == 0 && n % kTileRows == 0; }
+
+inline int64_t tiled_bf16_index(int64_t o, int64_t i, int64_t k) {
+  return ((o / kTileRows) * (k / 2) + i / 2) * (2 * kTileRows) + (o % kTileRows) * 2 + i % 2;
+}
+
+template <typename V>
+inline void pack_bf16_tiled_values(const V* w, V* pw, int64_t k, int64_t n) {
+  parallel_for(0, n, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t o = begin; o < end; ++o)
+      for (int64_t i = 0; i < k; ++i) pw[tiled_bf16_index(o, i, k)] = w[o * k + i];
+  });
 }
 

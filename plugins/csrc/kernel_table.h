@@ -16,6 +16,7 @@
   K(ns, gelu_tanh_mul_bf16, gelu_tanh_mul<bf16>)                       \
   K(ns, linear_f32, linear<float>)                                     \
   K(ns, linear_bf16, linear<bf16>)                                     \
+  K(ns, linear_bf16_tiled, linear_bf16_tiled)                          \
   K(ns, paged_attention_f32, paged_attention<float, float>)            \
   K(ns, paged_attention_f32_i8, paged_attention<float, int8_t>)        \
   K(ns, paged_attention_f32_fp8, paged_attention<float, fp8e4m3>)      \
@@ -56,7 +57,7 @@
 
 struct Kernels {
   const char* isa = nullptr;
-  bool tiled_int4 = false, tiled_int8 = false;  // the weight layouts the runtime should make (select.h)
+  bool tiled_int4 = false, tiled_int8 = false, tiled_bf16 = false;  // the layouts the runtime makes (select.h)
   KILN_KERNEL_LIST(KILN_KERNEL_FIELD, scalar)
 };
 
@@ -67,6 +68,7 @@ struct Kernels {
     k.isa = #ns;                                \
     k.tiled_int4 = ns::kTiledInt4;              \
     k.tiled_int8 = ns::kTiledInt8;              \
+    k.tiled_bf16 = ns::kTiledBf16;              \
     KILN_KERNEL_LIST(KILN_KERNEL_SET, ns)       \
     return k;                                   \
   }()

@@ -105,8 +105,8 @@ namespace avx512bf16 {  // AVX512-BF16 and AVX512-VNNI (Cooper Lake, Sapphire Ra
 #pragma GCC pop_options
 
 #pragma GCC push_options
-#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx512vnni,amx-tile,amx-int8,avx2,fma,f16c")
-namespace avx512amx {  // avx512bf16 with AMX tiles (Sapphire Rapids and later Xeons): W4A8 at many rows
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx512vnni,amx-tile,amx-int8,amx-bf16,avx2,fma,f16c")
+namespace avx512amx {  // avx512bf16 with AMX tiles (Sapphire Rapids and later Xeons): bf16 at every row count, int8 and int4 at many
 #define KILN_ISA_AVX512
 #define KILN_ISA_AVX512BF16
 #define KILN_ISA_VNNI

@@ -9,6 +9,7 @@
   OP(silu_mul, "(Tensor gate_up) -> Tensor")                                                                    \
   OP(gelu_tanh_mul, "(Tensor gate_up) -> Tensor")                                                               \
   OP(linear, "(Tensor x, Tensor weight, Tensor? bias=None) -> Tensor")                                          \
+  OP(linear_bf16_tiled, "(Tensor x, Tensor weight, Tensor? bias=None) -> Tensor")                               \
   OP(paged_attention,                                                                                           \
      "(Tensor qkv, Tensor(a!) k_pool, Tensor(b!) v_pool, Tensor block_tables, Tensor query_start, "             \
      "Tensor context_lens, Tensor cos, Tensor sin, int heads, float scale, Tensor? kv_scales=None, "            \
@@ -43,6 +44,7 @@
   OP(fake_quant_int4, "(Tensor w, Tensor? column_scales, int group_size, float ratio=1.) -> Tensor")           \
   OP(pack_int4_tiled, "(Tensor qweight, Tensor scales, int group_size) -> (Tensor, Tensor)")                    \
   OP(pack_int8_tiled, "(Tensor qweight) -> Tensor")                                                             \
+  OP(pack_bf16_tiled, "(Tensor weight) -> Tensor")                                                              \
   OP(to_hugepages, "(Tensor t) -> Tensor")
 
 // Ops on the library itself (no tensors, so no fake and no dispatch key): HOST_OP(name, schema)

@@ -162,6 +162,59 @@ def test_linear_matches_reference(isa, dtype, rows, k, n):
     assert (over <= 0).all(), f"error {float(over.max()):.3g} over the bound at {int(over.argmax())}"
 
 
+# The tiled bf16 layout (AMX tiles on avx512amx; the reference loops on every other level): one
+# group of 16 outputs and one tile of 32 inputs; 3 and 5 groups (the last alone); 6 groups, 18 and
+# 48 tiles of inputs. Rows: one, a chunk of 16 and one more, chunks in pairs and one left, 64.
+TILED_BF16_SHAPES = [(1, 32, 16), (2, 64, 48), (7, 576, 96), (8, 1536, 80), (9, 96, 16), (16, 576, 48),
+                     (17, 64, 80), (33, 576, 96), (64, 160, 48)]
+
+
+@pytest.mark.parametrize("rows, k, n", TILED_BF16_SHAPES)
+def test_linear_bf16_tiled_matches_reference(isa, rows, k, n):
+    """Packing equals the reshape-built reference and unpacks to the weight; the product is
+    within float32 summation and one bf16 rounding of the exact one, + bias."""
+    g = generator(isa, rows, k, n, "linear bf16 tiled")
+    x = torch.randn(rows, k, generator=g).bfloat16()
+    w = (torch.randn(n, k, generator=g) / k ** 0.5).bfloat16()
+    b = torch.randn(n, generator=g).bfloat16()
+    assert ops.bf16_tiles_fit(n, k)
+    packed = ops.pack_bf16_tiled(w)
+    assert torch.equal(packed, reference.pack_bf16_tiled(w)) and torch.equal(reference.unpack_bf16_tiled(packed), w)
+    got = ops.linear_bf16_tiled(x, packed, b)
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, n)
+    exact = F.linear(x.double(), w.double(), b.double())
+    bound = (k + 1) * 2**-24 * (x.double().abs() @ w.double().abs().T + b.double().abs())
+    bound += 2**-8 * (exact.abs() + bound)
+    over = (got.double() - exact).abs() - bound
+    assert (over <= 0).all(), f"error {float(over.max()):.3g} over the bound at {int(over.argmax())}"
+
+
+@pytest.mark.parametrize("rows, k, n", [shape for shape in TILED_BF16_SHAPES if shape[0] > 1])
+def test_linear_bf16_tiled_rows_are_the_bits_of_each_row_alone(isa, rows, k, n):
+    """A row among many, in a chunk of 16 or a pair of chunks, gets the bits it gets alone."""
+    g = generator(isa, rows, k, n, "linear bf16 tiled alone")
+    x = (torch.randn(rows, k, generator=g) * 4).bfloat16()
+    packed = ops.pack_bf16_tiled((torch.randn(n, k, generator=g) / k ** 0.5).bfloat16())
+    b = torch.randn(n, generator=g).bfloat16()
+    together = ops.linear_bf16_tiled(x, packed, b)
+    alone = torch.cat([ops.linear_bf16_tiled(x[i:i + 1], packed, b) for i in range(rows)])
+    differ = (together != alone).any(dim=1).nonzero().flatten().tolist()
+    assert not differ, f"rows {differ} of {rows} differ from the row alone"
+
+
+def test_linear_bf16_tiled_refuses_shapes_it_cannot_hold(plugin_isas):
+    assert not ops.bf16_tiles_fit(24, 64) and not ops.bf16_tiles_fit(16, 48) and ops.bf16_tiles_fit(16, 64)
+    with pytest.raises(RuntimeError, match="tiled bf16 layout needs"):
+        ops.pack_bf16_tiled(torch.randn(16, 48).bfloat16())
+    with pytest.raises(RuntimeError, match="must be a contiguous 2-d bfloat16"):
+        ops.pack_bf16_tiled(torch.randn(16, 64))
+    packed = ops.pack_bf16_tiled(torch.randn(16, 64).bfloat16())
+    with pytest.raises(RuntimeError, match="x must be bfloat16"):
+        ops.linear_bf16_tiled(torch.randn(2, 64), packed)
+    with pytest.raises(RuntimeError, match="differs from in_features"):
+        ops.linear_bf16_tiled(torch.randn(2, 32).bfloat16(), packed)
+
+
 # float32: no output rounding to hide a sum's last bits
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows, k, n", [shape for shape in DENSE_SHAPES if shape[0] > 1])

@@ -9,10 +9,12 @@ from kiln.plugins.formats import pack_int4
 from kiln.quantize.formats import quantize_fp8, quantize_int4, quantize_int8
 
 SEED = 20261201
-OPS = ["rms_norm", "add_rms_norm", "silu_mul", "gelu_tanh_mul", "linear", "paged_attention", "decode_layers", "moe_mlp", "linear_w8",
+OPS = ["rms_norm", "add_rms_norm", "silu_mul", "gelu_tanh_mul", "linear", "linear_bf16_tiled", "paged_attention",
+       "decode_layers", "moe_mlp", "linear_w8",
        "linear_w8_tiled", "dequantize_int8_tiled", "linear_w4", "dequantize_int4", "linear_w4_tiled",
        "dequantize_int4_tiled", "linear_w8a8", "linear_w4a8", "linear_w4a8_tiled", "linear_fp8", "quantize_fp8",
-       "dequantize_fp8", "gptq_block", "fake_quant_int4", "pack_int4_tiled", "pack_int8_tiled", "to_hugepages"]
+       "dequantize_fp8", "gptq_block", "fake_quant_int4", "pack_int4_tiled", "pack_int8_tiled", "pack_bf16_tiled",
+       "to_hugepages"]
 NO_SCHEMA_TEST = ("test_faketensor", "test_autograd_registration")  # torch lacks float8 ops the schema test needs
 
 
@@ -78,12 +80,15 @@ def samples():
     tiled8 = ops.pack_int8_tiled(q16)
     q8, s8 = quantize_fp8(torch.randn(8, 64, generator=g))
     w = torch.randn(8, 64, generator=g)
+    w16 = torch.randn(16, 64, generator=g).bfloat16()  # one group of 16 outputs, two tiles of inputs
     return {
         "rms_norm": [((x, torch.randn(64, generator=g), 1e-5), None)],
         "add_rms_norm": [((x.clone(), torch.randn(3, 64, generator=g), torch.randn(64, generator=g), 1e-5), None)],
         "silu_mul": [((torch.randn(3, 40, generator=g),), None)],
         "gelu_tanh_mul": [((torch.randn(3, 40, generator=g),), None)],
         "linear": [((x, w, torch.randn(8, generator=g)), None), ((x.bfloat16(), w.bfloat16(), None), None)],
+        "linear_bf16_tiled": [((x.bfloat16(), ops.pack_bf16_tiled(w16), torch.randn(16, generator=g).bfloat16()),
+                               None)],
         "paged_attention": [(paged_attention_sample(g, torch.float32), None),
                             (paged_attention_sample(g, torch.int8), None)],
         "decode_layers": [(decode_layers_sample(g), None)],
@@ -110,6 +115,7 @@ def samples():
         "fake_quant_int4": [((w, torch.rand(64, generator=g) + 0.5, 32, 0.9), None), ((w, None, 24), None)],
         "pack_int4_tiled": [(tiled_in, None)],
         "pack_int8_tiled": [((q16,), None)],
+        "pack_bf16_tiled": [((w16,), None)],
         "to_hugepages": [((x,), None)],
     }
 

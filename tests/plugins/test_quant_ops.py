@@ -478,6 +478,9 @@ def decode_kernels(isa, tag, rows, k, n):
     if ops.int8_tiles_fit(n, k):
         t8 = ops.pack_int8_tiled(q8)
         runs["linear_w8_tiled"] = lambda: ops.linear_w8_tiled(x, t8, s8)
+    if ops.bf16_tiles_fit(n, k):
+        tb = ops.pack_bf16_tiled(w.to(torch.bfloat16))
+        runs["linear_bf16_tiled"] = lambda: ops.linear_bf16_tiled(x, tb)
     return runs
 
 

@@ -100,7 +100,9 @@ def assert_fused_equals_loop(model, spec):
 def test_fused_decode_equals_the_python_loop(arch, dtype, quantization, tiny_models, tmp_path):
     engine = Engine(build_engine(tmp_path / "e", tiny_models[arch], dtype, quantization={**quantization, **SMALL}))
     model = engine.model
-    assert (model.layers[0].qkv.plan()["kind"] != "dense") == (quantization["algo"] != "none")
+    assert model.layers[0].qkv.plan()["kind"].startswith("dense") == (quantization["algo"] == "none")
+    if quantization["algo"] == "none":  # bf16 tiled where AMX multiplies it, at every row count
+        assert model.layers[0].qkv.tiled == (dtype == "bfloat16" and ops.active_isa() == "avx512amx")
     if quantization["algo"] == "int8_wo":  # tiled where the kernels are AVX-512 ones
         assert model.layers[0].qkv.tiled == ops.active_isa().startswith("avx512")
     if quantization["algo"] in ("int4_awq", "int4_wo", "w4a8_awq"):
@@ -224,7 +226,7 @@ def test_decode_plan_records_are_checked_by_name(tiny_engines):
     per_linear = len(layout["linear_tensors"])
     assert len(tensors) == len(layout["layer_linears"]) * per_linear + len(layout["layer_tensors"])
     assert tensors[0] is model.layers[0].qkv.weight and tensors[-1] is None  # kv_scales, head norms absent
-    assert ints[0] == layout["linear_kinds"].index("dense")
+    assert ints[0] == layout["linear_kinds"].index("dense_tiled" if model.layers[0].qkv.tiled else "dense")
     with pytest.raises(KeyError, match="unknown fields"):
         ops.decode_plan([{**layer, "qkv": {**layer["qkv"], "wieght": None}}])
     with pytest.raises(KeyError, match="unknown linear kind"):

@@ -65,6 +65,17 @@ def test_a_forced_tactic_changes_which_implementation_runs_not_the_result(plugin
         for name, fn in (("gemv", ops.linear), ("dense", linear.gemm)):
             monkeypatch.setattr(linear.ops if name == "gemv" else linear, "linear" if name == "gemv" else "gemm",
                                 lambda *a, fn=fn, name=name: ran.append(name) or fn(*a))
+    if make == "dense" and layer.tiled:  # bf16 on AMX tiles: one route whatever the tactic
+        monkeypatch.setattr(linear.ops, "linear_bf16_tiled",
+                            lambda *a, fn=ops.linear_bf16_tiled: ran.append("tiled") or fn(*a))
+        outs = []
+        for choice in (KILN, TORCH):
+            layer.tactic = Tactic([1, 64], [choice, choice])
+            ran.clear()
+            outs.append(layer(x))
+            assert ran == ["tiled"], (rows, choice, ran)
+        assert torch.equal(outs[0], outs[1])
+        return
     outs = {}
     for choice, expected in ((KILN, "gemv"), (TORCH, "dense")):
         layer.tactic = Tactic([1, 64], [choice, choice])
@@ -80,7 +91,11 @@ def test_without_a_tactic_each_kind_takes_its_default(plugin_isas):
     g = generator("defaults")
     int4, int8, bf16 = quantized("int4", g), quantized("int8", g), dense(g)
     assert int4.uses_kernel(2048) and int8.uses_kernel(2048)  # measured faster at every row count on AVX2
-    assert bf16.uses_kernel(DenseLinear.kernel_rows) and not bf16.uses_kernel(DenseLinear.kernel_rows + 1)
+    assert bf16.tiled == (ops.active_isa() == "avx512amx")
+    if bf16.tiled:  # AMX tiles: the kernel at every row count, nothing to choose
+        assert bf16.uses_kernel(2048) and bf16.candidates() == ()
+    else:
+        assert bf16.uses_kernel(DenseLinear.kernel_rows) and not bf16.uses_kernel(DenseLinear.kernel_rows + 1)
     assert DenseLinear(torch.randn(8, 8)).candidates() == ()  # float32: PyTorch's GEMM only
     # float32 activations: the W4A16 / W8A16 kernels hold rows in 15 bits, so many rows stay exact
     w = torch.randn(96, 256, generator=g) / 16
@@ -94,6 +109,12 @@ def test_a_model_fuses_steps_only_where_every_linear_takes_its_kernel(tiny_engin
 
     engine = Engine(tiny_engines("llama", "bfloat16"))
     model = engine.model
+    if model.layers[1].gate_up.tiled:  # bf16 on AMX tiles: the kernel at every row count, whatever the tactic
+        key = model.layers[1].gate_up.tactic_key()
+        assert key.startswith("dense_tiled ") and model.fused_rows == float("inf")
+        model.apply_tactics({key: Tactic([1, 16], [TORCH, KILN])})
+        assert model.fused_rows == float("inf")
+        return
     assert model.fused_rows == DenseLinear.kernel_rows  # bf16 dense: the kernel's default bound, no tactics
     key = model.layers[1].gate_up.tactic_key()
     taken = model.apply_tactics({key: Tactic([1, 2, 4, 8], [KILN, KILN, TORCH, KILN])})

@@ -8,6 +8,7 @@
 #include "gemv.h"
 #include "lanes.h"
 #include "amx.h"
+#include "dense_tiled.h"
 #include "dense_lanes.h"
 #include "int8.h"
 #include "int8_tiled.h"

@@ -86,6 +86,17 @@ template <typename T> constexpr auto dequantize_int8_tiled = dequantize_int8_til
 template <typename T> constexpr auto dequantize_int4_tiled = dequantize_int4_tiled_rows<T>;
 #endif
 
+// bf16 takes the tiled layout where AMX multiplies it, at every row count (dense_tiled.h: a row's
+// bits then do not depend on the other rows); elsewhere bf16 runs on the rows (dense.h) and the
+// tiled layout has only its reference.
+#if defined(KILN_ISA_AMX)
+constexpr bool kTiledBf16 = true;
+constexpr auto linear_bf16_tiled = linear_bf16_tiled_amx;
+#else
+constexpr bool kTiledBf16 = false;
+constexpr auto linear_bf16_tiled = linear_bf16_tiled_ref;
+#endif
+
 // --- W8A8 (w8a8.h) ---------------------------------------------------------------------------
 template <typename T> constexpr auto linear_w8a8 = linear_w8a8_rows<T>;
 

@@ -38,7 +38,7 @@ static at::Tensor planned_linear(const at::Tensor& x, const OptionalTensors& ten
   const int64_t kind = ints[plan::kind], group = ints[plan::group_size];
   const double input_scale = floats[plan::input_scale], inv_input_scale = floats[plan::inv_input_scale];
   TORCH_CHECK(kind >= 0 && kind < plan::kKinds, "kiln::decode_layers: unknown linear kind ", kind);
-  TORCH_CHECK(weight.has_value() && (kind == plan::dense || scales.has_value()),
+  TORCH_CHECK(weight.has_value() && (kind == plan::dense || kind == plan::dense_tiled || scales.has_value()),
               "kiln::decode_layers: a linear's plan lacks its weight or scales");
   at::Tensor in = pre_scale.has_value() ? scale_columns(x, *pre_scale) : x;  // as QuantLinear.__call__
   if (inv_input_scale > 0) in = quantize_fp8(in, inv_input_scale);
@@ -46,6 +46,7 @@ static at::Tensor planned_linear(const at::Tensor& x, const OptionalTensors& ten
 #pragma GCC diagnostic error "-Wswitch"  // every kind of KILN_LINEAR_KINDS has its case
   switch (static_cast<plan::LinearKind>(kind)) {
     case plan::dense: return in.scalar_type() == at::kBFloat16 ? kiln::linear(in, *weight, bias) : at::linear(in, *weight, bias);
+    case plan::dense_tiled: return linear_bf16_tiled(in, *weight, bias);
     case plan::int8: return linear_w8(in, *weight, *scales, bias);
     case plan::int8_tiled: return linear_w8_tiled(in, *weight, *scales, bias);
     case plan::int4: return linear_w4(in, *weight, *scales, group, bias);

@@ -1,4 +1,4 @@
-// The norm, activation and dense linear ops (kernels/norms.h, kernels/dense.h).
+// The norm, activation and dense linear ops (kernels/norms.h, kernels/dense.h, kernels/dense_tiled.h).
 
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   check_float_or_bf16(x, "x");
@@ -98,3 +98,33 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const c10::opti
   return out;
 }
 
+
+static void check_tiled_bf16(const char* op, const at::Tensor& weight) {
+  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kBFloat16 && weight.is_contiguous(), "kiln::", op,
+              ": weight must be a contiguous 2-d bfloat16 tensor, got ", weight.scalar_type(), " ", weight.sizes());
+  TORCH_CHECK(bf16_tiles_fit(weight.size(1), weight.size(0)), "kiln::", op,
+              ": the tiled bf16 layout needs out % 16 == 0 and in % 32 == 0, got ", weight.sizes());
+}
+
+// x @ w^T (+ bias) for bf16 x on weights from pack_bf16_tiled (kernels/dense_tiled.h)
+at::Tensor linear_bf16_tiled(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
+  check_tiled_bf16("linear_bf16_tiled", weight);
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.device().is_cpu(),
+              "kiln::linear_bf16_tiled: x must be bfloat16 on the CPU, got ", x.scalar_type());
+  const int64_t k = weight.size(1), n = weight.size(0);
+  TORCH_CHECK(x.size(-1) == k, "kiln::linear_bf16_tiled: x's last dim ", x.size(-1), " differs from in_features ", k);
+  if (bias.has_value())
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == n && bias->scalar_type() == at::kBFloat16 && bias->is_contiguous(),
+                "kiln::linear_bf16_tiled: bias must be a contiguous bfloat16 [", n, "] tensor");
+  auto xc = x.contiguous();
+  auto sizes = xc.sizes().vec();
+  sizes.back() = n;
+  auto out = at::empty(sizes, xc.options());
+  const int64_t rows = xc.numel() / k;
+  if (rows > 0)
+    active().linear_bf16_tiled(reinterpret_cast<const bf16*>(xc.data_ptr()),
+                               reinterpret_cast<const bf16*>(weight.data_ptr()),
+                               bias.has_value() ? reinterpret_cast<const bf16*>(bias->data_ptr()) : nullptr,
+                               reinterpret_cast<bf16*>(out.data_ptr()), rows, k, n);
+  return out;
+}

@@ -1,4 +1,4 @@
-// Ops that lay weights out at load: 2 MB pages, and the tiled int4 / int8 packers (formats.h:
+// Ops that lay weights out at load: 2 MB pages, and the tiled int4 / int8 / bf16 packers (formats.h:
 // the same bytes and scales as the stored tensors, reordered; shapes are kept). The packers
 // allocate ordinary memory of the tensor's size: the loader copies every streamed weight into one
 // arena of 2 MB pages (runtime/weight_arena.py), and pages of their own, each rounded up to 2 MB,
@@ -51,3 +51,11 @@ at::Tensor pack_int8_tiled(const at::Tensor& qweight) {
   return packed;
 }
 
+
+at::Tensor pack_bf16_tiled(const at::Tensor& weight) {
+  check_tiled_bf16("pack_bf16_tiled", weight);
+  auto packed = at::empty(weight.sizes(), weight.options());  // (as pack_int4_tiled's)
+  pack_bf16_tiled_values(reinterpret_cast<const bf16*>(weight.data_ptr()), reinterpret_cast<bf16*>(packed.data_ptr()),
+                         weight.size(1), weight.size(0));
+  return packed;
+}
