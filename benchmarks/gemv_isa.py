@@ -17,7 +17,8 @@ the same run); every copy is read once, untimed, before the timed calls:
     python benchmarks/gemv_isa.py --isa avx2vnni avx512bf16 --cold 256
 
 --rows N times calls of N input rows instead (a step of N sequences), --kinds picks kernel kinds
-("int8 tiled": W8A16 on the tiled int8 layout, AVX-512 engines' int8 linears) and
+("int8 tiled": W8A16 on the tiled int8 layout, AVX-512 engines' int8 linears; bf16 runs on the
+tiled bf16 layout on the avx512amx level, as engines do there) and
 --output-projection adds the output projection's shape (49,152 x 576):
 
     python benchmarks/gemv_isa.py --isa avx512bf16 avx512amx --rows 16 --kinds "int4 tiled" \
@@ -44,6 +45,7 @@ GROUP = 64
 
 KINDS = ["int4 tiled", "w4a8 tiled", "int8 rows", "w8a8", "fp8", "bf16"]
 EXTRA_KINDS = ["int8 tiled"]  # only with --kinds
+BF16_TILED = {"on": False}  # whether the level being timed lays bf16 weights out tiled (AMX), set per turn
 
 
 def kernel(kind: str, n: int, k: int, g: torch.Generator):
@@ -71,7 +73,10 @@ def kernel(kind: str, n: int, k: int, g: torch.Generator):
         wf8 = ops.to_hugepages((torch.randn(n, k, generator=g) * 64).to(torch.float8_e4m3fn))
         return (lambda x: ops.linear_fp8(x, wf8, s8)), wf8.nbytes + s8.nbytes
     wb = ops.to_hugepages(torch.randn(n, k, generator=g).bfloat16())
-    return (lambda x: ops.linear(x, wb)), wb.nbytes
+    if not ops.bf16_tiles_fit(n, k):
+        return (lambda x: ops.linear(x, wb)), wb.nbytes
+    wt = ops.to_hugepages(ops.pack_bf16_tiled(wb))  # the layout of the avx512amx level (a second copy)
+    return (lambda x: ops.linear_bf16_tiled(x, wt) if BF16_TILED["on"] else ops.linear(x, wb)), wb.nbytes
 
 
 def main() -> None:
@@ -100,6 +105,11 @@ def main() -> None:
     variants = [(isa, pf) for isa in args.isa for pf in (args.prefetch or [start_prefetch])]
     names = [isa if not args.prefetch else f"{isa} pf {pf}" for isa, pf in variants]
     g = torch.Generator().manual_seed(20261201)
+    tiled = {}
+    for isa in args.isa:
+        ops.select_isa(isa)
+        tiled[isa] = ops.tiled("bf16")
+    ops.select_isa(start_isa)
     rows = []
     try:
         for n, k in SMOLLM2_SHAPES + ([OUTPUT_PROJECTION] if args.output_projection else []):
@@ -118,11 +128,13 @@ def main() -> None:
                 times = {name: [] for name in names}
                 for isa, pf in variants:  # warm up each variant
                     ops.select_isa(isa), ops.set_prefetch(pf)
+                    BF16_TILED["on"] = tiled[isa]
                     for _ in range(5):
                         next(runs)(x)
                 for _ in range(args.calls):
                     for name, (isa, pf) in zip(names, variants):
                         ops.select_isa(isa), ops.set_prefetch(pf)
+                        BF16_TILED["on"] = tiled[isa]
                         run = next(runs)
                         t0 = time.perf_counter()
                         run(x)
