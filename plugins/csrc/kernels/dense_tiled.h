@@ -17,10 +17,8 @@
 // out rows [m0, m0 + count) for outputs [o0, o0 + 16) from a C tile's sums c [16][16], + bias
 inline void bf16_tile_out(const float* c, const bf16* bias, bf16* out, int64_t m0, int64_t count, int64_t n,
                           int64_t o0) {
-  float b[kTileRows];
-  for (int64_t j = 0; j < kTileRows; ++j) b[j] = bias ? to_f32(bias[o0 + j]) : 0.f;
   for (int64_t r = 0; r < count; ++r)
-    for (int64_t j = 0; j < kTileRows; ++j) store_as(out + (m0 + r) * n + o0 + j, c[r * kTileRows + j] + b[j]);
+    store_row16(out + (m0 + r) * n + o0, c + r * kTileRows, bias ? bias + o0 : nullptr);
 }
 
 #if defined(KILN_ISA_AMX)

@@ -340,8 +340,7 @@ void tiled_gemv(const TiledLayout& L, const T* bias, T* out, int64_t rows, int64
             for (int64_t r = 0; r < R; ++r) {
               const int64_t o0 = (t0 + first + v) * kTileRows;
               row(m0 + r, o0, acc[v * R + r], sums);
-              for (int64_t j = 0; j < kTileRows; ++j)
-                store_as(out + (m0 + r) * n + o0 + j, sums[j] + (bias ? to_f32(bias[o0 + j]) : 0.f));
+              store_row16(out + (m0 + r) * n + o0, sums, bias ? bias + o0 : nullptr);
             }
         };
         using One = std::integral_constant<int, 1>;

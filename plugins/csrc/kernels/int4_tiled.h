@@ -314,21 +314,27 @@ inline void amx_weight_tiles(const uint8_t* w, const TiledLayout& L, int64_t t0,
   }
 }
 
-// One group's sums of plane x into C tile c, by A tile a and B tile 6 (GCC's tile intrinsics
-// take tile numbers as literals: one function per C tile)
-#define KILN_AMX_GROUP(c, a)                                                                          \
-  inline void amx_group_##c(const int8_t* x, const int8_t* B, int64_t k, int64_t i0, int64_t i1) { \
-    _tile_zero(c);                                                                                  \
-    for (int64_t i = i0; i < i1; i += kAmxK) {                                                      \
-      _tile_loadd(a, x + i, k);                                                                     \
-      _tile_loadd(6, B + i / 4 * 64, 64);                                                           \
-      _tile_dpbssd(c, a, 6);                                                                        \
-    }                                                                                               \
+// One group's sums into the C tiles of a slot: plane lo's into tile cl, plane hi's (W4A16; null
+// for W4A8) into ch, each B tile loaded once for both planes. The two slots use different A tiles
+// for lo and B tiles, so a group's loads need not wait for the previous group's multiply to have
+// read them. (GCC's tile intrinsics take tile numbers as literals: one function per slot.)
+#define KILN_AMX_GROUP(slot, cl, ch, al, ah, bt)                                                             \
+  inline void amx_group_##slot(const int8_t* lo, const int8_t* hi, const int8_t* B, int64_t k, int64_t i0, \
+                               int64_t i1) {                                                               \
+    _tile_zero(cl);                                                                                        \
+    if (hi) _tile_zero(ch);                                                                                \
+    for (int64_t i = i0; i < i1; i += kAmxK) {                                                             \
+      _tile_loadd(bt, B + i / 4 * 64, 64);                                                                 \
+      _tile_loadd(al, lo + i, k);                                                                          \
+      _tile_dpbssd(cl, al, bt);                                                                            \
+      if (hi) {                                                                                            \
+        _tile_loadd(ah, hi + i, k);                                                                        \
+        _tile_dpbssd(ch, ah, bt);                                                                          \
+      }                                                                                                    \
+    }                                                                                                      \
   }
-KILN_AMX_GROUP(0, 4)  // lo planes, groups in slots 0 and 1
-KILN_AMX_GROUP(1, 4)
-KILN_AMX_GROUP(2, 5)  // hi planes (W4A16)
-KILN_AMX_GROUP(3, 5)
+KILN_AMX_GROUP(0, 0, 2, 4, 5, 6)  // slot 0: C 0 (lo), 2 (hi); A 4 (lo), 5 (hi); B 6
+KILN_AMX_GROUP(1, 1, 3, 5, 4, 7)  // slot 1: C 1, 3; A 5 (lo), 4 (hi); B 7
 #undef KILN_AMX_GROUP
 
 // out [rows, n]. W4A8 (A8): the plane lo [rows, k] and its scales per row and group xs_group
@@ -344,7 +350,7 @@ void tiled_w4_amx(const int8_t* hi, const int8_t* lo, const float* xs_group, con
   if (A8) xs_group = amx_pad_rows(xs_group, rows, padded, groups, xs_padded);
   else hi = amx_pad_rows(hi, rows, padded, k, hi_padded);
   parallel_for(0, L.tiles, 1, [&](int64_t begin, int64_t end) {
-    amx_configure(7);  // C 0-3, A 4-5, B 6
+    amx_configure(8);  // C 0-3, A 4-5, B 6-7
     const LineBuffer<int8_t> Bs(kTileGroup * L.kb * 128);
     alignas(64) int32_t C[2][2][kTileRows * kTileRows];  // [slot][lo, hi][row][output]
     int64_t B_t0 = -1, B_u0 = 0;  // the tiles whose B tiles Bs holds: from u0 of the group at t0
@@ -369,13 +375,8 @@ void tiled_w4_amx(const int8_t* hi, const int8_t* lo, const float* xs_group, con
         const int8_t *hc = A8 ? nullptr : hi + c * kTileRows * k, *lc = lo + c * kTileRows * k;
         auto start = [&](int64_t g) {  // group g's multiplies, into the C tiles of slot g % 2
           const int64_t i0 = g * group, i1 = std::min(k, i0 + group);
-          if (g % 2 == 0) {
-            amx_group_0(lc, B, k, i0, i1);
-            if (!A8) amx_group_2(hc, B, k, i0, i1);
-          } else {
-            amx_group_1(lc, B, k, i0, i1);
-            if (!A8) amx_group_3(hc, B, k, i0, i1);
-          }
+          if (g % 2 == 0) amx_group_0(lc, hc, B, k, i0, i1);
+          else amx_group_1(lc, hc, B, k, i0, i1);
         };
         auto finish = [&](int64_t g) {  // slot g % 2's sums to memory
           if (g % 2 == 0) {
@@ -389,9 +390,10 @@ void tiled_w4_amx(const int8_t* hi, const int8_t* lo, const float* xs_group, con
         __m512 facc[kTileRows];
         for (int r = 0; r < kTileRows; ++r) facc[r] = _mm512_setzero_ps();
         start(0);
-        for (int64_t g = 0; g < groups; ++g) {
-          finish(g);
-          if (g + 1 < groups) start(g + 1);
+        for (int64_t g = 0; g < groups; ++g) {  // the next group's multiplies issued before this one's
+          if (g + 1 < groups) start(g + 1);      // sums are stored, so they overlap the store and its
+          finish(g);                             // conversion to float
+
           if (c == 0)
             for (int64_t j = 0; j < per_group && issued < next_lines; ++j, ++issued)
               _mm_prefetch(reinterpret_cast<const char*>(next_w + issued * 64), _MM_HINT_T1);
@@ -408,9 +410,7 @@ void tiled_w4_amx(const int8_t* hi, const int8_t* lo, const float* xs_group, con
         for (int64_t r = 0; r < std::min<int64_t>(kTileRows, rows - c * kTileRows); ++r) {
           alignas(64) float sums[kTileRows];
           store16(sums, A8 ? facc[r] : scaled16(facc[r], xs_row[c * kTileRows + r]));
-          T* o = out + (c * kTileRows + r) * n + t * kTileRows;
-          for (int64_t j = 0; j < kTileRows; ++j)
-            store_as(o + j, sums[j] + (bias ? to_f32(bias[t * kTileRows + j]) : 0.f));
+          store_row16(out + (c * kTileRows + r) * n + t * kTileRows, sums, bias ? bias + t * kTileRows : nullptr);
         }
       }
     }

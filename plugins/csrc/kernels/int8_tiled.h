@@ -158,8 +158,7 @@ void tiled_w8_amx(const int8_t* hi, const int8_t* lo, const float* xs, const flo
             const __m512 centred = _mm512_sub_ps(acc, _mm512_set1_ps(offset[m]));
             alignas(64) float sums[kTileRows];
             _mm512_store_ps(sums, _mm512_mul_ps(_mm512_mul_ps(centred, _mm512_set1_ps(xs[m])), s16));
-            for (int64_t j = 0; j < kTileRows; ++j)
-              store_as(out + m * n + o0 + j, sums[j] + (bias ? to_f32(bias[o0 + j]) : 0.f));
+            store_row16(out + m * n + o0, sums, bias ? bias + o0 : nullptr);
           }
         }
       }

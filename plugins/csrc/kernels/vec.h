@@ -402,6 +402,18 @@ inline void vstore_as(bf16* p, vfloat x) {
 }
 #endif
 
+// A tile's 16 outputs of one row: out[j] = sums[j] + bias[j] (+ 0 without a bias), each rounded
+// to T as store_as rounds it (a vector at a time: the scalar loop's conversions to bf16 took as
+// long as the AMX kernels' multiplies)
+template <typename T>
+inline void store_row16(T* out, const float* sums, const T* bias) {
+#if !defined(KILN_ISA_SCALAR)
+  for (int j = 0; j < 16; j += kLanes) vstore_as(out + j, vadd(vload(sums + j), bias ? vload(bias + j) : vzero()));
+#else
+  for (int j = 0; j < 16; ++j) store_as(out + j, sums[j] + (bias ? to_f32(bias[j]) : 0.f));
+#endif
+}
+
 // out[r] = sum_i x[r][i] * w[i] for four rows at once: w is loaded (and widened) once. Each row
 // is summed as dot() sums it (two chains over pairs of vectors, a last vector into the first,
 // then the tail), so a row gets the same bits in a group of four as alone.
