@@ -347,8 +347,13 @@ void tiled_w4_amx(const int8_t* hi, const int8_t* lo, const float* xs_group, con
   std::vector<int8_t> hi_padded, lo_padded;
   std::vector<float> xs_padded;
   lo = amx_pad_rows(lo, rows, padded, k, lo_padded);
-  if (A8) xs_group = amx_pad_rows(xs_group, rows, padded, groups, xs_padded);
-  else hi = amx_pad_rows(hi, rows, padded, k, hi_padded);
+  if (A8) {  // the row scales group by group ([groups][padded rows]): a chunk's 16 scales of a group in a row
+    xs_padded.assign(groups * padded, 0.f);
+    for (int64_t m = 0; m < rows; ++m)
+      for (int64_t g = 0; g < groups; ++g) xs_padded[g * padded + m] = xs_group[m * groups + g];
+  } else {
+    hi = amx_pad_rows(hi, rows, padded, k, hi_padded);
+  }
   parallel_for(0, L.tiles, 1, [&](int64_t begin, int64_t end) {
     amx_configure(8);  // C 0-3, A 4-5, B 6-7
     const LineBuffer<int8_t> Bs(kTileGroup * L.kb * 128);
@@ -399,11 +404,12 @@ void tiled_w4_amx(const int8_t* hi, const int8_t* lo, const float* xs_group, con
               _mm_prefetch(reinterpret_cast<const char*>(next_w + issued * 64), _MM_HINT_T1);
           const int32_t *lsum = C[g % 2][0], *hsum = C[g % 2][1];
           const __m512 vs = _mm512_loadu_ps(st + (g * U + u) * kTileRows);
+          const float* xg = A8 ? xs_padded.data() + g * padded + c * kTileRows : nullptr;
           for (int r = 0; r < kTileRows; ++r) {  // every row, so that facc stays in registers
             __m512i sum = _mm512_load_si512(lsum + r * kTileRows);
             if (!A8) sum = _mm512_add_epi32(_mm512_slli_epi32(_mm512_load_si512(hsum + r * kTileRows), 8), sum);
             const __m512 scales =
-                A8 ? _mm512_mul_ps(vs, _mm512_set1_ps(xs_group[(c * kTileRows + r) * groups + g])) : vs;
+                A8 ? _mm512_mul_ps(vs, _mm512_set1_ps(xg[r])) : vs;
             facc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), scales, facc[r]);
           }
         }
