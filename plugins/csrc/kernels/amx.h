@@ -1,9 +1,11 @@
 // AMX tiles (the avx512amx level: Sapphire Rapids and later Xeons): what the kernels that use
 // them share. Included per ISA inside kiln::<isa>; empty below that level. Every tile these
-// kernels use is 16 rows of 64 bytes: A 16 input rows x 64 int8 inputs, B 16 rows of 4 inputs
-// x 16 outputs (the tiled layouts' vectors, formats.h), C 16 rows x 16 int32 sums.
+// kernels use is 16 rows of 64 bytes: A 16 input rows x 64 int8 (or 32 bf16) inputs, B 16 rows
+// of 4 int8 (2 bf16) inputs x 16 outputs (the tiled layouts' vectors, formats.h), C 16 rows x 16
+// int32 (float) sums.
 //
-//   kAmxRowsFrom        the row count from which the int4 and int8 tiled kernels take AMX
+//   kAmxRowsFrom        the row count from which the int4 and int8 tiled kernels take AMX (bf16
+//                       takes it at every row count: dense_tiled.h)
 //   amx_configure(n)    tiles 0 .. n - 1 as 16 x 64 bytes, on the calling thread (ldtilecfg;
 //                       the kernels release them with _tile_release at the end of their share)
 //   amx_pad_rows        a [rows, width] array copied out to whole chunks of 16 rows (zeros)

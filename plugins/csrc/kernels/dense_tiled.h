@@ -9,9 +9,9 @@
 // unit adds the 32 products is its own (it is neither vdpbf16ps' order nor float32 in input
 // order: a scratch program found 60-220 of 256 sums differ from each), so no vector kernel could
 // reproduce it for the row counts below a tile. Every row count therefore takes the tiles, one
-// row padded to 16 with zero rows: a decode row streams the weights at the speed of the
-// avx512bf16 kernel or better (a scratch program, one thread: 1.0-1.2x with the weights in cache,
-// 1.5-1.9x from memory), and a row's bits are the same alone, among 63 others, or in a prefill.
+// row padded to 16 with zero rows: a decode row streams the weights from memory 1.09-1.28x as fast
+// as the avx512bf16 kernel (0.82-1.08x with them in cache; gemv_isa.py, one thread,
+// docs/benchmarks.md), and a row's bits are the same alone, among 63 others, or in a prefill.
 // Included per ISA inside kiln::<isa> after amx.h.
 
 // out rows [m0, m0 + count) for outputs [o0, o0 + 16) from a C tile's sums c [16][16], + bias
