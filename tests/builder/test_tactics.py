@@ -2,6 +2,7 @@
 the fast mode's shortcut, the timing cache, engine.json's record and the loader honouring it (or
 saying why not)."""
 import json
+import os
 
 import pytest
 
@@ -17,6 +18,21 @@ KILN, TORCH = names.TACTIC_KILN, names.TACTIC_TORCH
 @pytest.fixture(autouse=True)
 def private_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("KILN_TACTICS_CACHE", str(tmp_path / "tactics.json"))
+
+
+@pytest.fixture(autouse=True, scope="module")
+def row_layout_level(plugin_isas):
+    """Tactics choose between kiln's kernel on the row layouts and PyTorch's GEMM. On avx512amx a bf16
+    dense linear has one route (AMX tiles at every row count; test_tiled_bf16_linears_get_no_tactic),
+    so there this module runs the level below it, whose bf16 linears have both."""
+    from kiln.plugins import ops
+
+    if ops.active_isa() != "avx512amx":
+        yield
+        return
+    ops.select_isa("avx512bf16")
+    yield
+    ops.select_isa(os.environ.get("KILN_ISA", "auto"))
 
 
 def test_buckets_double_up_to_the_limit():
@@ -85,6 +101,25 @@ def test_linears_with_one_route_get_no_tactic(tiny_engines, monkeypatch):
     monkeypatch.setattr(tactics, "median_us", lambda run, repeats: pytest.fail("nothing to choose between"))
     chosen = tactics.choose(engine.model, "fast", 64, 4, engine.dir / engine.meta["plugins"]["file"])
     assert chosen["linears"] == {}
+
+
+def test_tiled_bf16_linears_get_no_tactic(tiny_engines, plugin_isas, monkeypatch):
+    """On avx512amx every bf16 linear of the model takes the AMX tiles at every row count: nothing is
+    timed or recorded (and a tactic of the row layout's never applies: runtime/test_tactics.py)."""
+    from kiln.plugins import ops
+
+    if "avx512amx" not in plugin_isas:
+        pytest.skip("this CPU lacks avx512amx")
+    before = ops.active_isa()
+    ops.select_isa("avx512amx")
+    try:
+        engine = Engine(tiny_engines("llama", "bfloat16"))
+        assert all(linear.tiled for linear in engine.model.linears())
+        monkeypatch.setattr(tactics, "median_us", lambda run, repeats: pytest.fail("nothing to choose between"))
+        chosen = tactics.choose(engine.model, "fast", 64, 4, engine.dir / engine.meta["plugins"]["file"])
+        assert chosen["isa"] == "avx512amx" and chosen["linears"] == {}
+    finally:
+        ops.select_isa(before)  # the module's level (row_layout_level)
 
 
 @pytest.fixture(scope="module")
