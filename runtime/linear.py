@@ -166,20 +166,16 @@ class DenseLinear(Routed):
     def candidates(self) -> tuple[str, ...]:
         return () if self.tiled else super().candidates()
 
-    def uses_kernel(self, rows: int) -> bool:
-        return self.tiled or super().uses_kernel(rows)
-
     def fused_through(self) -> float:
-        """float32: decode_layers takes PyTorch's GEMM too, at every row count; tiled: the kernel at every
-        row count."""
-        return float("inf") if self.dtype != torch.bfloat16 or self.tiled else super().fused_through()
+        """float32: decode_layers takes PyTorch's GEMM too, at every row count."""
+        return float("inf") if self.dtype != torch.bfloat16 else super().fused_through()
 
     def plan(self) -> dict:
         """This linear as a record of ops.decode_plan."""
         return {"kind": "dense_tiled" if self.tiled else "dense", "weight": self.weight, "bias": self.bias}
 
     def run(self, x: torch.Tensor, choice: str) -> torch.Tensor:
-        if self.tiled:  # the one route
+        if self.tiled:  # the one route (the weight is not [out, in] for PyTorch's GEMM)
             return ops.linear_bf16_tiled(x, self.weight, self.bias)
         if choice == names.TACTIC_KILN and x.dtype == torch.bfloat16:
             return ops.linear(x, self.weight, self.bias)

@@ -191,12 +191,12 @@ class LlamaModel:
         return [linear for layer in self.layers for linear in layer.linears().values()] + [self.lm_head]
 
     def apply_tactics(self, tactics: dict[str, Tactic]) -> int:
-        """Each linear takes the tactic of its tactic_key (those without one keep their kind's
-        default route); returns how many took one."""
+        """Each linear takes the tactic of its tactic_key (those without one, and those with one
+        route, Routed.candidates, keep their kind's default route); returns how many took one."""
         taken = 0
         for linear in self.linears():
             tactic = tactics.get(linear.tactic_key())
-            if tactic is not None:
+            if tactic is not None and len(linear.candidates()) > 1:
                 linear.tactic, taken = tactic, taken + 1
         self.fused_rows = self.fusable_rows()
         return taken

@@ -4,13 +4,13 @@
 //   linear_bf16_tiled_amx  AMX-BF16: tdpbf16ps at every row count, one row included
 //   linear_bf16_tiled_ref  plain loops in float32, in input order (every other level; tests)
 //
-// A row's sums come from the tiles alone: one tdpbf16ps adds 32 inputs' products to each of 16
-// rows x 16 outputs, and each row's sums depend only on that row and the weights. How the tile
-// unit adds the 32 products is its own (it is neither vdpbf16ps' order nor float32 in input
-// order: a scratch program found 60-220 of 256 sums differ from each), so no vector kernel could
-// reproduce it for the row counts below a tile. Every row count therefore takes the tiles, one
-// row padded to 16 with zero rows: a decode row streams the weights from memory 1.09-1.28x as fast
-// as the avx512bf16 kernel (0.82-1.08x with them in cache; gemv_isa.py, one thread,
+// A row's sums come from the tiles alone: one tdpbf16ps adds 32 inputs' products to each of 16 rows
+// x 16 outputs, and each row's sums depend only on that row and the weights. How the tile unit adds
+// the 32 products is its own (it is neither vdpbf16ps' order nor float32 in input order: in a
+// scratch program, not kept, 60-220 of 256 sums differed from each), so no vector kernel could
+// reproduce it for the row counts below a tile. Every row count therefore takes the tiles, one row
+// padded to 16 with zero rows: a decode row streams the weights from memory 1.09-1.28x as fast as
+// the avx512bf16 kernel (0.82-1.08x with them in cache; gemv_isa.py, one thread,
 // docs/benchmarks.md), and a row's bits are the same alone, among 63 others, or in a prefill.
 // Included per ISA inside kiln::<isa> after amx.h.
 
@@ -38,7 +38,8 @@ inline void amx_bf16_block(const bf16* a, const bf16* wg, int64_t k, bool ahead,
   for (int64_t i = 0; i < k; i += kBf16AmxK) {
     const bf16* b0 = wg + i * kTileRows;  // the 1 KB B tile of inputs [i, i + 32)
     if (ahead && g_prefetch_ahead > 0)
-      for (int g = 0; g < G; ++g) prefetch_bytes(reinterpret_cast<const char*>(b0 + g * kTileRows * k) + g_prefetch_ahead, 1024);
+      for (int g = 0; g < G; ++g)
+        prefetch_bytes(reinterpret_cast<const char*>(b0 + g * kTileRows * k) + g_prefetch_ahead, 1024);
     _tile_loadd(4, a + i, stride);
     if constexpr (R == 2) _tile_loadd(5, a + kTileRows * k + i, stride);
     _tile_loadd(6, b0, 64);

@@ -345,12 +345,12 @@ void tiled_w4_amx(const int8_t* hi, const int8_t* lo, const float* xs_group, con
   const TiledLayout L = tiled_int4_layout(k, n, group);
   const int64_t groups = L.groups, chunks = (rows + kTileRows - 1) / kTileRows, padded = chunks * kTileRows;
   std::vector<int8_t> hi_padded, lo_padded;
-  std::vector<float> xs_padded;
+  std::vector<float> xs_by_group;
   lo = amx_pad_rows(lo, rows, padded, k, lo_padded);
   if (A8) {  // the row scales group by group ([groups][padded rows]): a chunk's 16 scales of a group in a row
-    xs_padded.assign(groups * padded, 0.f);
+    xs_by_group.assign(groups * padded, 0.f);
     for (int64_t m = 0; m < rows; ++m)
-      for (int64_t g = 0; g < groups; ++g) xs_padded[g * padded + m] = xs_group[m * groups + g];
+      for (int64_t g = 0; g < groups; ++g) xs_by_group[g * padded + m] = xs_group[m * groups + g];
   } else {
     hi = amx_pad_rows(hi, rows, padded, k, hi_padded);
   }
@@ -398,13 +398,12 @@ void tiled_w4_amx(const int8_t* hi, const int8_t* lo, const float* xs_group, con
         for (int64_t g = 0; g < groups; ++g) {  // the next group's multiplies issued before this one's
           if (g + 1 < groups) start(g + 1);      // sums are stored, so they overlap the store and its
           finish(g);                             // conversion to float
-
           if (c == 0)
             for (int64_t j = 0; j < per_group && issued < next_lines; ++j, ++issued)
               _mm_prefetch(reinterpret_cast<const char*>(next_w + issued * 64), _MM_HINT_T1);
           const int32_t *lsum = C[g % 2][0], *hsum = C[g % 2][1];
           const __m512 vs = _mm512_loadu_ps(st + (g * U + u) * kTileRows);
-          const float* xg = A8 ? xs_padded.data() + g * padded + c * kTileRows : nullptr;
+          const float* xg = A8 ? xs_by_group.data() + g * padded + c * kTileRows : nullptr;
           for (int r = 0; r < kTileRows; ++r) {  // every row, so that facc stays in registers
             __m512i sum = _mm512_load_si512(lsum + r * kTileRows);
             if (!A8) sum = _mm512_add_epi32(_mm512_slli_epi32(_mm512_load_si512(hsum + r * kTileRows), 8), sum);

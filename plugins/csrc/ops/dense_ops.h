@@ -98,7 +98,6 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const c10::opti
   return out;
 }
 
-
 static void check_tiled_bf16(const char* op, const at::Tensor& weight) {
   TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kBFloat16 && weight.is_contiguous(), "kiln::", op,
               ": weight must be a contiguous 2-d bfloat16 tensor, got ", weight.scalar_type(), " ", weight.sizes());

@@ -51,7 +51,6 @@ at::Tensor pack_int8_tiled(const at::Tensor& qweight) {
   return packed;
 }
 
-
 at::Tensor pack_bf16_tiled(const at::Tensor& weight) {
   check_tiled_bf16("pack_bf16_tiled", weight);
   auto packed = at::empty(weight.sizes(), weight.options());  // (as pack_int4_tiled's)
