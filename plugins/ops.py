@@ -84,7 +84,7 @@ def load_library(path: str | Path) -> None:
 
 def library_info() -> dict:
     """What the loaded library declares (csrc/library.cpp): ops, host_ops, decode_plan,
-    tile_rows, tiled_max_group."""
+    tile_rows, tiled_max_group, w8a8_tiled_max_in."""
     if not _INFO:
         raise RuntimeError("no kiln plugin library is loaded (ops.load_library)")
     return _INFO
@@ -105,7 +105,7 @@ def active_isa() -> str:
 @host_op
 def tiled_layouts() -> str:
     """The weight layouts to make at load for the active instruction set, comma-separated
-    ('int4,int8,bf16': all three tiled; csrc/kernels/select.h decides)."""
+    ('int4,int8,bf16,w8a8': all four tiled; csrc/kernels/select.h decides)."""
 
 
 @host_op
@@ -132,7 +132,8 @@ _HOST_OPS.add("library_info")  # read once at load: library_info() below
 
 
 def tiled(weight: str) -> bool:
-    """Whether `weight` ('int4', 'int8' or 'bf16') takes the tiled layout on the active ISA."""
+    """Whether `weight` ('int4', 'int8', 'bf16' or 'w8a8': W8A8's int8 weights) takes the tiled
+    layout on the active ISA."""
     return weight in tiled_layouts().split(",")
 
 
@@ -263,6 +264,12 @@ def linear_w8a8(x, qweight, scales, weight_sum, bias=None, input_scale=0.0):
 
 
 @op
+def linear_w8a8_tiled(x, qweight, scales, bias=None, input_scale=0.0):
+    """linear_w8a8 on weights from pack_int8_tiled (the same outputs; no weight_sum)."""
+    return x.new_empty((*x.shape[:-1], qweight.shape[0]))
+
+
+@op
 def linear_w4a8(x, qweight, scales, group_size, bias=None):
     """int4 weights x int8 activations quantized per row and group at run time (W4A8)."""
     return x.new_empty((*x.shape[:-1], qweight.shape[0]))
@@ -356,6 +363,11 @@ def int4_tiles_fit(out_features: int, in_features: int, group_size: int) -> bool
 def int8_tiles_fit(out_features: int, in_features: int) -> bool:
     """Whether an int8 weight of this shape can take the tiled layout (linear_w8_tiled)."""
     return out_features % library_info()["tile_rows"] == 0 and in_features % 4 == 0 and in_features > 0
+
+
+def w8a8_tiles_fit(out_features: int, in_features: int) -> bool:
+    """Whether a W8A8 weight of this shape can take the tiled int8 layout (linear_w8a8_tiled)."""
+    return int8_tiles_fit(out_features, in_features) and in_features <= library_info()["w8a8_tiled_max_in"]
 
 
 def bf16_tiles_fit(out_features: int, in_features: int) -> bool:

@@ -184,6 +184,22 @@ def pack_int8_tiled(qweight):
     return torch.cat(parts).reshape(n, k)
 
 
+def unpack_int8_tiled(packed):
+    """pack_int8_tiled's inverse: int8 [out, in]."""
+    n, k = packed.shape
+    q = packed.to(torch.int16) - 128
+    parts, flat = [], q.reshape(-1)
+    for t0 in range(0, n // 16, 4):
+        u = min(4, n // 16 - t0)
+        size = u * 16 * k
+        parts.append(flat[t0 * 16 * k:t0 * 16 * k + size].reshape(k // 4, u, 16, 4).permute(1, 2, 0, 3).reshape(u * 16, k))
+    return torch.cat(parts).to(torch.int8)
+
+
+def linear_w8a8_tiled(x, qweight, scales, bias=None, input_scale=0.0):
+    return linear_w8a8(x, unpack_int8_tiled(qweight), scales, None, bias, input_scale)
+
+
 def pack_bf16_tiled(weight):
     """The tiled bf16 layout by reshapes: outputs in groups of 16, per pair of inputs each
     output's two values."""

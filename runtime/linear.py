@@ -335,7 +335,9 @@ class W4A8Linear(TiledInt4, QuantLinear):
 
 class W8A8Linear(QuantLinear):
     """Activations int8 per row at run time, or with one static input_scale when the engine has
-    one (Model Optimizer's W8A8_SQ_PER_CHANNEL checkpoints)."""
+    one (Model Optimizer's W8A8_SQ_PER_CHANNEL checkpoints). Where the host multiplies int8 on AMX
+    tiles (ops.tiled("w8a8")), the weights are reordered once, at load, into the tiled int8 layout
+    (ops.pack_int8_tiled) and run linear_w8a8_tiled: the same outputs, bit for bit."""
 
     kind = names.LINEAR_W8A8
     plan_kind = "w8a8"
@@ -344,7 +346,16 @@ class W8A8Linear(QuantLinear):
     def candidates(self) -> tuple[str, ...]:
         return ()
 
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        out_features, in_features = self.qweight.shape
+        self.tiled = ops.tiled("w8a8") and ops.w8a8_tiles_fit(out_features, in_features)
+        if self.tiled:
+            self.qweight, self.plan_kind = ops.pack_int8_tiled(self.qweight), "w8a8_tiled"
+
     def gemv(self, x):
+        if self.tiled:
+            return ops.linear_w8a8_tiled(x, self.qweight, self.scales, self.bias, self.input_scale or 0.0)
         return ops.linear_w8a8(x, self.qweight, self.scales, self.weight_sum, self.bias, self.input_scale or 0.0)
 
 

@@ -75,6 +75,9 @@ inline void pack_int4_tiled_bytes(const uint8_t* w, const float* s, int64_t grou
 // vector per tile (16 rows x 4 bytes, stored + 128 so that vpdpbusd reads them as unsigned),
 // tiles in groups of four, the per-row scales as stored (kernels/int8_tiled.h).
 
+// W8A8 on this layout (kernels/w8a8_tiled.h) sums products of at most 255 * 128 in int32
+constexpr int64_t kW8A8TiledMaxIn = 65536;
+
 inline TiledLayout tiled_int8_layout(int64_t k, int64_t n) {  // blocks of 4 inputs, one group (per-row scales)
   return {k / 4, 1, n / kTileRows};
 }

@@ -39,6 +39,8 @@
   K(ns, dequantize_int4_tiled_bf16, dequantize_int4_tiled<bf16>)       \
   K(ns, linear_w8a8_f32, linear_w8a8<float>)                           \
   K(ns, linear_w8a8_bf16, linear_w8a8<bf16>)                           \
+  K(ns, linear_w8a8_tiled_f32, linear_w8a8_tiled<float>)               \
+  K(ns, linear_w8a8_tiled_bf16, linear_w8a8_tiled<bf16>)               \
   K(ns, linear_w4a8_f32, linear_w4a8<float>)                           \
   K(ns, linear_w4a8_bf16, linear_w4a8<bf16>)                           \
   K(ns, linear_w4a8_tiled_f32, linear_w4a8_tiled<float>)               \
@@ -57,7 +59,7 @@
 
 struct Kernels {
   const char* isa = nullptr;
-  bool tiled_int4 = false, tiled_int8 = false, tiled_bf16 = false;  // the layouts the runtime makes (select.h)
+  bool tiled_int4 = false, tiled_int8 = false, tiled_bf16 = false, tiled_w8a8 = false;  // the layouts made at load
   KILN_KERNEL_LIST(KILN_KERNEL_FIELD, scalar)
 };
 
@@ -69,6 +71,7 @@ struct Kernels {
     k.tiled_int4 = ns::kTiledInt4;              \
     k.tiled_int8 = ns::kTiledInt8;              \
     k.tiled_bf16 = ns::kTiledBf16;              \
+    k.tiled_w8a8 = ns::kTiledW8A8;              \
     KILN_KERNEL_LIST(KILN_KERNEL_SET, ns)       \
     return k;                                   \
   }()

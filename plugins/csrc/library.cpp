@@ -144,7 +144,7 @@ std::string library_info() {
   host.pop_back();
   return "{\"ops\": [" + ops + "], \"host_ops\": [" + host + "], \"decode_plan\": " + plan::layout_json() +
          ", \"tile_rows\": " + std::to_string(kTileRows) + ", \"tiled_max_group\": " + std::to_string(kTiledMaxGroup) +
-         "}";
+         ", \"w8a8_tiled_max_in\": " + std::to_string(kW8A8TiledMaxIn) + "}";
 }
 
 }  // namespace kiln

@@ -32,6 +32,8 @@
   OP(linear_w8a8,                                                                                               \
      "(Tensor x, Tensor qweight, Tensor scales, Tensor weight_sum, Tensor? bias=None, float input_scale=0.) "   \
      "-> Tensor")                                                                                               \
+  OP(linear_w8a8_tiled,                                                                                         \
+     "(Tensor x, Tensor qweight, Tensor scales, Tensor? bias=None, float input_scale=0.) -> Tensor")            \
   OP(linear_w4a8, "(Tensor x, Tensor qweight, Tensor scales, int group_size, Tensor? bias=None) -> Tensor")     \
   OP(linear_w4a8_tiled,                                                                                         \
      "(Tensor x, Tensor qweight, Tensor scales, int group_size, Tensor? bias=None) -> Tensor")                  \

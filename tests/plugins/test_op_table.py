@@ -10,11 +10,10 @@ from kiln.quantize.formats import quantize_fp8, quantize_int4, quantize_int8
 
 SEED = 20261201
 OPS = ["rms_norm", "add_rms_norm", "silu_mul", "gelu_tanh_mul", "linear", "linear_bf16_tiled", "paged_attention",
-       "decode_layers", "moe_mlp", "linear_w8",
-       "linear_w8_tiled", "dequantize_int8_tiled", "linear_w4", "dequantize_int4", "linear_w4_tiled",
-       "dequantize_int4_tiled", "linear_w8a8", "linear_w4a8", "linear_w4a8_tiled", "linear_fp8", "quantize_fp8",
-       "dequantize_fp8", "gptq_block", "fake_quant_int4", "pack_int4_tiled", "pack_int8_tiled", "pack_bf16_tiled",
-       "to_hugepages"]
+       "decode_layers", "moe_mlp", "linear_w8", "linear_w8_tiled", "dequantize_int8_tiled", "linear_w4",
+       "dequantize_int4", "linear_w4_tiled", "dequantize_int4_tiled", "linear_w8a8", "linear_w8a8_tiled", "linear_w4a8",
+       "linear_w4a8_tiled", "linear_fp8", "quantize_fp8", "dequantize_fp8", "gptq_block", "fake_quant_int4",
+       "pack_int4_tiled", "pack_int8_tiled", "pack_bf16_tiled", "to_hugepages"]
 NO_SCHEMA_TEST = ("test_faketensor", "test_autograd_registration")  # torch lacks float8 ops the schema test needs
 
 
@@ -101,6 +100,7 @@ def samples():
         "linear_w4_tiled": [((x, *tiled, 32, None), None)],
         "dequantize_int4_tiled": [((*tiled, 32, torch.float32), None)],
         "linear_w8a8": [((x, q, s, q.to(torch.int32).sum(1, dtype=torch.int32), None), None)],
+        "linear_w8a8_tiled": [((x, tiled8, s16, None), None), ((x.bfloat16(), tiled8, s16, None, 0.02), None)],
         "linear_w4a8": [((x, packed, scales, 32, None), None),
                         ((torch.randn(2, 128, generator=g).bfloat16(),
                           pack_int4(torch.randint(-8, 8, (4, 128), generator=g, dtype=torch.int8)),

@@ -227,6 +227,56 @@ def test_linear_w8_tiled_refuses_shapes_it_cannot_hold(plugin_isas):
         ops.pack_int8_tiled(q)
 
 
+# the batch-invariance row counts, tile groups of four and fewer (48, 80, 112 outputs), inputs not a multiple
+# of 64 (200, 100: the VNNI GEMV at every row count on AMX) and long rows (4,160)
+W8A8_TILED_SHAPES = [(1, 576, 64), (2, 200, 48), (7, 576, 80), (8, 100, 112), (9, 1536, 64), (16, 576, 64),
+                     (33, 200, 80), (64, 1536, 48), (17, 4160, 32), (40, 576, 112), (16, 100, 16)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])  # float32: no output rounding to hide a last bit
+@pytest.mark.parametrize("rows, k, n", W8A8_TILED_SHAPES)
+def test_linear_w8a8_tiled_gives_the_bits_of_linear_w8a8(isa, dtype, rows, k, n):
+    """W8A8 on the tiled int8 layout (AMX tiles from 16 rows, the VNNI GEMV below, plain loops on
+    levels without AMX) gives linear_w8a8's outputs on the [out, in] weights bit for bit, with
+    the per-row dynamic scale and a static one, bias or none, a zero row and an all-saturating one."""
+    g = generator(isa, str(dtype), rows, k, n, "w8a8 tiled")
+    x = rand(g, rows, k, scale=4).to(dtype)
+    x[rows // 2] = 0
+    if rows > 2:
+        x[1] *= 100  # saturates at the static scale
+    q, s = quantize_int8(rand(g, n, k, scale=0.05))
+    weight_sum = q.to(torch.int32).sum(dim=1, dtype=torch.int32)
+    bias = rand(g, n).to(dtype)
+    assert ops.w8a8_tiles_fit(n, k)
+    tiled = ops.pack_int8_tiled(q)
+    assert torch.equal(reference.unpack_int8_tiled(tiled), q)
+    input_scale = float(x.float().abs().max()) / 127 * 0.05
+    for b in (None, bias):
+        for static in (0.0, input_scale):
+            got = ops.linear_w8a8_tiled(x, tiled, s, b, static)
+            want = ops.linear_w8a8(x, q, s, weight_sum, b, static)
+            assert got.dtype == dtype and got.shape == (rows, n)
+            differ = (got != want).any(dim=1).nonzero().flatten().tolist()
+            assert not differ, f"bias {b is not None}, static scale {static}: rows {differ} of {rows} differ"
+    exact = reference.linear_w8a8(x, q, s, None, bias)
+    close = dict(rtol=1e-2, atol=0.07) if dtype == torch.bfloat16 else dict(rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ops.linear_w8a8_tiled(x, tiled, s, bias).float(), exact.float(), **close)
+
+
+def test_linear_w8a8_tiled_refuses_what_it_cannot_sum(plugin_isas):
+    q, s = quantize_int8(torch.randn(16, 64))
+    tiled = ops.pack_int8_tiled(q)
+    with pytest.raises(RuntimeError, match="input_scale must be 0"):
+        ops.linear_w8a8_tiled(torch.randn(2, 64), tiled, s, None, -1.0)
+    with pytest.raises(RuntimeError, match="qweight must be a contiguous 2-d Byte"):
+        ops.linear_w8a8_tiled(torch.randn(2, 64), q, s)
+    limit = ops.library_info()["w8a8_tiled_max_in"]
+    assert ops.w8a8_tiles_fit(16, limit) and not ops.w8a8_tiles_fit(16, limit + 4)
+    wide = torch.zeros(16, limit + 4, dtype=torch.uint8)
+    with pytest.raises(RuntimeError, match="at most 65536 inputs"):
+        ops.linear_w8a8_tiled(torch.randn(1, limit + 4), wide, torch.ones(16))
+
+
 def test_to_hugepages_copies_exactly(plugin_isas):
     for t in (torch.randn(300, 7000), torch.randint(-128, 127, (5, 3), dtype=torch.int8),
               torch.randn(64, 32).bfloat16().T, torch.empty(0, 4)):  # a large, a small, a transposed, an empty
@@ -478,6 +528,7 @@ def decode_kernels(isa, tag, rows, k, n):
     if ops.int8_tiles_fit(n, k):
         t8 = ops.pack_int8_tiled(q8)
         runs["linear_w8_tiled"] = lambda: ops.linear_w8_tiled(x, t8, s8)
+        runs["linear_w8a8_tiled"] = lambda: ops.linear_w8a8_tiled(x, t8, s8)
     if ops.bf16_tiles_fit(n, k):
         tb = ops.pack_bf16_tiled(w.to(torch.bfloat16))
         runs["linear_bf16_tiled"] = lambda: ops.linear_bf16_tiled(x, tb)
@@ -608,6 +659,7 @@ def linear_kernels(g, dtype, k, n):
     if ops.int8_tiles_fit(n, k):
         t8 = ops.pack_int8_tiled(q8)
         runs["linear_w8_tiled"] = lambda x: ops.linear_w8_tiled(x, t8, s8, bias)
+        runs["linear_w8a8_tiled"] = lambda x: ops.linear_w8a8_tiled(x, t8, s8, bias)
     return runs
 
 

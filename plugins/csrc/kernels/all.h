@@ -15,6 +15,7 @@
 #include "int4.h"
 #include "int4_tiled.h"
 #include "w8a8.h"
+#include "w8a8_tiled.h"
 #include "w4a8.h"
 #include "fp8.h"
 #include "gptq.h"

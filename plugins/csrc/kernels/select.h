@@ -97,8 +97,18 @@ constexpr bool kTiledBf16 = false;
 constexpr auto linear_bf16_tiled = linear_bf16_tiled_ref;
 #endif
 
-// --- W8A8 (w8a8.h) ---------------------------------------------------------------------------
+// --- W8A8 (w8a8.h, w8a8_tiled.h) ---------------------------------------------------------------
+// W8A8 weights take the tiled int8 layout where AMX multiplies them (from 16 rows; the VNNI GEMV
+// below): oneDNN's int8 GEMM, which the row layout's many rows take, reorders the weights every
+// call. Elsewhere they stay [out, in] and the tiled layout has only its reference.
 template <typename T> constexpr auto linear_w8a8 = linear_w8a8_rows<T>;
+#if defined(KILN_ISA_AMX)
+constexpr bool kTiledW8A8 = true;
+template <typename T> constexpr auto linear_w8a8_tiled = linear_w8a8_tiled_amx<T>;
+#else
+constexpr bool kTiledW8A8 = false;
+template <typename T> constexpr auto linear_w8a8_tiled = linear_w8a8_tiled_ref<T>;
+#endif
 
 // --- FP8 (fp8.h) ------------------------------------------------------------------------------
 template <typename T> constexpr auto quantize_fp8 = quantize_fp8_elements<T>;

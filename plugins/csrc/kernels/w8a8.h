@@ -6,16 +6,49 @@
 // input_scale > 0 the activations use that one static scale instead (Model Optimizer's
 // W8A8_SQ_PER_CHANNEL). Included per ISA inside kiln::<isa> after gemv.h.
 //
-// Quantize one row to u8 = round(x / s) + 128 with s = absmax / 127 (0 for an all-zero row).
+// Quantize one row to u8 = round(x / s) + 128 with s = absmax / 127 (0 for an all-zero row), a
+// vector at a time where the ISA has them (the same float products, rounded to nearest even and
+// clamped to integers: the same bytes; a NaN input counts for nothing in absmax and goes to the
+// lowest value, as std::max leaves it)
 template <typename T>
 float quantize_row_u8(const T* x, uint8_t* q, int64_t k, float static_scale) {
   float amax = 0.f;
-  if (static_scale <= 0.f)
-    for (int64_t i = 0; i < k; ++i) amax = std::max(amax, std::fabs(to_f32(x[i])));
+  int64_t i = 0;
+  if (static_scale <= 0.f) {
+#if defined(KILN_ISA_AVX512)
+    __m512 m = _mm512_setzero_ps();
+    for (; i + 16 <= k; i += 16) m = _mm512_max_ps(_mm512_abs_ps(vload(x + i)), m);  // NaN: keeps m
+    amax = _mm512_reduce_max_ps(m);
+#elif !defined(KILN_ISA_SCALAR)
+    const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    __m256 m = _mm256_setzero_ps();
+    for (; i + 8 <= k; i += 8) m = _mm256_max_ps(_mm256_and_ps(vload(x + i), magnitude), m);
+    alignas(32) float lanes[8];
+    _mm256_store_ps(lanes, m);
+    for (float v : lanes) amax = std::max(amax, v);
+#endif
+    for (; i < k; ++i) amax = std::max(amax, std::fabs(to_f32(x[i])));
+  }
   const float s = static_scale > 0.f ? static_scale : amax / 127.f;
   const float inv = static_scale > 0.f ? 1.f / static_scale : amax > 0.f ? 127.f / amax : 0.f;
   const float lowest = static_scale > 0.f ? -128.f : -127.f;  // static: the full int8 range, as Model Optimizer
-  for (int64_t i = 0; i < k; ++i) {
+  i = 0;
+#if defined(KILN_ISA_AVX512)
+  const __m512 vinv = _mm512_set1_ps(inv), vlow = _mm512_set1_ps(lowest), vhigh = _mm512_set1_ps(127.f);
+  for (; i + 16 <= k; i += 16) {  // clamped to integers, then rounded: as rounded, then clamped
+    const __m512 v = _mm512_min_ps(_mm512_max_ps(_mm512_mul_ps(vload(x + i), vinv), vlow), vhigh);
+    const __m128i bytes = _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(v));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + i), _mm_xor_si128(bytes, _mm_set1_epi8(-128)));  // + 128
+  }
+#elif !defined(KILN_ISA_SCALAR)
+  const __m256 vinv = _mm256_set1_ps(inv), vlow = _mm256_set1_ps(lowest), vhigh = _mm256_set1_ps(127.f);
+  for (; i + 8 <= k; i += 8) {
+    const __m256 v = _mm256_min_ps(_mm256_max_ps(_mm256_mul_ps(vload(x + i), vinv), vlow), vhigh);
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(q + i),
+                     _mm_xor_si128(pack8_i8(_mm256_cvtps_epi32(v)), _mm_set1_epi8(-128)));
+  }
+#endif
+  for (; i < k; ++i) {
     const float v = std::nearbyint(to_f32(x[i]) * inv);
     q[i] = static_cast<uint8_t>(static_cast<int>(std::min(127.f, std::max(lowest, v))) + 128);
   }

@@ -56,6 +56,7 @@ static at::Tensor planned_linear(const at::Tensor& x, const OptionalTensors& ten
     case plan::w8a8:
       TORCH_CHECK(weight_sum.has_value(), "kiln::decode_layers: a W8A8 linear's plan lacks weight_sum");
       return linear_w8a8(in, *weight, *scales, *weight_sum, bias, input_scale);
+    case plan::w8a8_tiled: return linear_w8a8_tiled(in, *weight, *scales, bias, input_scale);
     case plan::fp8: return linear_fp8(in, *weight, *scales, bias);
   }
 #pragma GCC diagnostic pop

@@ -83,6 +83,22 @@ at::Tensor linear_w8a8(const at::Tensor& x, const at::Tensor& qweight, const at:
                     weight_sum.data_ptr<int32_t>(), static_cast<float>(input_scale));
 }
 
+// W8A8 on the tiled int8 layout (pack_int8_tiled: the weights + 128), the same outputs as
+// linear_w8a8 on the [out, in] weights; no weight_sum (the + 128 comes off the inputs' sums)
+at::Tensor linear_w8a8_tiled(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
+                             const c10::optional<at::Tensor>& bias, double input_scale) {
+  check_tiled8("linear_w8a8_tiled", qweight, at::kByte);
+  const int64_t k = qweight.size(1), n = qweight.size(0);
+  check_linear_args("linear_w8a8_tiled", x, qweight, at::kByte, scales, k, bias);
+  TORCH_CHECK(std::isfinite(input_scale) && input_scale >= 0, "kiln::linear_w8a8_tiled: input_scale must be 0 "
+              "(per-row dynamic) or a positive static scale, got ", input_scale);
+  TORCH_CHECK(k <= kW8A8TiledMaxIn, "kiln::linear_w8a8_tiled: at most ", kW8A8TiledMaxIn,
+              " inputs (the int32 sums of 255 * 128 a product), got ", k);
+  return run_linear(x, k, n, bias, active().linear_w8a8_tiled_f32, active().linear_w8a8_tiled_bf16,
+                    static_cast<const uint8_t*>(qweight.data_ptr()), scales.data_ptr<float>(),
+                    static_cast<float>(input_scale));
+}
+
 at::Tensor linear_fp8(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
                       const c10::optional<at::Tensor>& bias) {
   return per_channel_linear<uint8_t>("linear_fp8", x, qweight, at::kFloat8_e4m3fn, scales, bias, active().linear_fp8_f32,
