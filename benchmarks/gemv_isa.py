@@ -17,8 +17,8 @@ the same run); every copy is read once, untimed, before the timed calls:
     python benchmarks/gemv_isa.py --isa avx2vnni avx512bf16 --cold 256
 
 --rows N times calls of N input rows instead (a step of N sequences), --kinds picks kernel kinds
-("int8 tiled": W8A16 on the tiled int8 layout, AVX-512 engines' int8 linears; bf16 runs on the
-tiled bf16 layout on the avx512amx level, as engines do there) and
+("int8 tiled": W8A16 on the tiled int8 layout, AVX-512 engines' int8 linears; bf16 and W8A8 run
+on their tiled layouts on the avx512amx level, as engines do there) and
 --output-projection adds the output projection's shape (49,152 x 576):
 
     python benchmarks/gemv_isa.py --isa avx512bf16 avx512amx --rows 16 --kinds "int4 tiled" \
@@ -45,7 +45,7 @@ GROUP = 64
 
 KINDS = ["int4 tiled", "w4a8 tiled", "int8 rows", "w8a8", "fp8", "bf16"]
 EXTRA_KINDS = ["int8 tiled"]  # only with --kinds
-BF16_TILED = {"on": False}  # whether the level being timed lays bf16 weights out tiled (AMX), set per turn
+TILED = {"bf16": False, "w8a8": False}  # whether the level being timed lays these out tiled (AMX), set per turn
 
 
 def kernel(kind: str, n: int, k: int, g: torch.Generator):
@@ -68,7 +68,11 @@ def kernel(kind: str, n: int, k: int, g: torch.Generator):
         if kind == "int8 rows":
             return (lambda x: ops.linear_w8(x, w8, s8)), w8.nbytes + s8.nbytes
         w8sum = w8.to(torch.int32).sum(dim=1, dtype=torch.int32)
-        return (lambda x: ops.linear_w8a8(x, w8, s8, w8sum)), w8.nbytes + s8.nbytes
+        if not ops.w8a8_tiles_fit(n, k):
+            return (lambda x: ops.linear_w8a8(x, w8, s8, w8sum)), w8.nbytes + s8.nbytes
+        t8 = ops.to_hugepages(ops.pack_int8_tiled(w8))  # the layout of the avx512amx level (a second copy)
+        return (lambda x: ops.linear_w8a8_tiled(x, t8, s8) if TILED["w8a8"] else ops.linear_w8a8(x, w8, s8, w8sum)), \
+            w8.nbytes + s8.nbytes
     if kind == "fp8":
         wf8 = ops.to_hugepages((torch.randn(n, k, generator=g) * 64).to(torch.float8_e4m3fn))
         return (lambda x: ops.linear_fp8(x, wf8, s8)), wf8.nbytes + s8.nbytes
@@ -76,7 +80,7 @@ def kernel(kind: str, n: int, k: int, g: torch.Generator):
     if not ops.bf16_tiles_fit(n, k):
         return (lambda x: ops.linear(x, wb)), wb.nbytes
     wt = ops.to_hugepages(ops.pack_bf16_tiled(wb))  # the layout of the avx512amx level (a second copy)
-    return (lambda x: ops.linear_bf16_tiled(x, wt) if BF16_TILED["on"] else ops.linear(x, wb)), wb.nbytes
+    return (lambda x: ops.linear_bf16_tiled(x, wt) if TILED["bf16"] else ops.linear(x, wb)), wb.nbytes
 
 
 def main() -> None:
@@ -108,7 +112,7 @@ def main() -> None:
     tiled = {}
     for isa in args.isa:
         ops.select_isa(isa)
-        tiled[isa] = ops.tiled("bf16")
+        tiled[isa] = {layout: ops.tiled(layout) for layout in TILED}
     ops.select_isa(start_isa)
     rows = []
     try:
@@ -128,13 +132,13 @@ def main() -> None:
                 times = {name: [] for name in names}
                 for isa, pf in variants:  # warm up each variant
                     ops.select_isa(isa), ops.set_prefetch(pf)
-                    BF16_TILED["on"] = tiled[isa]
+                    TILED.update(tiled[isa])
                     for _ in range(5):
                         next(runs)(x)
                 for _ in range(args.calls):
                     for name, (isa, pf) in zip(names, variants):
                         ops.select_isa(isa), ops.set_prefetch(pf)
-                        BF16_TILED["on"] = tiled[isa]
+                        TILED.update(tiled[isa])
                         run = next(runs)
                         t0 = time.perf_counter()
                         run(x)
