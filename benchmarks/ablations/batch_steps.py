@@ -9,9 +9,11 @@ all B together. Shows how a step's time grows with its rows (tok/s = B / step ti
         --batch-invariant off    # the tactics' routes instead of one route at every row count
     PYTHONPATH=. python benchmarks/ablations/batch_steps.py out/smollm2-int4-awq/engine --profile 16
     PYTHONPATH=. python benchmarks/ablations/batch_steps.py out/smollm2-int4-awq/engine --phases 16 --threads 1
+    PYTHONPATH=. python benchmarks/ablations/batch_steps.py out/smollm2-int4-awq/engine --prefill-phases 4 --threads 2
 
 --phases B splits a B-row step inside kiln::decode_layers by the library's step clock (linears,
-attention, norms, activation; decode_profile.py --phases does so for one sequence).
+attention, norms, activation; decode_profile.py --phases does so for one sequence);
+--prefill-phases P does so for one step prefilling P prompts of --cached tokens together.
 
 Prints medians of --rounds rounds and writes JSON. No timing is asserted anywhere."""
 from __future__ import annotations
@@ -57,6 +59,31 @@ def batch_timer(engine, rows: int, cached: int, steps: int):
     return run
 
 
+def prefill_timer(engine, prompts: int, tokens: int):
+    """run() -> ms of one step prefilling `prompts` prompts of `tokens` tokens each together (as
+    the scheduler packs simultaneous arrivals into one step)."""
+    from kiln.runtime.model import KVPool, StepContext
+
+    model, block = engine.model, engine.limits.kv_block_size
+    per_seq = -(-tokens // block)
+    pool = KVPool(engine.spec, prompts * per_seq, block, model.kv_dtype)
+    tables = [list(range(s * per_seq, (s + 1) * per_seq)) for s in range(prompts)]
+    context = StepContext(positions=torch.arange(tokens).repeat(prompts),
+                          query_start=torch.arange(0, prompts * tokens + 1, tokens, dtype=torch.int32),
+                          context_lens=torch.zeros(prompts, dtype=torch.int32),
+                          block_tables=torch.tensor(tables, dtype=torch.int32),
+                          logits_rows=torch.arange(tokens - 1, prompts * tokens, tokens))
+    ids = torch.arange(100, 100 + prompts * tokens) % engine.spec.vocab_size
+
+    def run() -> float:
+        start = time.perf_counter()
+        model.forward(ids, context, pool)
+        return (time.perf_counter() - start) * 1000
+
+    run()  # warm up
+    return run
+
+
 def prefill_ms(engine, tokens: int, rounds: int) -> float:
     """The median time of one `tokens`-token prompt's prefill (a step of that many rows)."""
     from kiln.runtime.model import KVPool, StepContext
@@ -86,6 +113,8 @@ def main() -> None:
     parser.add_argument("--profile", type=int, default=None, metavar="ROWS", help="profile a ROWS-row step instead")
     parser.add_argument("--phases", type=int, default=None, metavar="ROWS",
                         help="a ROWS-row step's phases inside decode_layers instead (the step clock)")
+    parser.add_argument("--prefill-phases", type=int, default=None, metavar="PROMPTS",
+                        help="a step prefilling PROMPTS prompts of --cached tokens together, its phases instead")
     parser.add_argument("--prefill", type=int, nargs="*", default=[], metavar="TOKENS",
                         help="also time one prompt of each of these lengths (a step of that many rows)")
     parser.add_argument("--json", type=Path, default=None)
@@ -105,12 +134,17 @@ def main() -> None:
             run()
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=20))
         return
-    if args.phases:
+    if args.phases or args.prefill_phases:
         from decode_profile import phase_rounds
 
         torch.set_num_threads(args.threads[0])
-        rounds = phase_rounds(batch_timer(engine, args.phases, args.cached, args.steps), args.rounds)
-        print(f"{args.phases} rows, {args.threads[0]} thread(s), ms a step (median of {args.rounds} rounds):")
+        if args.phases:
+            timer, what = batch_timer(engine, args.phases, args.cached, args.steps), f"{args.phases} rows"
+        else:
+            timer = prefill_timer(engine, args.prefill_phases, args.cached)
+            what = f"{args.prefill_phases} prompts of {args.cached} tokens prefilled together"
+        rounds = phase_rounds(timer, args.rounds)
+        print(f"{what}, {args.threads[0]} thread(s), ms a step (median of {args.rounds} rounds):")
         for name in rounds[0]:
             print(f"  {name:>24}: {statistics.median(r[name] for r in rounds):8.2f}")
         return
