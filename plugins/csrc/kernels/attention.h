@@ -166,13 +166,46 @@ inline void group_pv_plain(float* acc, int64_t heads, int64_t a_stride, const fl
 }
 
 #if !defined(KILN_ISA_SCALAR)
+// group_scores_n's whole chunks of kLanes keys for a head of DV vectors, the d loop unrolled and
+// four keys' chains interleaved (one key's chain of DV dependent FMAs alone waits on each FMA's
+// latency); each key's arithmetic as group_scores_n's. Returns the keys done.
+template <int HG, int DV, typename P>
+inline int64_t group_scores_dv(const float* q, int64_t q_stride, const P* k, int64_t stride, int64_t n,
+                               float* scores, int64_t s_stride) {
+  static_assert(kLanes % 4 == 0, "keys four at a time");
+  int64_t i = 0;
+  vfloat acc[HG][kLanes];
+  for (; i + kLanes <= n; i += kLanes) {
+    for (int j = 0; j < kLanes; j += 4) {
+      vfloat a[4][HG];
+      for (int u = 0; u < 4; ++u) {
+        const vfloat k0 = vload(k + (i + j + u) * stride);
+        for (int h = 0; h < HG; ++h) a[u][h] = vmul(vload(q + h * q_stride), k0);
+      }
+      for (int d = 1; d < DV; ++d)
+        for (int u = 0; u < 4; ++u) {
+          const vfloat kd = vload(k + (i + j + u) * stride + d * kLanes);
+          for (int h = 0; h < HG; ++h) a[u][h] = vfma(vload(q + h * q_stride + d * kLanes), kd, a[u][h]);
+        }
+      for (int u = 0; u < 4; ++u)
+        for (int h = 0; h < HG; ++h) acc[h][j + u] = a[u][h];
+    }
+    for (int h = 0; h < HG; ++h) vstore(scores + h * s_stride + i, sum_lanes(acc[h]));
+  }
+  return i;
+}
+
 // scores[h * s_stride + i] = q_h . k_i for HG heads (q_h at q + h * q_stride) and the n keys of a
 // block (key i at k + i * stride), kLanes keys at a time
 template <int HG, typename P>
 inline void group_scores_n(const float* q, int64_t q_stride, const P* k, int64_t stride, int64_t n, int64_t head_dim,
                            float* scores, int64_t s_stride) {
   int64_t i = 0;
-  if (head_dim % kLanes == 0) {
+  if (head_dim == 4 * kLanes) {  // 64 on AVX-512, 32 on AVX2
+    i = group_scores_dv<HG, 4>(q, q_stride, k, stride, n, scores, s_stride);
+  } else if (head_dim == 8 * kLanes) {  // 128 on AVX-512, 64 on AVX2
+    i = group_scores_dv<HG, 8>(q, q_stride, k, stride, n, scores, s_stride);
+  } else if (head_dim % kLanes == 0) {
     vfloat acc[HG][kLanes];
     for (; i + kLanes <= n; i += kLanes) {
       for (int j = 0; j < kLanes; ++j) {
@@ -451,22 +484,26 @@ void paged_attention_impl(const T* qkv, const T* cos, const T* sin, P* k_pool, P
       const int64_t blocks = (context + bs - 1) / bs;
       const int64_t b_first = first / bs + c * per_chunk[t], b_last = std::min(blocks, b_first + per_chunk[t]);
       const float* qf = queries.data() + (t * shape.heads + g * group) * head_dim;  // the group's heads
+      // a prefill chunk's keys and values were just written or are read by its other tokens too:
+      // in cache, where requesting them again only costs instructions (decode steps read them
+      // from memory)
+      const bool fetch = query_start[s + 1] - query_start[s] == 1;
       std::fill(acc.begin(), acc.end(), 0.f);
       std::fill(running_max.begin(), running_max.end(), -std::numeric_limits<float>::infinity());
       std::fill(denom.begin(), denom.end(), 0.f);
       // keys / values: the block storage; block_at(b): the storage block holding block b
       auto attend = [&](const auto* keys, const auto* values, auto block_at) {
-        for (int64_t b = b_first; b < std::min(b_last, b_first + ahead); ++b)
+        for (int64_t b = b_first; fetch && b < std::min(b_last, b_first + ahead); ++b)
           prefetch_run(keys, values, block_at(b) * block_stride + g * head_run, std::min(bs, context - b * bs),
                         head_dim);
         for (int64_t b = b_first; b < b_last; ++b) {
           const int64_t skip = std::max<int64_t>(0, first - b * bs);  // keys before the window
           const int64_t n = std::min(bs, context - b * bs) - skip;
           const int64_t at = block_at(b) * block_stride + g * head_run + skip * head_dim;
-          if (b + 1 < b_last)  // again: a prefetch the CPU dropped while many were in flight gets another chance
+          if (fetch && b + 1 < b_last)  // again: a prefetch the CPU dropped while many were in flight gets another chance
             prefetch_run(keys, values, block_at(b + 1) * block_stride + g * head_run,
                           std::min(bs, context - (b + 1) * bs), head_dim);
-          if (ahead > 1 && b + ahead < b_last)
+          if (fetch && ahead > 1 && b + ahead < b_last)
             prefetch_run(keys, values, block_at(b + ahead) * block_stride + g * head_run,
                           std::min(bs, context - (b + ahead) * bs), head_dim);
           group_scores(qf, group, head_dim, keys + at, head_dim, n, head_dim, scores.data(), bs);
