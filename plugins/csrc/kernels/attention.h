@@ -28,12 +28,12 @@
 // A block's scores are computed kLanes keys at a time (one transposing reduction for the kLanes
 // dot products), exponentiated kLanes at a time, and the weighted values summed in registers.
 // The query heads that share a KV head go through its blocks together, so each key and value is
-// loaded and widened once for all of them, and the keys and values of the next blocks are
-// prefetched while one block runs. Each (token, KV head) takes its context in chunks of whole
-// blocks that threads run separately; their partial softmaxes are merged in chunk order. The
-// chunks depend on the token's context alone, so a token's result is the same bits in any batch
-// and on any number of threads (benchmarks/ablations/attention_context.py;
-// tests/plugins/test_attention.py).
+// loaded and widened once for all of them, and a decode token's next blocks of keys and values
+// are prefetched while one block runs (a prefill chunk's are in cache). Each (token, KV head)
+// takes its context in chunks of whole blocks that threads run separately; their partial
+// softmaxes are merged in chunk order. The chunks depend on the token's context alone, so a
+// token's result is the same bits in any batch and on any number of threads
+// (benchmarks/ablations/attention_context.py; tests/plugins/test_attention.py).
 // Included per ISA inside kiln::<isa> after vec.h and hadamard.h.
 
 // x * cos + rotate_half(x) * sin for one head vector, into fp32 (values rounded to T). Only the
