@@ -8,6 +8,7 @@
 //                       takes it at every row count: dense_tiled.h)
 //   amx_configure(n)    tiles 0 .. n - 1 as 16 x 64 bytes, on the calling thread (ldtilecfg;
 //                       the kernels release them with _tile_release at the end of their share)
+//   amx_zero, amx_store C tiles 0-3 by number
 //   amx_pad_rows        a [rows, width] array copied out to whole chunks of 16 rows (zeros)
 
 #if defined(KILN_ISA_AMX)
@@ -24,6 +25,24 @@ inline void amx_configure(int tiles) {
   AmxTileConfig config;
   for (int t = 0; t < tiles; ++t) config.rows[t] = 16, config.colsb[t] = 64;
   _tile_loadconfig(&config);
+}
+
+// C tile c (0-3) zeroed, or stored to 16 rows of 64 bytes at p (the intrinsics take literals)
+inline void amx_zero(int c) {
+  switch (c) {
+    case 0: _tile_zero(0); break;
+    case 1: _tile_zero(1); break;
+    case 2: _tile_zero(2); break;
+    default: _tile_zero(3);
+  }
+}
+inline void amx_store(int c, void* p) {
+  switch (c) {
+    case 0: _tile_stored(0, p, 64); break;
+    case 1: _tile_stored(1, p, 64); break;
+    case 2: _tile_stored(2, p, 64); break;
+    default: _tile_stored(3, p, 64);
+  }
 }
 
 // p [rows, width] -> padded rows (a multiple of 16): p itself if it has them, else a copy in

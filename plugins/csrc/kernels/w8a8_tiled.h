@@ -74,6 +74,31 @@ __attribute__((noinline)) void tiles_w8a8t(const int8_t* q, const int32_t* qsum1
       acc[v * R + r] = _mm512_cvtepi32_ps(_mm512_sub_epi32(a[v * R + r], _mm512_set1_epi32(qsum128[r])));
 }
 
+// One step of 64 inputs (blocks b .. b + 15) against A tile `a`: the rows' inputs into a, then
+// each tile's vectors into B tile 6 or 7 and one tdpbsud into its C tile. (GCC's tile intrinsics
+// take tile numbers as literals: macros, not functions of them.)
+#define KILN_W8A8_TILE(a, c, bt, b, v)                         \
+  _tile_loadd(bt, wt + 64 * (v) + (b) * stride, stride);       \
+  _tile_dpbsud(c, a, bt);
+// P (1 or 2) tiles: C tiles c0 (the first) and c1 (the second)
+#define KILN_W8A8_PAIR_STEP(a, c0, c1, b)                      \
+  {                                                            \
+    _tile_loadd(a, qc + 4 * (b), k);                           \
+    KILN_W8A8_TILE(a, c0, 6, b, 0)                             \
+    if (P == 2) {                                              \
+      KILN_W8A8_TILE(a, c1, 7, b, 1)                           \
+    }                                                          \
+  }
+// a whole tile group: tile v into C tile v, B tiles 6 and 7 on alternate tiles
+#define KILN_W8A8_GROUP_STEP(a, b)                             \
+  {                                                            \
+    _tile_loadd(a, qc + 4 * (b), k);                           \
+    KILN_W8A8_TILE(a, 0, 6, b, 0)                              \
+    KILN_W8A8_TILE(a, 1, 7, b, 1)                              \
+    KILN_W8A8_TILE(a, 2, 6, b, 2)                              \
+    KILN_W8A8_TILE(a, 3, 7, b, 3)                              \
+  }
+
 // P (1 or 2) tiles from t's vectors wt (block b at wt + b * stride) against 16 rows qc: each tile's
 // sums in two C tiles, the even and the odd steps of 64 inputs (tile 0: C 0, 1; tile 1: C 2, 3;
 // four independent sums in flight, as tiled_w8_amx), stored to C[2p], C[2p + 1]; ahead: prefetch
@@ -82,38 +107,14 @@ template <int P>
 inline void amx_w8a8_tiles(const int8_t* qc, const uint8_t* wt, int64_t stride, const TiledLayout& L, int64_t k,
                            bool ahead, int32_t (*C)[kTileRows * kTileRows]) {
   constexpr int64_t step = kAmxK / 4;  // blocks of 4 inputs a tile multiplies
-  _tile_zero(0);
-  _tile_zero(1);
-  if (P == 2) {
-    _tile_zero(2);
-    _tile_zero(3);
-  }
+  for (int c = 0; c < 2 * P; ++c) amx_zero(c);
   for (int64_t b = 0; b < L.kb; b += 2 * step) {
     if (ahead)
       for (int64_t j = b; j < std::min(L.kb, b + 2 * step); ++j) tiles_ahead(wt, j, stride / 64, 0, P);
-    _tile_loadd(4, qc + 4 * b, k);
-    _tile_loadd(6, wt + b * stride, stride);
-    _tile_dpbsud(0, 4, 6);
-    if (P == 2) {
-      _tile_loadd(7, wt + 64 + b * stride, stride);
-      _tile_dpbsud(2, 4, 7);
-    }
-    if (b + step < L.kb) {
-      _tile_loadd(5, qc + 4 * (b + step), k);
-      _tile_loadd(6, wt + (b + step) * stride, stride);
-      _tile_dpbsud(1, 5, 6);
-      if (P == 2) {
-        _tile_loadd(7, wt + 64 + (b + step) * stride, stride);
-        _tile_dpbsud(3, 5, 7);
-      }
-    }
+    KILN_W8A8_PAIR_STEP(4, 0, 2, b)
+    if (b + step < L.kb) KILN_W8A8_PAIR_STEP(5, 1, 3, b + step)
   }
-  _tile_stored(0, C[0], 64);
-  _tile_stored(1, C[1], 64);
-  if (P == 2) {
-    _tile_stored(2, C[2], 64);
-    _tile_stored(3, C[3], 64);
-  }
+  for (int c = 0; c < 2 * P; ++c) amx_store(c, C[c]);
 }
 
 // Four tiles (a whole tile group) from t's vectors wt against 16 rows qc, a step of 64 inputs reading
@@ -122,40 +123,18 @@ inline void amx_w8a8_tiles(const int8_t* qc, const uint8_t* wt, int64_t stride, 
 inline void amx_w8a8_group(const int8_t* qc, const uint8_t* wt, const TiledLayout& L, int64_t k, bool ahead,
                            int32_t (*C)[kTileRows * kTileRows]) {
   constexpr int64_t step = kAmxK / 4, stride = kTileGroup * 64;
-  _tile_zero(0);
-  _tile_zero(1);
-  _tile_zero(2);
-  _tile_zero(3);
+  for (int c = 0; c < 4; ++c) amx_zero(c);
   for (int64_t b = 0; b < L.kb; b += 2 * step) {
     if (ahead)
       for (int64_t j = b; j < std::min(L.kb, b + 2 * step); ++j) tiles_ahead(wt, j, kTileGroup, 0, kTileGroup);
-    _tile_loadd(4, qc + 4 * b, k);
-    _tile_loadd(6, wt + b * stride, stride);
-    _tile_dpbsud(0, 4, 6);
-    _tile_loadd(7, wt + 64 + b * stride, stride);
-    _tile_dpbsud(1, 4, 7);
-    _tile_loadd(6, wt + 128 + b * stride, stride);
-    _tile_dpbsud(2, 4, 6);
-    _tile_loadd(7, wt + 192 + b * stride, stride);
-    _tile_dpbsud(3, 4, 7);
-    if (b + step < L.kb) {
-      const int64_t b1 = b + step;
-      _tile_loadd(5, qc + 4 * b1, k);
-      _tile_loadd(6, wt + b1 * stride, stride);
-      _tile_dpbsud(0, 5, 6);
-      _tile_loadd(7, wt + 64 + b1 * stride, stride);
-      _tile_dpbsud(1, 5, 7);
-      _tile_loadd(6, wt + 128 + b1 * stride, stride);
-      _tile_dpbsud(2, 5, 6);
-      _tile_loadd(7, wt + 192 + b1 * stride, stride);
-      _tile_dpbsud(3, 5, 7);
-    }
+    KILN_W8A8_GROUP_STEP(4, b)
+    if (b + step < L.kb) KILN_W8A8_GROUP_STEP(5, b + step)
   }
-  _tile_stored(0, C[0], 64);
-  _tile_stored(1, C[1], 64);
-  _tile_stored(2, C[2], 64);
-  _tile_stored(3, C[3], 64);
+  for (int c = 0; c < 4; ++c) amx_store(c, C[c]);
 }
+#undef KILN_W8A8_GROUP_STEP
+#undef KILN_W8A8_PAIR_STEP
+#undef KILN_W8A8_TILE
 
 // out [rows, n] from the quantized rows q [rows, k] (k a multiple of kAmxK), rows 16 at a time (the
 // last chunk padded with zero rows): a whole tile group at a time (amx_w8a8_group: 1.08-1.10x the
@@ -169,7 +148,8 @@ void tiled_w8a8_amx(const int8_t* q, const int32_t* qsum128, const float* xs, co
   q = amx_pad_rows(q, rows, padded, k, q_padded);
   parallel_for(0, L.tiles, 1, [&](int64_t begin, int64_t end) {
     amx_configure(8);  // C 0-3; A 4 (even steps), 5 (odd); B 6, 7
-    alignas(64) int32_t C[4][kTileRows * kTileRows];  // [tile, even / odd][row][output]
+    // [slot][row][output]: two tiles' even and odd steps at 2p, 2p + 1, or a whole group's tile v at v
+    alignas(64) int32_t C[4][kTileRows * kTileRows];
     for (int64_t t = begin; t < end;) {
       const int64_t t0 = t / kTileGroup * kTileGroup, U = L.width(t0), u = t - t0;
       // tiles t .. t + P - 1 of one group: all four where the share has them, else two or one
