@@ -129,9 +129,13 @@ def time_linear(linear, key: str, x: torch.Tensor, rows_wanted: list[int], mode:
                 us = median_us(lambda: linear.run(x[:rows], choice), repeats)
                 cache.put(key, rows, choice, us, repeats)
             times[choice] = us
+        recorded = {choice: round(us, 1) for choice, us in times.items()}  # engine.json's 0.1 µs
         for choice in timed:
-            timed[choice].append(round(times[choice], 1) if choice in times else None)
-        best = min(times, key=times.get) if times else names.TACTIC_TORCH  # untimed: the GEMM's streak
+            timed[choice].append(recorded.get(choice))
+        # the faster as recorded, kiln's kernel on a tie (its rows are batch invariant), so the times
+        # in engine.json always show why each choice was made; untimed: the GEMM's streak
+        best = (min(recorded, key=lambda choice: (recorded[choice], choice != names.TACTIC_KILN)) if recorded
+                else names.TACTIC_TORCH)
         torch_streak = torch_streak + 1 if best == names.TACTIC_TORCH else 0
         choices.append(best)
     return {"buckets": rows_wanted, "choices": choices, "kiln_us": timed[names.TACTIC_KILN],
