@@ -192,7 +192,8 @@ def unpack_int8_tiled(packed):
     for t0 in range(0, n // 16, 4):
         u = min(4, n // 16 - t0)
         size = u * 16 * k
-        parts.append(flat[t0 * 16 * k:t0 * 16 * k + size].reshape(k // 4, u, 16, 4).permute(1, 2, 0, 3).reshape(u * 16, k))
+        group = flat[t0 * 16 * k:t0 * 16 * k + size].reshape(k // 4, u, 16, 4)
+        parts.append(group.permute(1, 2, 0, 3).reshape(u * 16, k))
     return torch.cat(parts).to(torch.int8)
 
 

@@ -500,7 +500,8 @@ void paged_attention_impl(const T* qkv, const T* cos, const T* sin, P* k_pool, P
           const int64_t skip = std::max<int64_t>(0, first - b * bs);  // keys before the window
           const int64_t n = std::min(bs, context - b * bs) - skip;
           const int64_t at = block_at(b) * block_stride + g * head_run + skip * head_dim;
-          if (fetch && b + 1 < b_last)  // again: a prefetch the CPU dropped while many were in flight gets another chance
+          // again: a prefetch the CPU dropped while many were in flight gets another chance
+          if (fetch && b + 1 < b_last)
             prefetch_run(keys, values, block_at(b + 1) * block_stride + g * head_run,
                           std::min(bs, context - (b + 1) * bs), head_dim);
           if (fetch && ahead > 1 && b + ahead < b_last)

@@ -6,7 +6,9 @@
 // A linear is one record: its kind (how to run it), tensors, ints and floats, each by name; a
 // layer is its linears' records in KILN_LAYER_LINEARS order, then its own tensors. The plan of
 // a step is the layers' records one after the other, as three flat lists (tensors, ints, floats).
-#define KILN_LINEAR_KINDS(X) X(dense) X(dense_tiled) X(int8) X(int8_tiled) X(int4) X(int4_tiled) X(w4a8) X(w4a8_tiled) X(w8a8) X(w8a8_tiled) X(fp8)
+#define KILN_LINEAR_KINDS(X)                                                                        \
+  X(dense) X(dense_tiled) X(int8) X(int8_tiled) X(int4) X(int4_tiled) X(w4a8) X(w4a8_tiled) X(w8a8) \
+  X(w8a8_tiled) X(fp8)
 // weight (or qweight), scales, bias, the AWQ / SmoothQuant input pre-scale, W8A8's sum of each weight row
 #define KILN_LINEAR_TENSORS(X) X(weight) X(scales) X(bias) X(pre_scale) X(weight_sum)
 #define KILN_LINEAR_INTS(X) X(kind) X(group_size)
