@@ -250,21 +250,33 @@ class QuantLinear(Routed):
         return self.run(x, names.TACTIC_KILN if self.uses_kernel(x.shape[0]) else names.TACTIC_TORCH)
 
 
-class Int8Linear(QuantLinear):
-    """Where the host's kernels prefer it (ops.tiled("int8")), the weights are reordered once, at
-    load, into the tiled layout of linear_w8_tiled (ops.pack_int8_tiled; the engine file keeps
-    [out, in])."""
+class TiledInt8:
+    """int8 weights [out, in] are reordered once, at load, into the tiled int8 layout
+    (ops.pack_int8_tiled; the engine file keeps [out, in]) where the host's kernels for the kind
+    take it (ops.tiled(tiled_layout)) and the shape allows it (tiles_fit)."""
+
+    tiled_layout = tiled_plan_kind = ""
+    tiles_fit = staticmethod(ops.int8_tiles_fit)
+
+    def tile(self) -> None:
+        out_features, in_features = self.qweight.shape
+        self.tiled = ops.tiled(self.tiled_layout) and self.tiles_fit(out_features, in_features)
+        if self.tiled:
+            self.qweight, self.plan_kind = ops.pack_int8_tiled(self.qweight), self.tiled_plan_kind
+
+
+class Int8Linear(TiledInt8, QuantLinear):
+    """Where the host's kernels prefer it (ops.tiled("int8")), the weights run linear_w8_tiled on
+    the tiled layout (TiledInt8)."""
 
     kind = names.LINEAR_INT8
     plan_kind = "int8"
+    tiled_layout, tiled_plan_kind = "int8", "int8_tiled"
     kernel_rows = float("inf")  # bf16, AVX2 (Zen 3): the kernel 1.3-1.5x dequantize + GEMM at 256 rows, 3.4-4.3x at 16
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        out_features, in_features = self.qweight.shape
-        self.tiled = ops.tiled("int8") and ops.int8_tiles_fit(out_features, in_features)
-        if self.tiled:
-            self.qweight, self.plan_kind = ops.pack_int8_tiled(self.qweight), "int8_tiled"
+        self.tile()
 
     def gemv(self, x):
         if self.tiled:
@@ -333,14 +345,16 @@ class W4A8Linear(TiledInt4, QuantLinear):
         return op(x, self.qweight, self.scales, self.group_size, self.bias)
 
 
-class W8A8Linear(QuantLinear):
+class W8A8Linear(TiledInt8, QuantLinear):
     """Activations int8 per row at run time, or with one static input_scale when the engine has
     one (Model Optimizer's W8A8_SQ_PER_CHANNEL checkpoints). Where the host multiplies int8 on AMX
-    tiles (ops.tiled("w8a8")), the weights are reordered once, at load, into the tiled int8 layout
-    (ops.pack_int8_tiled) and run linear_w8a8_tiled: the same outputs, bit for bit."""
+    tiles (ops.tiled("w8a8")), the weights take the tiled int8 layout (TiledInt8) and run
+    linear_w8a8_tiled: the same outputs, bit for bit."""
 
     kind = names.LINEAR_W8A8
     plan_kind = "w8a8"
+    tiled_layout, tiled_plan_kind = "w8a8", "w8a8_tiled"
+    tiles_fit = staticmethod(ops.w8a8_tiles_fit)
     kernel_rows = float32_kernel_rows = float("inf")  # int8 activations are the algorithm: no other route
 
     def candidates(self) -> tuple[str, ...]:
@@ -348,10 +362,7 @@ class W8A8Linear(QuantLinear):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        out_features, in_features = self.qweight.shape
-        self.tiled = ops.tiled("w8a8") and ops.w8a8_tiles_fit(out_features, in_features)
-        if self.tiled:
-            self.qweight, self.plan_kind = ops.pack_int8_tiled(self.qweight), "w8a8_tiled"
+        self.tile()
 
     def gemv(self, x):
         if self.tiled:

@@ -86,18 +86,8 @@ def prefill_timer(engine, prompts: int, tokens: int):
 
 def prefill_ms(engine, tokens: int, rounds: int) -> float:
     """The median time of one `tokens`-token prompt's prefill (a step of that many rows)."""
-    from kiln.runtime.model import KVPool, StepContext
-
-    model, block = engine.model, engine.limits.kv_block_size
-    table = list(range(-(-tokens // block)))
-    pool = KVPool(engine.spec, len(table), block, model.kv_dtype)
-    prompt = torch.arange(100, 100 + tokens)
-    times = []
-    for _ in range(rounds + 1):  # the first warms up
-        start = time.perf_counter()
-        model.forward(prompt, StepContext.single(0, tokens, table), pool)
-        times.append((time.perf_counter() - start) * 1000)
-    return statistics.median(times[1:])
+    run = prefill_timer(engine, 1, tokens)
+    return statistics.median(run() for _ in range(rounds))
 
 
 def main() -> None:

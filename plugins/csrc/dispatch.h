@@ -60,10 +60,12 @@ std::string active_isa() { return active().isa; }
 // The weight layouts the runtime should make at load for the active ISA, comma-separated
 // ("int4,int8,bf16,w8a8": all four tiled)
 std::string tiled_layouts() {
-  std::string out = active().tiled_int4 ? "int4" : "";
-  if (active().tiled_int8) out += out.empty() ? "int8" : ",int8";
-  if (active().tiled_bf16) out += out.empty() ? "bf16" : ",bf16";
-  if (active().tiled_w8a8) out += out.empty() ? "w8a8" : ",w8a8";
+  const Kernels& k = active();
+  const std::pair<const char*, bool> layouts[] = {
+      {"int4", k.tiled_int4}, {"int8", k.tiled_int8}, {"bf16", k.tiled_bf16}, {"w8a8", k.tiled_w8a8}};
+  std::string out;
+  for (const auto& [name, tiled] : layouts)
+    if (tiled) out += (out.empty() ? "" : ",") + std::string(name);
   return out;
 }
 

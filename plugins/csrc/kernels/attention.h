@@ -493,20 +493,18 @@ void paged_attention_impl(const T* qkv, const T* cos, const T* sin, P* k_pool, P
       std::fill(denom.begin(), denom.end(), 0.f);
       // keys / values: the block storage; block_at(b): the storage block holding block b
       auto attend = [&](const auto* keys, const auto* values, auto block_at) {
-        for (int64_t b = b_first; fetch && b < std::min(b_last, b_first + ahead); ++b)
-          prefetch_run(keys, values, block_at(b) * block_stride + g * head_run, std::min(bs, context - b * bs),
-                        head_dim);
+        auto prefetch_block = [&](int64_t b) {  // this KV head's keys and values of block b, if the item has it
+          if (fetch && b < b_last)
+            prefetch_run(keys, values, block_at(b) * block_stride + g * head_run, std::min(bs, context - b * bs),
+                         head_dim);
+        };
+        for (int64_t b = b_first; b < b_first + ahead; ++b) prefetch_block(b);
         for (int64_t b = b_first; b < b_last; ++b) {
           const int64_t skip = std::max<int64_t>(0, first - b * bs);  // keys before the window
           const int64_t n = std::min(bs, context - b * bs) - skip;
           const int64_t at = block_at(b) * block_stride + g * head_run + skip * head_dim;
-          // again: a prefetch the CPU dropped while many were in flight gets another chance
-          if (fetch && b + 1 < b_last)
-            prefetch_run(keys, values, block_at(b + 1) * block_stride + g * head_run,
-                          std::min(bs, context - (b + 1) * bs), head_dim);
-          if (fetch && ahead > 1 && b + ahead < b_last)
-            prefetch_run(keys, values, block_at(b + ahead) * block_stride + g * head_run,
-                          std::min(bs, context - (b + ahead) * bs), head_dim);
+          prefetch_block(b + 1);  // again: a prefetch the CPU dropped while many were in flight gets another chance
+          if (ahead > 1) prefetch_block(b + ahead);
           group_scores(qf, group, head_dim, keys + at, head_dim, n, head_dim, scores.data(), bs);
           for (int64_t j = 0; j < group; ++j) {
             float* sj = scores.data() + j * bs;

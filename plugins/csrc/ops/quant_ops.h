@@ -70,12 +70,16 @@ at::Tensor dequantize_int4_tiled(const at::Tensor& qweight, const at::Tensor& sc
                            active().dequantize_int4_tiled_f32, active().dequantize_int4_tiled_bf16);
 }
 
+static void check_w8a8_input_scale(const char* op, double input_scale) {
+  TORCH_CHECK(std::isfinite(input_scale) && input_scale >= 0, "kiln::", op, ": input_scale must be 0 (per-row "
+              "dynamic) or a positive static scale, got ", input_scale);
+}
+
 at::Tensor linear_w8a8(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
                        const at::Tensor& weight_sum, const c10::optional<at::Tensor>& bias, double input_scale) {
   const int64_t k = qweight.size(1), n = qweight.size(0);
   check_linear_args("linear_w8a8", x, qweight, at::kChar, scales, k, bias);
-  TORCH_CHECK(std::isfinite(input_scale) && input_scale >= 0, "kiln::linear_w8a8: input_scale must be 0 (per-row "
-              "dynamic) or a positive static scale, got ", input_scale);
+  check_w8a8_input_scale("linear_w8a8", input_scale);
   TORCH_CHECK(weight_sum.scalar_type() == at::kInt && weight_sum.is_contiguous() && weight_sum.numel() == n,
               "kiln::linear_w8a8: weight_sum must be contiguous int32 [", n, "]");
   return run_linear(x, k, n, bias, active().linear_w8a8_f32, active().linear_w8a8_bf16,
@@ -90,8 +94,7 @@ at::Tensor linear_w8a8_tiled(const at::Tensor& x, const at::Tensor& qweight, con
   check_tiled8("linear_w8a8_tiled", qweight, at::kByte);
   const int64_t k = qweight.size(1), n = qweight.size(0);
   check_linear_args("linear_w8a8_tiled", x, qweight, at::kByte, scales, k, bias);
-  TORCH_CHECK(std::isfinite(input_scale) && input_scale >= 0, "kiln::linear_w8a8_tiled: input_scale must be 0 "
-              "(per-row dynamic) or a positive static scale, got ", input_scale);
+  check_w8a8_input_scale("linear_w8a8_tiled", input_scale);
   TORCH_CHECK(k <= kW8A8TiledMaxIn, "kiln::linear_w8a8_tiled: at most ", kW8A8TiledMaxIn,
               " inputs (the int32 sums of 255 * 128 a product), got ", k);
   return run_linear(x, k, n, bias, active().linear_w8a8_tiled_f32, active().linear_w8a8_tiled_bf16,
