@@ -42,7 +42,7 @@ def render_configs(config: BuildConfig, repo_dir: Path, engine_dir: Path) -> dic
             {names.ENGINE_DIR_PARAMETER: engine_rel}, decoupled=True),
         models[names.ROLE_POSTPROCESSING]: mc.python_model(
             models[names.ROLE_POSTPROCESSING], batch, mc.POSTPROCESSING_INPUTS, mc.POSTPROCESSING_OUTPUTS,
-            tokenizer, instances),
+            tokenizer, instances, dynamic_batching=True),  # a call per streamed response: batched under load
         models[names.ROLE_BLS]: mc.python_model(
             models[names.ROLE_BLS], batch, mc.TEXT_INPUTS, mc.TEXT_OUTPUTS,
             {**tokenizer, names.PREPROCESSING_MODEL_PARAMETER: models[names.ROLE_PREPROCESSING],

@@ -10,6 +10,8 @@ Weights arrive already packed by the builder (QKV fused, gate/up fused; Gemma's 
 stored as their multipliers)."""
 from __future__ import annotations
 
+import math
+import mmap
 from dataclasses import dataclass
 
 import torch
@@ -105,19 +107,34 @@ class StepContext:
         )
 
 
+def empty_in_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """An uninitialized tensor in private anonymous memory advised for 2 MB transparent huge pages
+    (madvise; where the kernel has none the pages stay 4 KB). Untouched pages take no memory until
+    written, as torch.empty's. A decode step's attention reads a 4 KB run of keys and of values
+    from each of many scattered blocks: a 16-sequence step's took 1.08-1.18x less time on one
+    thread in huge pages than in 4 KB ones (docs/benchmarks.md)."""
+    element = torch.empty(0, dtype=dtype).element_size()
+    nbytes = element * math.prod(shape)
+    region = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        region.madvise(mmap.MADV_HUGEPAGE)
+    # frombuffer holds a reference to the region: it is unmapped when the last view goes
+    return torch.frombuffer(region, dtype=torch.uint8)[:nbytes].view(dtype).view(shape)
+
+
 class KVPool:
     """The key/value blocks: [slots, 2, num_blocks, kv_heads, block_size, head_dim], each layer
     at its slot of the layout (kv_layout). grouped=False (a private pool, e.g. one sequence's): one
     group, every layer a slot of its own, one block table. grouped=True (the executor's): layers of
     one sliding window share a table, so a window's blocks can be released as it moves. One
-    allocation, left uninitialized (attention reads only slots written before): its pages become
-    resident as they are first written, unless reserve() writes them all up front."""
+    allocation in huge pages, left uninitialized (attention reads only slots written before): its
+    pages become resident as they are first written, unless reserve() writes them all up front."""
 
     def __init__(self, spec: ModelSpec, num_blocks: int, block_size: int, dtype: torch.dtype,
                  grouped: bool = False):
         self.layout = self.layout_for(spec, grouped)
-        self.storage = torch.empty(self.layout.slots, 2, num_blocks, spec.num_kv_heads, block_size,
-                                   spec.head_dim, dtype=dtype)
+        shape = (self.layout.slots, 2, num_blocks, spec.num_kv_heads, block_size, spec.head_dim)
+        self.storage = empty_in_huge_pages(shape, dtype)
         where = self.layout.slot_and_group()
         self.keys = [self.storage[slot, 0] for slot, _ in where]
         self.values = [self.storage[slot, 1] for slot, _ in where]

@@ -173,11 +173,15 @@ def _parameters(values: dict[str, str]) -> str:
 
 
 def python_model(name: str, max_batch_size: int, inputs, outputs, parameters: dict[str, str],
-                 instances: int = 1, decoupled: bool = False) -> str:
+                 instances: int = 1, decoupled: bool = False, dynamic_batching: bool = False) -> str:
+    """A Python-backend model's config.pbtxt. dynamic_batching: requests that queued while the
+    instance was busy reach it together, in one execute call (no queue delay is added)."""
     text = f'name: "{name}"\nbackend: "python"\nmax_batch_size: {max_batch_size}\n'
     if decoupled:
         text += "model_transaction_policy { decoupled: true }\n"
     text += _tensors("input", inputs) + _tensors("output", outputs) + _parameters(parameters)
+    if dynamic_batching:
+        text += "dynamic_batching { }\n"
     return text + f"instance_group [ {{ count: {instances}, kind: KIND_CPU }} ]\n"
 
 

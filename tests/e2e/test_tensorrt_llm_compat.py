@@ -128,6 +128,19 @@ def test_tensors_have_tensorrt_llms_types_and_dims(server, model, inputs, output
         assert got_in["random_seed"] == ("TYPE_UINT64", [1]) and got_in["min_length"] == ("TYPE_INT32", [1])
 
 
+def test_postprocessing_takes_the_streamed_responses_that_queued_in_one_call(server):
+    """Every streamed response is a postprocessing request: under load, those that queued while
+    the instance was busy reach it together (dynamic batching, with no queue delay added); the
+    decoupled engine model schedules its own requests."""
+    def config_of(model):
+        with urllib.request.urlopen(f"http://{server.http_url}/v2/models/{model}/config") as response:
+            return json.loads(response.read())
+    batching = config_of("postprocessing").get("dynamic_batching")
+    assert batching is not None, "postprocessing has no dynamic_batching"
+    assert int(batching.get("max_queue_delay_microseconds", 0)) == 0, batching
+    assert "dynamic_batching" not in config_of("tensorrt_llm")
+
+
 # --- each input changes the result as documented (docs/triton.md) ----------------------
 def test_max_tokens_and_token_counts(server):
     out = generate(server, {"text_input": PROMPT, "max_tokens": 7, "return_num_output_tokens": True,

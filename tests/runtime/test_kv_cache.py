@@ -1,5 +1,8 @@
-"""KVCacheManager and Scheduler on their own (no model)."""
+"""KVCacheManager and Scheduler on their own (no model), and the memory the KV pool lies in."""
+import sys
+
 import pytest
+import torch
 
 from kiln.runtime.kv_cache import KVCacheManager
 from kiln.runtime.sampling import SamplingParams
@@ -277,3 +280,33 @@ def test_guaranteed_no_evict_reserves_a_window_groups_window_only():
     sched.add(requests[2])
     assert [(s.request_id, n) for s, n in sched.schedule()] == [(1, 1), (2, 1)]
     assert requests[2].status is Status.WAITING
+
+
+def vm_flags_of(address: int) -> list[str]:
+    """The VmFlags of the mapping holding address (/proc/self/smaps)."""
+    inside = False
+    with open("/proc/self/smaps") as smaps:
+        for line in smaps:
+            head = line.split()[0]
+            if "-" in head and ":" not in head:
+                start, end = (int(x, 16) for x in head.split("-"))
+                inside = start <= address < end
+            elif inside and line.startswith("VmFlags:"):
+                return line.split()[1:]
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc/self/smaps is Linux's")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.int8, torch.float32])
+def test_the_kv_pools_memory_is_advised_for_huge_pages_and_holds_what_is_written(dtype):
+    from kiln.runtime.model import empty_in_huge_pages
+
+    shape = (2, 2, 37, 3, 16, 64)  # not a whole number of 2 MB pages
+    pool = empty_in_huge_pages(shape, dtype)
+    assert pool.shape == shape and pool.dtype == dtype and pool.is_contiguous()
+    assert "hg" in vm_flags_of(pool.data_ptr()), "the pool's mapping is not advised for huge pages (MADV_HUGEPAGE)"
+    values = torch.randint(-100, 100, shape, generator=torch.Generator().manual_seed(7)).to(dtype)
+    pool.copy_(values)
+    view = pool[1, 0]  # as KVPool takes each layer's keys
+    del pool
+    assert torch.equal(view, values[1, 0])  # the region outlives the tensor it was made for
