@@ -110,11 +110,11 @@ class StepContext:
 def empty_in_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """An uninitialized tensor in private anonymous memory advised for 2 MB transparent huge pages
     (madvise; where the kernel has none the pages stay 4 KB). Untouched pages take no memory until
-    written, as torch.empty's. A decode step's attention reads a 4 KB run of keys and of values
-    from each of many scattered blocks: a 16-sequence step's took 1.08-1.18x less time on one
-    thread in huge pages than in 4 KB ones (docs/benchmarks.md)."""
-    element = torch.empty(0, dtype=dtype).element_size()
-    nbytes = element * math.prod(shape)
+    written, as torch.empty's; ops.to_hugepages, the weights' route, copies into its memory and so
+    writes every page, which kv_cache_reserve: false must not. A decode step's attention reads a
+    4 KB run of keys and of values from each of many scattered blocks: a 16-sequence step's took
+    1.08-1.18x less time on one thread in huge pages than in 4 KB ones (docs/benchmarks.md)."""
+    nbytes = dtype.itemsize * math.prod(shape)
     region = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     if hasattr(mmap, "MADV_HUGEPAGE"):
         region.madvise(mmap.MADV_HUGEPAGE)
