@@ -1,5 +1,6 @@
 """kiln::paged_attention for one decode token (SmolLM2's 9 heads / 3 KV heads / 64, bf16 pool) at
-several cached lengths, for a 128-token prefill chunk, and for 16 and 64 sequences decoding
+several cached lengths, for 128-token prefill chunks (one alone, four together, one after 384 cached
+tokens), and for 16 and 64 sequences decoding
 together at 136 cached tokens each (their blocks scattered over a pool, as a serving pool's are),
 on 1 and 2 threads: warm (called again and again) and cold (64 MB read between calls, as the
 weights a decode step streams evict the KV cache). Median of the calls.
@@ -26,7 +27,7 @@ from pathlib import Path
 # a 128-token prefill chunk (its RoPE, KV write and causal attention), and many sequences' decode
 # tokens together
 CASES = (("1", 1, 1, 1), ("190", 1, 190, 1), ("1000", 1, 1000, 1), ("4000", 1, 4000, 1), ("prefill128", 1, 0, 128),
-         ("16x136", 16, 136, 1), ("64x136", 64, 136, 1))
+         ("4xprefill128", 4, 0, 128), ("prefill128+384", 1, 384, 128), ("16x136", 16, 136, 1), ("64x136", 64, 136, 1))
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 32
 
 

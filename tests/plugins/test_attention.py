@@ -311,16 +311,27 @@ def decode_row(batch, t):
             "context_lens": torch.tensor([position], dtype=torch.int32)}
 
 
-@pytest.mark.parametrize("pool_dtype", [None, torch.int8], ids=["bf16-pool", "int8-pool"])
-def test_attention_does_not_depend_on_the_batch_or_the_thread_count(isa, pool_dtype):
+INVARIANCE_CASES = [
+    # pool dtype, (heads, kv_heads, head_dim, block_size, seqs, max_new, max_context)
+    (None, (9, 3, 64, 32, 3, 12, 2000)),     # SmolLM2's GQA 3: five tokens a tile on AMX
+    (torch.int8, (9, 3, 64, 32, 3, 12, 2000)),
+    (None, (4, 4, 64, 16, 2, 20, 2100)),     # MHA, 16 tokens a tile, chunks of 5 blocks past 2,048
+    (None, (16, 2, 128, 48, 2, 9, 300)),     # GQA 8, head_dim 128, a block of 48 (keys in 32 + 16)
+    (None, (12, 2, 96, 32, 2, 7, 400)),      # GQA 6, head_dim 96 (three steps of 32 dims)
+]
+
+
+@pytest.mark.parametrize("pool_dtype,shape", INVARIANCE_CASES,
+                         ids=["bf16-pool", "int8-pool", "mha-long", "gqa8-hd128", "gqa6-hd96"])
+def test_attention_does_not_depend_on_the_batch_or_the_thread_count(isa, pool_dtype, shape):
     """A token's attention is the same bits in a prefill chunk of several sequences as in a decode
     step of its own, and on 1, 2 or 3 threads, over contexts long enough to be split into chunks
     that different threads run and that are merged afterwards (up to 16 at 2,000 positions)."""
-    rng = random.Random(f"invariance{isa}{pool_dtype}")
-    batch = random_batch(rng, torch.bfloat16, 9, 3, 64, 32, 3, 12, 2000)
+    rng = random.Random(f"invariance{isa}{pool_dtype}{shape}")
+    batch = random_batch(rng, torch.bfloat16, *shape)
     if pool_dtype is not None:
         batch = quantized_pools(batch, pool_dtype, torch.Generator().manual_seed(rng.randrange(2**31)))
-    scale = 64**-0.5
+    scale = shape[2] ** -0.5
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
@@ -334,3 +345,31 @@ def test_attention_does_not_depend_on_the_batch_or_the_thread_count(isa, pool_dt
                 assert torch.equal(alone[0], whole[t]), f"token {t} alone on {threads} threads"
     finally:
         torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("heads,kv_heads,dim,bs", [(9, 3, 64, 32), (4, 4, 64, 16), (8, 1, 32, 48)])
+def test_a_prompt_in_chunks_of_any_size_is_the_same_bits_as_in_one(isa, heads, kv_heads, dim, bs):
+    """A bf16 prompt prefilled in chunks of 1 to 60 tokens (the scheduler's token budget decides
+    them) gives every token the same bits as one pass over the whole prompt: on AMX the chunks
+    group different tokens into tiles, which must not change any token's result."""
+    g = torch.Generator().manual_seed(11)
+    total = 150
+    qkv = torch.randn(total, (heads + 2 * kv_heads) * dim, generator=g).bfloat16()
+    angles = torch.rand(total, dim, generator=g) * 6.3
+    blocks = -(-total // bs)
+    table = torch.randperm(blocks + 2, generator=g)[:blocks].to(torch.int32).reshape(1, blocks)
+
+    def run(a, b, pools):
+        qs = torch.tensor([0, b - a], dtype=torch.int32)
+        return ops.paged_attention(qkv[a:b], *pools, table, qs, torch.tensor([a], dtype=torch.int32),
+                                   angles.cos().bfloat16(), angles.sin().bfloat16(), heads, dim**-0.5)
+
+    def pools():
+        return [torch.zeros(blocks + 2, kv_heads, bs, dim, dtype=torch.bfloat16) for _ in range(2)]
+
+    whole = run(0, total, pools())
+    cuts = [0, 1, 2, 9, 10, 47, 48, 49, 100, 101, total]  # chunks of 1, 7, 37, 52 ... tokens
+    chunked = pools()
+    parts = torch.cat([run(a, b, chunked) for a, b in zip(cuts, cuts[1:])])
+    for t in range(total):
+        assert torch.equal(parts[t], whole[t]), f"token {t}"

@@ -34,7 +34,10 @@
 // softmaxes are merged in chunk order. The chunks depend on the token's context alone, so a
 // token's result is the same bits in any batch and on any number of threads
 // (benchmarks/ablations/attention_context.py; tests/plugins/test_attention.py).
-// Included per ISA inside kiln::<isa> after vec.h and hadamard.h.
+// Where AMX multiplies bf16 (the avx512amx level), a bf16 pool's calls take attention_amx.h's
+// route instead: the tokens of a prefill chunk share tiles (scores and values on AMX), and
+// every token of such a call, decode steps' included, goes that way.
+// Included per ISA inside kiln::<isa> after vec.h, hadamard.h and amx.h.
 
 // x * cos + rotate_half(x) * sin for one head vector, into fp32 (values rounded to T). Only the
 // first `rotary` values rotate (partial rotary, as Phi-4-mini has it: cos / sin hold `rotary`
@@ -339,6 +342,8 @@ inline void prefetch_run(const P* keys, const P* values, int64_t from, int64_t n
 // chunks one token's context is split into
 constexpr int64_t kChunkTokens = 128, kMaxChunks = 16;
 
+#include "attention_amx.h"
+
 template <typename T, typename P>
 void paged_attention_impl(const T* qkv, const T* cos, const T* sin, P* k_pool, P* v_pool, T* out,
                           const int32_t* block_tables, const int32_t* query_start,
@@ -360,6 +365,11 @@ void paged_attention_impl(const T* qkv, const T* cos, const T* sin, P* k_pool, P
     return block_tables[seq * shape.max_blocks + position / bs] * block_stride + (position % bs) * head_dim;
   };
 
+#if defined(KILN_ISA_AMX)  // a bf16 pool on tiles (attention_amx.h); int8 / FP8 pools and fp32 stay here
+  const bool amx = std::is_same_v<T, bf16> && !quantized && amx_attention_fits(shape);
+#else
+  constexpr bool amx = false;
+#endif
   const int64_t qkv_row = (shape.heads + 2 * shape.kv_heads) * head_dim;
   const int64_t q_size = shape.heads * head_dim;
   std::vector<float> inv_scales(quantized ? 2 * row : 0);  // 1 / k_scale, then 1 / v_scale
@@ -377,7 +387,8 @@ void paged_attention_impl(const T* qkv, const T* cos, const T* sin, P* k_pool, P
         rope_into(q, qkv + t * qkv_row + h * head_dim, cos + position * rotary, sin + position * rotary,
                   head_dim, rotary);
         if (shape.key_hadamard) hadamard_inplace(q, head_dim, shape.key_hadamard);
-        for (int64_t d = 0; d < head_dim; ++d) q[d] *= scale;
+        if (!amx)  // the AMX route scales the scores (its queries stay bf16 exactly)
+          for (int64_t d = 0; d < head_dim; ++d) q[d] *= scale;
         if constexpr (quantized)
           for (int64_t d = 0; d < head_dim; ++d) q[d] *= kv_scales[(h / group) * head_dim + d];
       }
@@ -441,7 +452,9 @@ void paged_attention_impl(const T* qkv, const T* cos, const T* sin, P* k_pool, P
     const int64_t position = position_of(t);  // keys [first_key, position]: the blocks from first_key's
     const int64_t blocks = (position + bs) / bs - first_key(position) / bs;
     const int64_t most = std::min((blocks + chunk_blocks - 1) / chunk_blocks, kMaxChunks);
-    per_chunk[t] = (blocks + most - 1) / most;
+    // the AMX route's chunks start at whole multiples of one length, so that the tokens of a tile
+    // share them
+    per_chunk[t] = amx ? std::max(chunk_blocks, (blocks + kMaxChunks - 1) / kMaxChunks) : (blocks + most - 1) / most;
     chunks[t] = (blocks + per_chunk[t] - 1) / per_chunk[t];  // none of them empty
     first_item[t + 1] = first_item[t] + shape.kv_heads * chunks[t];
     first_part[t + 1] = first_part[t] + (chunks[t] > 1 ? shape.heads * chunks[t] : 0);
@@ -466,79 +479,93 @@ void paged_attention_impl(const T* qkv, const T* cos, const T* sin, P* k_pool, P
   // (items i, i + n, i + 2n, ... for thread i of n gave two threads every token's first, longer,
   // chunk on one side: attention 1.4x faster on two threads than on one). An item's result is
   // the same whichever thread computes it.
-  const int64_t items = first_item[tokens];
-  const int64_t shares = std::min<int64_t>(items, thread_count());
-  // the counter on a cache line of its own, not on the one holding the locals every thread reads
-  struct alignas(64) Counter {
-    std::atomic<int64_t> value{0};
-  } next_item;
-  parallel_for(0, shares, 1, [&](int64_t, int64_t) {  // a call runs items until none is left
-    std::vector<float> acc(group * head_dim), scores(group * bs), running_max(group), denom(group);
-    for (int64_t item = next_item.value.fetch_add(1, std::memory_order_relaxed); item < items;
-         item = next_item.value.fetch_add(1, std::memory_order_relaxed)) {
-      const int64_t t = std::upper_bound(first_item.begin(), first_item.end(), item) - first_item.begin() - 1;
-      const int64_t g = (item - first_item[t]) / chunks[t], c = (item - first_item[t]) % chunks[t];
-      const int64_t s = token_seq[t];
-      const int32_t* table = block_tables + s * shape.max_blocks;
-      const int64_t position = position_of(t), context = position + 1, first = first_key(position);
-      const int64_t blocks = (context + bs - 1) / bs;
-      const int64_t b_first = first / bs + c * per_chunk[t], b_last = std::min(blocks, b_first + per_chunk[t]);
-      const float* qf = queries.data() + (t * shape.heads + g * group) * head_dim;  // the group's heads
-      // a prefill chunk's keys and values were just written or are read by its other tokens too:
-      // in cache, where requesting them again only costs instructions (decode steps read them
-      // from memory)
-      const bool fetch = query_start[s + 1] - query_start[s] == 1;
-      std::fill(acc.begin(), acc.end(), 0.f);
-      std::fill(running_max.begin(), running_max.end(), -std::numeric_limits<float>::infinity());
-      std::fill(denom.begin(), denom.end(), 0.f);
-      // keys / values: the block storage; block_at(b): the storage block holding block b
-      auto attend = [&](const auto* keys, const auto* values, auto block_at) {
-        auto prefetch_block = [&](int64_t b) {  // this KV head's keys and values of block b, if the item has it
-          if (fetch && b < b_last)
-            prefetch_run(keys, values, block_at(b) * block_stride + g * head_run, std::min(bs, context - b * bs),
-                         head_dim);
-        };
-        for (int64_t b = b_first; b < b_first + ahead; ++b) prefetch_block(b);
-        for (int64_t b = b_first; b < b_last; ++b) {
-          const int64_t skip = std::max<int64_t>(0, first - b * bs);  // keys before the window
-          const int64_t n = std::min(bs, context - b * bs) - skip;
-          const int64_t at = block_at(b) * block_stride + g * head_run + skip * head_dim;
-          prefetch_block(b + 1);  // again: a prefetch the CPU dropped while many were in flight gets another chance
-          if (ahead > 1) prefetch_block(b + ahead);
-          group_scores(qf, group, head_dim, keys + at, head_dim, n, head_dim, scores.data(), bs);
-          for (int64_t j = 0; j < group; ++j) {
-            float* sj = scores.data() + j * bs;
-            const float block_max = max_of(sj, n);
-            if (block_max > running_max[j]) {
-              const float correction = std::exp(running_max[j] - block_max);
-              denom[j] *= correction;
-              scale_inplace(acc.data() + j * head_dim, correction, head_dim);
-              running_max[j] = block_max;
-            }
-            denom[j] += exp_shifted(sj, n, running_max[j]);
-          }
-          group_pv(acc.data(), group, head_dim, scores.data(), bs, values + at, head_dim, n, head_dim);
-        }
-      };
-      if (widened.empty() || widened[s].empty()) {
-        attend(k_pool, v_pool, [table](int64_t b) { return static_cast<int64_t>(table[b]); });
-      } else {
-        const std::vector<bf16>& copy = widened[s];
-        attend(copy.data(), copy.data() + copy.size() / 2, [](int64_t b) { return b; });
-      }
-      for (int64_t j = 0; j < group; ++j) {
-        const int64_t h = g * group + j;
-        if (chunks[t] == 1) {
-          write_out(out + (t * shape.heads + h) * head_dim, acc.data() + j * head_dim, 1.f / denom[j], g);
-        } else {
-          float* part = parts.get() + (first_part[t] + h * chunks[t] + c) * part_size;
-          part[0] = running_max[j];
-          part[1] = denom[j];
-          std::copy(acc.begin() + j * head_dim, acc.begin() + (j + 1) * head_dim, part + 2);
-        }
-      }
+  if (amx) {
+#if defined(KILN_ISA_AMX)
+    if constexpr (std::is_same_v<T, bf16> && !quantized) {
+      std::vector<int64_t> positions(tokens);
+      for (int64_t t = 0; t < tokens; ++t) positions[t] = position_of(t);
+      std::vector<bf16> queries_bf16(queries.size());  // exactly: rotary embedding rounded them to bf16
+      widen_to_bf16(queries_bf16.data(), queries.data(), static_cast<int64_t>(queries.size()));
+      amx_attend_items({queries_bf16.data(), k_pool, v_pool, out, block_tables, token_seq, query_start,
+                        positions.data(), chunks.data(), per_chunk.data(), first_part.data(), parts.get(), scale},
+                       shape);
     }
-  });
+#endif
+  } else {
+    const int64_t items = first_item[tokens];
+    const int64_t shares = std::min<int64_t>(items, thread_count());
+    // the counter on a cache line of its own, not on the one holding the locals every thread reads
+    struct alignas(64) Counter {
+      std::atomic<int64_t> value{0};
+    } next_item;
+    parallel_for(0, shares, 1, [&](int64_t, int64_t) {  // a call runs items until none is left
+      std::vector<float> acc(group * head_dim), scores(group * bs), running_max(group), denom(group);
+      for (int64_t item = next_item.value.fetch_add(1, std::memory_order_relaxed); item < items;
+           item = next_item.value.fetch_add(1, std::memory_order_relaxed)) {
+        const int64_t t = std::upper_bound(first_item.begin(), first_item.end(), item) - first_item.begin() - 1;
+        const int64_t g = (item - first_item[t]) / chunks[t], c = (item - first_item[t]) % chunks[t];
+        const int64_t s = token_seq[t];
+        const int32_t* table = block_tables + s * shape.max_blocks;
+        const int64_t position = position_of(t), context = position + 1, first = first_key(position);
+        const int64_t blocks = (context + bs - 1) / bs;
+        const int64_t b_first = first / bs + c * per_chunk[t], b_last = std::min(blocks, b_first + per_chunk[t]);
+        const float* qf = queries.data() + (t * shape.heads + g * group) * head_dim;  // the group's heads
+        // a prefill chunk's keys and values were just written or are read by its other tokens too:
+        // in cache, where requesting them again only costs instructions (decode steps read them
+        // from memory)
+        const bool fetch = query_start[s + 1] - query_start[s] == 1;
+        std::fill(acc.begin(), acc.end(), 0.f);
+        std::fill(running_max.begin(), running_max.end(), -std::numeric_limits<float>::infinity());
+        std::fill(denom.begin(), denom.end(), 0.f);
+        // keys / values: the block storage; block_at(b): the storage block holding block b
+        auto attend = [&](const auto* keys, const auto* values, auto block_at) {
+          auto prefetch_block = [&](int64_t b) {  // this KV head's keys and values of block b, if the item has it
+            if (fetch && b < b_last)
+              prefetch_run(keys, values, block_at(b) * block_stride + g * head_run, std::min(bs, context - b * bs),
+                           head_dim);
+          };
+          for (int64_t b = b_first; b < b_first + ahead; ++b) prefetch_block(b);
+          for (int64_t b = b_first; b < b_last; ++b) {
+            const int64_t skip = std::max<int64_t>(0, first - b * bs);  // keys before the window
+            const int64_t n = std::min(bs, context - b * bs) - skip;
+            const int64_t at = block_at(b) * block_stride + g * head_run + skip * head_dim;
+            prefetch_block(b + 1);  // again: a prefetch the CPU dropped while many were in flight gets another chance
+            if (ahead > 1) prefetch_block(b + ahead);
+            group_scores(qf, group, head_dim, keys + at, head_dim, n, head_dim, scores.data(), bs);
+            for (int64_t j = 0; j < group; ++j) {
+              float* sj = scores.data() + j * bs;
+              const float block_max = max_of(sj, n);
+              if (block_max > running_max[j]) {
+                const float correction = std::exp(running_max[j] - block_max);
+                denom[j] *= correction;
+                scale_inplace(acc.data() + j * head_dim, correction, head_dim);
+                running_max[j] = block_max;
+              }
+              denom[j] += exp_shifted(sj, n, running_max[j]);
+            }
+            group_pv(acc.data(), group, head_dim, scores.data(), bs, values + at, head_dim, n, head_dim);
+          }
+        };
+        if (widened.empty() || widened[s].empty()) {
+          attend(k_pool, v_pool, [table](int64_t b) { return static_cast<int64_t>(table[b]); });
+        } else {
+          const std::vector<bf16>& copy = widened[s];
+          attend(copy.data(), copy.data() + copy.size() / 2, [](int64_t b) { return b; });
+        }
+        for (int64_t j = 0; j < group; ++j) {
+          const int64_t h = g * group + j;
+          if (chunks[t] == 1) {
+            write_out(out + (t * shape.heads + h) * head_dim, acc.data() + j * head_dim, 1.f / denom[j], g);
+          } else {
+            float* part = parts.get() + (first_part[t] + h * chunks[t] + c) * part_size;
+            part[0] = running_max[j];
+            part[1] = denom[j];
+            std::copy(acc.begin() + j * head_dim, acc.begin() + (j + 1) * head_dim, part + 2);
+          }
+        }
+      }
+    });
+  }
   if (!parts) return;
   // the chunks of each (token, head), merged in chunk order (a decode step's few on the calling thread)
   parallel_for(0, tokens * shape.heads, 64, [&](int64_t begin, int64_t end) {
