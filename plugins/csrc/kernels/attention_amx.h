@@ -184,19 +184,30 @@ inline void amx_attend_items(const AmxAttentionCall& call, const PagedShape& sha
   } next_item;
   parallel_for(0, shares, 1, [&](int64_t, int64_t) {  // a call runs items until none is left
     amx_configure(8);                                 // Q 0-3, A 4 and 6, C 5 and 7
-    const std::unique_ptr<bf16[]> q_storage(new bf16[4 * 512 + 32]);
-    bf16* qt = reinterpret_cast<bf16*>((reinterpret_cast<uintptr_t>(q_storage.get()) + 63) & ~uintptr_t{63});
-    // a block's S^T as the tiles store it (a key a row, a query row a lane): scores, then weights
-    std::vector<float> scores_storage(bs * kAmxAttnRows + 16), acc(kAmxAttnRows * head_dim);
-    float* scores = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(scores_storage.data()) + 63) &
-                                             ~uintptr_t{63});
-    alignas(64) int32_t context[kAmxAttnRows];
-    // the weights as A tiles (a step of 32 keys each), the values as B tiles, C's sums
+    // one allocation a share, not zeroed (each item writes what it reads): the query tiles, a
+    // block's S^T as the tiles store it (a key a row, a query row a lane: scores, then weights),
+    // the accumulators, the weights' A tiles (a step of 32 keys each), the values' B tiles, C's
+    // sums, and a last run of fewer than 16 keys with zero rows after it
     const int64_t dim_tiles = head_dim / 16, max_ksteps = (bs + 31) / 32;
-    std::vector<float> tile_storage((max_ksteps * 512 + max_ksteps * dim_tiles * 512) / 2 + 1024 + 32);
-    bf16* pa = reinterpret_cast<bf16*>((reinterpret_cast<uintptr_t>(tile_storage.data()) + 63) & ~uintptr_t{63});
-    bf16* vb = pa + max_ksteps * 512;
-    float* block_sums = reinterpret_cast<float*>(vb + max_ksteps * dim_tiles * 512);
+    const int64_t sizes[] = {4 * 512 * 2, bs * kAmxAttnRows * 4, kAmxAttnRows * head_dim * 4, max_ksteps * 512 * 2,
+                             max_ksteps * dim_tiles * 512 * 2, 4 * 256 * 4, kAmxAttnRows * head_dim * 2};
+    int64_t total = 64;
+    for (int64_t bytes : sizes) total += (bytes + 63) / 64 * 64;
+    const std::unique_ptr<char[]> storage(new char[total]);
+    char* next_buffer = reinterpret_cast<char*>((reinterpret_cast<uintptr_t>(storage.get()) + 63) & ~uintptr_t{63});
+    auto carve = [&](int64_t bytes) {
+      char* p = next_buffer;
+      next_buffer += (bytes + 63) / 64 * 64;
+      return p;
+    };
+    bf16* qt = reinterpret_cast<bf16*>(carve(sizes[0]));
+    float* scores = reinterpret_cast<float*>(carve(sizes[1]));
+    float* acc = reinterpret_cast<float*>(carve(sizes[2]));
+    bf16* pa = reinterpret_cast<bf16*>(carve(sizes[3]));
+    bf16* vb = reinterpret_cast<bf16*>(carve(sizes[4]));
+    float* block_sums = reinterpret_cast<float*>(carve(sizes[5]));
+    bf16* staged = reinterpret_cast<bf16*>(carve(sizes[6]));
+    alignas(64) int32_t context[kAmxAttnRows];
     const __m512i key_rows = _mm512_mullo_epi32(
         _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0), _mm512_set1_epi32(kAmxAttnRows));
     for (int64_t item = next_item.value.fetch_add(1, std::memory_order_relaxed); item < items;
@@ -225,7 +236,7 @@ inline void amx_attend_items(const AmxAttentionCall& call, const PagedShape& sha
       if (steps > 1) _tile_loadd(1, qt + 512, 64);
       if (steps > 2) _tile_loadd(2, qt + 1024, 64);
       if (steps > 3) _tile_loadd(3, qt + 1536, 64);
-      std::fill(acc.begin(), acc.begin() + rows * head_dim, 0.f);
+      std::fill(acc, acc + rows * head_dim, 0.f);
       const __m512i context_v = _mm512_load_si512(context);
       const __m512 minus_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
       const __m512 scale_v = _mm512_set1_ps(call.scale);
@@ -246,10 +257,20 @@ inline void amx_attend_items(const AmxAttentionCall& call, const PagedShape& sha
                              _mm512_setzero_si512()),
             _mm512_set1_epi32(static_cast<int32_t>(bs)));
         const int64_t at = table[b] * block_stride + group_run;
-        for (int64_t i0 = 0; i0 < n; i0 += 2 * kAmxAttnRows) {
-          const bf16* keys = call.k_pool + at + i0 * head_dim;
-          if (i0 + kAmxAttnRows < n) amx_key_scores<true>(steps, keys, head_dim, scores + i0 * kAmxAttnRows);
-          else amx_key_scores<false>(steps, keys, head_dim, scores + i0 * kAmxAttnRows);
+        // 16 keys a tile; a last run of fewer goes from a copy with zero rows after it (the
+        // slots past a block's last key are not read)
+        const int64_t whole = n / kAmxAttnRows * kAmxAttnRows;
+        int64_t i0 = 0;
+        for (; i0 + 2 * kAmxAttnRows <= whole; i0 += 2 * kAmxAttnRows)
+          amx_key_scores<true>(steps, call.k_pool + at + i0 * head_dim, head_dim, scores + i0 * kAmxAttnRows);
+        if (i0 < whole) {
+          amx_key_scores<false>(steps, call.k_pool + at + i0 * head_dim, head_dim, scores + i0 * kAmxAttnRows);
+          i0 += kAmxAttnRows;
+        }
+        if (i0 < n) {
+          std::copy(call.k_pool + at + i0 * head_dim, call.k_pool + at + n * head_dim, staged);
+          std::fill(staged + (n - i0) * head_dim, staged + kAmxAttnRows * head_dim, bf16(0.f));
+          amx_key_scores<false>(steps, staged, head_dim, scores + i0 * kAmxAttnRows);
         }
         amx_value_tiles(call.v_pool + at, n, head_dim, vb);  // its loads overlap the scores' work
         // scores scaled, keys past each row's position masked; the block's max per row
@@ -270,7 +291,7 @@ inline void amx_attend_items(const AmxAttentionCall& call, const PagedShape& sha
           alignas(64) float factor[kAmxAttnRows];
           _mm512_store_ps(factor, correction);
           for (int64_t r = 0; r < rows; ++r)
-            if ((raise >> r) & 1) scale_inplace(acc.data() + r * head_dim, factor[r], head_dim);
+            if ((raise >> r) & 1) scale_inplace(acc + r * head_dim, factor[r], head_dim);
         }
         __m512 total = _mm512_setzero_ps();
         for (int64_t i = 0; i < n; ++i) {  // p = exp(s - max), 0 where masked; summed key by key
@@ -307,7 +328,7 @@ inline void amx_attend_items(const AmxAttentionCall& call, const PagedShape& sha
           amx_weights_values(d, ksteps, pa, vb, dim_tiles, dt0, block_sums);
           for (int64_t r = 0; r < rows; ++r)
             for (int64_t j = 0; j < d; ++j) {
-              float* a = acc.data() + r * head_dim + (dt0 + j) * 16;
+              float* a = acc + r * head_dim + (dt0 + j) * 16;
               _mm512_storeu_ps(a, _mm512_add_ps(_mm512_loadu_ps(a), _mm512_load_ps(block_sums + j * 256 + r * 16)));
             }
         }
@@ -322,7 +343,7 @@ inline void amx_attend_items(const AmxAttentionCall& call, const PagedShape& sha
       for (int64_t r = 0; r < rows; ++r) {
         const int64_t t = t0 + r / group, h = g * group + r % group;
         if (call.chunks[t] <= c) continue;  // this token's context ends before the chunk
-        const float* a = acc.data() + r * head_dim;
+        const float* a = acc + r * head_dim;
         if (call.chunks[t] == 1) {
           const float inv = 1.f / sums[r];
           bf16* o = call.out + (t * heads + h) * head_dim;
