@@ -29,6 +29,8 @@
 //
 //   amx_attention_fits   whether a call's shape takes this route
 //   amx_attend_items     the items of a call, on the library's threads
+//
+// Included by attention.h inside kiln::<isa> (after amx.h); empty below the avx512amx level.
 
 #if defined(KILN_ISA_AMX)
 constexpr int64_t kAmxAttnRows = 16;  // query rows a tile holds (C's lanes)
