@@ -315,7 +315,7 @@ INVARIANCE_CASES = [
     # pool dtype, (heads, kv_heads, head_dim, block_size, seqs, max_new, max_context)
     (None, (9, 3, 64, 32, 3, 12, 2000)),     # SmolLM2's GQA 3: five tokens a tile on AMX
     (torch.int8, (9, 3, 64, 32, 3, 12, 2000)),
-    (None, (4, 4, 64, 16, 2, 20, 2100)),     # MHA, 16 tokens a tile, chunks of 5 blocks past 2,048
+    (None, (4, 4, 64, 16, 2, 20, 2100)),     # MHA (up to 16 tokens a tile), blocks of 16
     (None, (16, 2, 128, 48, 2, 9, 300)),     # GQA 8, head_dim 128, a block of 48 (keys in 32 + 16)
     (None, (12, 2, 96, 32, 2, 7, 400)),      # GQA 6, head_dim 96 (three steps of 32 dims)
 ]
@@ -347,13 +347,21 @@ def test_attention_does_not_depend_on_the_batch_or_the_thread_count(isa, pool_dt
         torch.set_num_threads(before)
 
 
-@pytest.mark.parametrize("heads,kv_heads,dim,bs", [(9, 3, 64, 32), (4, 4, 64, 16), (8, 1, 32, 48)])
-def test_a_prompt_in_chunks_of_any_size_is_the_same_bits_as_in_one(isa, heads, kv_heads, dim, bs):
-    """A bf16 prompt prefilled in chunks of 1 to 60 tokens (the scheduler's token budget decides
+CUTS_150 = (0, 1, 2, 9, 10, 47, 48, 49, 100, 101, 150)  # chunks of 1, 1, 7, 1, 37, 1, 1, 51, 1, 49 tokens
+# chunks beside position 2,048, where a context's chunks grow from 128 positions to 144 (blocks of 16;
+# 16 chunks at most): the chunk from 2,042 would put tokens from both sides of it in one tile
+CUTS_2080 = (0, 2000, 2041, 2042, 2080)
+
+
+@pytest.mark.parametrize("heads,kv_heads,dim,bs,cuts", [(9, 3, 64, 32, CUTS_150), (4, 4, 64, 16, CUTS_150),
+                                                       (8, 1, 32, 48, CUTS_150), (4, 4, 64, 16, CUTS_2080)],
+                         ids=["gqa3", "mha-bs16", "gqa8-bs48", "mha-past-2048"])
+def test_a_prompt_in_chunks_of_any_size_is_the_same_bits_as_in_one(isa, heads, kv_heads, dim, bs, cuts):
+    """A bf16 prompt prefilled in chunks of 1 to 2,000 tokens (the scheduler's token budget decides
     them) gives every token the same bits as one pass over the whole prompt: on AMX the chunks
     group different tokens into tiles, which must not change any token's result."""
     g = torch.Generator().manual_seed(11)
-    total = 150
+    total = cuts[-1]
     qkv = torch.randn(total, (heads + 2 * kv_heads) * dim, generator=g).bfloat16()
     angles = torch.rand(total, dim, generator=g) * 6.3
     blocks = -(-total // bs)
@@ -368,7 +376,6 @@ def test_a_prompt_in_chunks_of_any_size_is_the_same_bits_as_in_one(isa, heads, k
         return [torch.zeros(blocks + 2, kv_heads, bs, dim, dtype=torch.bfloat16) for _ in range(2)]
 
     whole = run(0, total, pools())
-    cuts = [0, 1, 2, 9, 10, 47, 48, 49, 100, 101, total]  # chunks of 1, 7, 37, 52 ... tokens
     chunked = pools()
     parts = torch.cat([run(a, b, chunked) for a, b in zip(cuts, cuts[1:])])
     for t in range(total):

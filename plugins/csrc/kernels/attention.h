@@ -342,6 +342,14 @@ inline void prefetch_run(const P* keys, const P* values, int64_t from, int64_t n
 // chunks one token's context is split into
 constexpr int64_t kChunkTokens = 128, kMaxChunks = 16;
 
+// One chunk of a (token, head)'s context as the merge reads it: its running max, its softmax
+// denominator, then its head_dim weighted sums
+inline void store_partial(float* part, float running_max, float denom, const float* acc, int64_t head_dim) {
+  part[0] = running_max;
+  part[1] = denom;
+  std::copy(acc, acc + head_dim, part + 2);
+}
+
 #include "attention_amx.h"
 
 template <typename T, typename P>
@@ -557,10 +565,8 @@ void paged_attention_impl(const T* qkv, const T* cos, const T* sin, P* k_pool, P
           if (chunks[t] == 1) {
             write_out(out + (t * shape.heads + h) * head_dim, acc.data() + j * head_dim, 1.f / denom[j], g);
           } else {
-            float* part = parts.get() + (first_part[t] + h * chunks[t] + c) * part_size;
-            part[0] = running_max[j];
-            part[1] = denom[j];
-            std::copy(acc.begin() + j * head_dim, acc.begin() + (j + 1) * head_dim, part + 2);
+            store_partial(parts.get() + (first_part[t] + h * chunks[t] + c) * part_size, running_max[j], denom[j],
+                          acc.data() + j * head_dim, head_dim);
           }
         }
       }

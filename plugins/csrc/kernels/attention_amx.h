@@ -19,10 +19,10 @@
 // A query row's arithmetic does not depend on the other rows of its tile: the tiles compute
 // each row's dot products on their own; keys past a row's position get weight 0 (values past a
 // block's last key are zeros), and blocks past its context leave its max and sums unchanged.
-// Chunks are runs of max(4, blocks / 16) blocks from position 0, fixed by the token's own
-// context, and a tile holds only tokens with the same chunk length, so a token's result is the
-// same bits in any tile, in any batch and on any number of threads (tests/plugins/
-// test_attention.py).
+// Chunks are runs of 128 positions' blocks from position 0 (longer past 2,048 positions: at most
+// 16 chunks), fixed by the token's own context, and a tile holds only tokens with the same chunk
+// length, so a token's result is the same bits in any tile, in any batch and on any number of
+// threads (tests/plugins/test_attention.py).
 //
 // The queries come in unscaled (bf16 values exactly: rotary embedding rounds to bf16) and the
 // scale multiplies the scores, so the tiles add no rounding of the queries.
@@ -43,7 +43,8 @@ inline bool amx_attention_fits(const PagedShape& s) {
 
 // C = 16 keys (rows of `head_dim` bf16 at keys) x the query tiles 0 .. STEPS - 1, stored as 16
 // rows of 16 floats at c; with TWO, the next 16 keys too (C tiles 5 and 7, A tiles 4 and 6: the
-// two chains' loads and products overlap)
+// two chains' loads and products overlap). The steps are written out: the tile intrinsics paste
+// their tile numbers into the instruction, so each must be a literal.
 template <int STEPS, bool TWO>
 inline void amx_key_scores(const bf16* keys, int64_t head_dim, float* c) {
   const int64_t stride = head_dim * static_cast<int64_t>(sizeof(bf16));
@@ -234,10 +235,13 @@ inline void amx_attend_items(const AmxAttentionCall& call, const PagedShape& sha
         for (int64_t pair = 0; pair < head_dim / 2; ++pair) qt32[pair * kAmxAttnRows + r] = q[pair];
       }
       std::fill(pa, pa + max_ksteps * 512, bf16(0.f));  // the rows past the tile's stay 0
-      _tile_loadd(0, qt, 64);
-      if (steps > 1) _tile_loadd(1, qt + 512, 64);
-      if (steps > 2) _tile_loadd(2, qt + 1024, 64);
-      if (steps > 3) _tile_loadd(3, qt + 1536, 64);
+      auto load_queries = [&] {  // tiles 0 .. steps - 1; again after each block (the values' sums take them)
+        _tile_loadd(0, qt, 64);
+        if (steps > 1) _tile_loadd(1, qt + 512, 64);
+        if (steps > 2) _tile_loadd(2, qt + 1024, 64);
+        if (steps > 3) _tile_loadd(3, qt + 1536, 64);
+      };
+      load_queries();
       std::fill(acc, acc + rows * head_dim, 0.f);
       const __m512i context_v = _mm512_load_si512(context);
       const __m512 minus_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
@@ -283,7 +287,7 @@ inline void amx_attend_items(const AmxAttentionCall& call, const PagedShape& sha
           _mm512_store_ps(scores + i * kAmxAttnRows, si);
           block_max = _mm512_max_ps(block_max, si);
         }
-        // where a row's max rose: its sums so far scaled down (elsewhere by 1, which changes nothing)
+        // where a row's max rose, its sums so far scaled down (elsewhere by 1: no change)
         const __mmask16 raise = _mm512_cmp_ps_mask(block_max, running_max, _CMP_GT_OQ);
         if (raise) {
           const __m512 correction = _mm512_mask_blend_ps(raise, _mm512_set1_ps(1.f),
@@ -310,7 +314,7 @@ inline void amx_attend_items(const AmxAttentionCall& call, const PagedShape& sha
         }
         denom = _mm512_add_ps(denom, total);
         // the weights in bf16 as A tiles (row r: its weights for 32 keys, keys from n on 0), the
-        // values as B tiles; the block's sums are added to each row's (the correction above applied)
+        // values as B tiles; the block's sums are added to each row's (already corrected above)
         const int64_t ksteps = (n + 31) / 32;
         for (int64_t ks = 0; ks < ksteps; ++ks) {
           const int64_t k0 = ks * 32;
@@ -334,10 +338,7 @@ inline void amx_attend_items(const AmxAttentionCall& call, const PagedShape& sha
               _mm512_storeu_ps(a, _mm512_add_ps(_mm512_loadu_ps(a), _mm512_load_ps(block_sums + j * 256 + r * 16)));
             }
         }
-        _tile_loadd(0, qt, 64);  // the queries again (the values' sums took their tiles)
-        if (steps > 1) _tile_loadd(1, qt + 512, 64);
-        if (steps > 2) _tile_loadd(2, qt + 1024, 64);
-        if (steps > 3) _tile_loadd(3, qt + 1536, 64);
+        load_queries();
       }
       alignas(64) float maxes[kAmxAttnRows], sums[kAmxAttnRows];
       _mm512_store_ps(maxes, running_max);
@@ -351,10 +352,8 @@ inline void amx_attend_items(const AmxAttentionCall& call, const PagedShape& sha
           bf16* o = call.out + (t * heads + h) * head_dim;
           for (int64_t d = 0; d < head_dim; ++d) store_as(o + d, a[d] * inv);
         } else {
-          float* part = call.parts + (call.first_part[t] + h * call.chunks[t] + c) * part_size;
-          part[0] = maxes[r];
-          part[1] = sums[r];
-          std::copy(a, a + head_dim, part + 2);
+          store_partial(call.parts + (call.first_part[t] + h * call.chunks[t] + c) * part_size, maxes[r], sums[r], a,
+                        head_dim);
         }
       }
     }
