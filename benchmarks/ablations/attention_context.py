@@ -3,7 +3,8 @@ several cached lengths, for 128-token prefill chunks (one alone, four together, 
 tokens), and for 16 and 64 sequences decoding
 together at 136 cached tokens each (their blocks scattered over a pool, as a serving pool's are),
 on 1 and 2 threads: warm (called again and again) and cold (64 MB read between calls, as the
-weights a decode step streams evict the KV cache). Median of the calls.
+weights a decode step streams evict the KV cache). Median of the calls. With --kv-cache int8 or fp8
+the pools hold that type, with per-channel scales, as an engine built with `kv_cache: int8 / fp8`.
 
     PYTHONPATH=. python benchmarks/ablations/attention_context.py --threads 1 2 --isa avx2
 
@@ -31,7 +32,8 @@ CASES = (("1", 1, 1, 1), ("190", 1, 190, 1), ("1000", 1, 1000, 1), ("4000", 1, 4
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 32
 
 
-def measure(library: str | None, threads: int, isa: str | None, calls: int, token_major: bool) -> dict[str, float]:
+def measure(library: str | None, threads: int, isa: str | None, calls: int, token_major: bool,
+            kv_cache: str) -> dict[str, float]:
     """{"<case> warm|cold": median µs} in this process."""
     import torch
 
@@ -53,6 +55,13 @@ def measure(library: str | None, threads: int, isa: str | None, calls: int, toke
         block_shape = (BLOCK, KV_HEADS) if token_major else (KV_HEADS, BLOCK)
         k_pool = torch.randn(blocks, *block_shape, HEAD_DIM).bfloat16()
         v_pool = torch.randn(blocks, *block_shape, HEAD_DIM).bfloat16()
+        scales = None
+        if kv_cache == "int8":
+            k_pool, v_pool = ((p.float() * 40).round().clamp(-127, 127).to(torch.int8) for p in (k_pool, v_pool))
+            scales = torch.full((2, KV_HEADS * HEAD_DIM), 1 / 40)
+        elif kv_cache == "fp8":
+            k_pool, v_pool = ((p.float() * 100).to(torch.float8_e4m3fn) for p in (k_pool, v_pool))
+            scales = torch.full((2, KV_HEADS * HEAD_DIM), 1 / 100)
         qkv = torch.randn(seqs * new, (HEADS + 2 * KV_HEADS) * HEAD_DIM).bfloat16()
         order = torch.randperm(blocks, generator=torch.Generator().manual_seed(1)) if scattered else torch.arange(blocks)
         tables = order[: seqs * per_seq].to(torch.int32).reshape(seqs, per_seq).contiguous()
@@ -64,14 +73,16 @@ def measure(library: str | None, threads: int, isa: str | None, calls: int, toke
                 if cold:
                     junk.sum()
                 start = time.perf_counter()
-                ops.paged_attention(qkv, k_pool, v_pool, tables, starts, lens, cos, sin, HEADS, HEAD_DIM**-0.5, None)
+                ops.paged_attention(qkv, k_pool, v_pool, tables, starts, lens, cos, sin, HEADS, HEAD_DIM**-0.5, scales)
                 times.append(time.perf_counter() - start)
             out[f"{label} {'cold' if cold else 'warm'}"] = statistics.median(times[len(times) // 10:]) * 1e6
     return out
 
 
-def child(library: str, threads: int, isa: str | None, calls: int, token_major: bool) -> dict[str, float]:
-    command = [sys.executable, __file__, "--child", library, "--threads", str(threads), "--calls", str(calls)]
+def child(library: str, threads: int, isa: str | None, calls: int, token_major: bool,
+          kv_cache: str) -> dict[str, float]:
+    command = [sys.executable, __file__, "--child", library, "--threads", str(threads), "--calls", str(calls),
+               "--kv-cache", kv_cache]
     if token_major:
         command.append("--child-token-major")
     if isa:
@@ -90,13 +101,16 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--calls", type=int, default=500)
     parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--kv-cache", choices=("none", "int8", "fp8"), default="none",
+                        help="the pools' type (none: bf16, the model's)")
     parser.add_argument("--token-major", action="append", default=[], metavar="NAME",
                         help="a --library before engine format 10: its pools are token-major")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--child-token-major", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child is not None:
-        print(json.dumps(measure(args.child or None, args.threads[0], args.isa, args.calls, args.child_token_major)))
+        print(json.dumps(measure(args.child or None, args.threads[0], args.isa, args.calls, args.child_token_major,
+                                   args.kv_cache)))
         return
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -109,7 +123,7 @@ def main() -> None:
         for threads in args.threads:
             for name, path in libraries.items():
                 runs.setdefault((name, threads), []).append(
-                    child(path, threads, args.isa, args.calls, name in args.token_major))
+                    child(path, threads, args.isa, args.calls, name in args.token_major, args.kv_cache))
         print(f"round {r + 1}/{rounds} done", file=sys.stderr, flush=True)
     rows = []
     for (name, threads), results in runs.items():
@@ -117,7 +131,7 @@ def main() -> None:
         rows.append({"library": name, "threads": threads, "us": medians})
     first = {row["threads"]: row["us"] for row in rows if row["library"] == next(iter(libraries))}
     keys = list(rows[0]["us"])
-    print(f"paged_attention, µs (median of {rounds} rounds; isa {args.isa or 'best'})")
+    print(f"paged_attention, µs (median of {rounds} rounds; isa {args.isa or 'best'}; pools {args.kv_cache})")
     widths = [max(len(key), 13 if len(libraries) > 1 else 7) for key in keys]
     print("library        threads  " + "  ".join(f"{key:>{w}s}" for key, w in zip(keys, widths)))
     for row in rows:
@@ -126,7 +140,8 @@ def main() -> None:
         print(f"{row['library']:14s} {row['threads']:7d}  "
               + "  ".join(f"{cell:>{w}s}" for cell, w in zip(cells, widths)))
     if args.json:
-        args.json.write_text(json.dumps({"host": host_info(), "isa": args.isa, "cases": [list(case) for case in CASES],
+        args.json.write_text(json.dumps({"host": host_info(), "isa": args.isa, "kv_cache": args.kv_cache,
+                                         "cases": [list(case) for case in CASES],
                                          "rounds": rounds, "rows": rows}, indent=2))
 
 

@@ -251,12 +251,14 @@ def test_chunked_prefill_equals_one_pass(plugin_isas):
     torch.testing.assert_close(torch.cat(parts), whole, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("hadamard, bs", [(True, 8), (False, 16)], ids=["rotated-bs8", "bs16"])
 @pytest.mark.parametrize("pool_dtype", [torch.int8, torch.float8_e4m3fn])
-def test_prefill_over_a_quantized_pool_equals_one_token_at_a_time(isa, pool_dtype):
+def test_prefill_over_a_quantized_pool_equals_one_token_at_a_time(isa, pool_dtype, hadamard, bs):
     """A prefill chunk reads its sequence's blocks widened once to bf16; one token at a time
-    reads them from the pool: the same bytes, the same bits out."""
+    reads them from the pool (on AMX, unrotated keys in blocks of 16: a block at a time widened
+    for the tiles): the same bytes, the same bits out."""
     g = torch.Generator().manual_seed(3)
-    total, heads, kv_heads, dim, bs = 37, 6, 2, 64, 8
+    total, heads, kv_heads, dim = 37, 6, 2, 64
     qkv = torch.randn(total, (heads + 2 * kv_heads) * dim, generator=g).bfloat16()
     angles = torch.rand(total, dim, generator=g) * 6.3
     table = torch.tensor([[3, 0, 5, 1, 2, 4]], dtype=torch.int32)
@@ -266,7 +268,7 @@ def test_prefill_over_a_quantized_pool_equals_one_token_at_a_time(isa, pool_dtyp
         qs = torch.tensor([0, b - a], dtype=torch.int32)
         return ops.paged_attention(qkv[a:b], *pools, table, qs, torch.tensor([a], dtype=torch.int32),
                                    angles.cos().bfloat16(), angles.sin().bfloat16(), heads, 0.125, scales,
-                                   key_hadamard=dim)
+                                   key_hadamard=dim if hadamard else 0)
 
     chunked = [torch.zeros(6, kv_heads, bs, dim).to(pool_dtype) for _ in range(2)]
     single = [p.clone() for p in chunked]
@@ -318,11 +320,14 @@ INVARIANCE_CASES = [
     (None, (4, 4, 64, 16, 2, 20, 2100)),     # MHA (up to 16 tokens a tile), blocks of 16
     (None, (16, 2, 128, 48, 2, 9, 300)),     # GQA 8, head_dim 128, a block of 48 (keys in 32 + 16)
     (None, (12, 2, 96, 32, 2, 7, 400)),      # GQA 6, head_dim 96 (three steps of 32 dims)
+    (torch.float8_e4m3fn, (4, 4, 64, 16, 2, 20, 700)),  # FP8, MHA: 16 tokens a tile
+    (torch.int8, (16, 2, 128, 48, 2, 9, 300)),          # int8, head_dim 128: the queries' low parts
 ]
 
 
 @pytest.mark.parametrize("pool_dtype,shape", INVARIANCE_CASES,
-                         ids=["bf16-pool", "int8-pool", "mha-long", "gqa8-hd128", "gqa6-hd96"])
+                         ids=["bf16-pool", "int8-pool", "mha-long", "gqa8-hd128", "gqa6-hd96", "fp8-mha",
+                              "int8-gqa8-hd128"])
 def test_attention_does_not_depend_on_the_batch_or_the_thread_count(isa, pool_dtype, shape):
     """A token's attention is the same bits in a prefill chunk of several sequences as in a decode
     step of its own, and on 1, 2 or 3 threads, over contexts long enough to be split into chunks
