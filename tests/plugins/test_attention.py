@@ -255,8 +255,8 @@ def test_chunked_prefill_equals_one_pass(plugin_isas):
 @pytest.mark.parametrize("pool_dtype", [torch.int8, torch.float8_e4m3fn])
 def test_prefill_over_a_quantized_pool_equals_one_token_at_a_time(isa, pool_dtype, hadamard, bs):
     """A prefill chunk reads its sequence's blocks widened once to bf16; one token at a time
-    reads them from the pool (on AMX, unrotated keys in blocks of 16: a block at a time widened
-    for the tiles): the same bytes, the same bits out."""
+    reads them from the pool (keys rotated in blocks of 8, or not in blocks of 16): the same
+    bytes, the same bits out."""
     g = torch.Generator().manual_seed(3)
     total, heads, kv_heads, dim = 37, 6, 2, 64
     qkv = torch.randn(total, (heads + 2 * kv_heads) * dim, generator=g).bfloat16()
@@ -321,7 +321,7 @@ INVARIANCE_CASES = [
     (None, (16, 2, 128, 48, 2, 9, 300)),     # GQA 8, head_dim 128, a block of 48 (keys in 32 + 16)
     (None, (12, 2, 96, 32, 2, 7, 400)),      # GQA 6, head_dim 96 (three steps of 32 dims)
     (torch.float8_e4m3fn, (4, 4, 64, 16, 2, 20, 700)),  # FP8, MHA: 16 tokens a tile
-    (torch.int8, (16, 2, 128, 48, 2, 9, 300)),          # int8, head_dim 128: the queries' low parts
+    (torch.int8, (16, 2, 128, 48, 2, 9, 300)),          # int8, GQA 8, head_dim 128
 ]
 
 

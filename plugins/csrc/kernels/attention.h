@@ -34,9 +34,9 @@
 // softmaxes are merged in chunk order. The chunks depend on the token's context alone, so a
 // token's result is the same bits in any batch and on any number of threads
 // (benchmarks/ablations/attention_context.py; tests/plugins/test_attention.py).
-// Where AMX multiplies bf16 (the avx512amx level), a bf16 model's calls (its pool bf16, int8 or
-// FP8) take attention_amx.h's route instead: the tokens of a prefill chunk share tiles (scores
-// and values on AMX), and every token of such a call, decode steps' included, goes that way.
+// Where AMX multiplies bf16 (the avx512amx level), a bf16 pool's calls take attention_amx.h's
+// route instead: the tokens of a prefill chunk share tiles (scores and values on AMX), and
+// every token of such a call, decode steps' included, goes that way.
 // Included per ISA inside kiln::<isa> after vec.h, hadamard.h and amx.h.
 
 // x * cos + rotate_half(x) * sin for one head vector, into fp32 (values rounded to T). Only the
@@ -373,8 +373,8 @@ void paged_attention_impl(const T* qkv, const T* cos, const T* sin, P* k_pool, P
     return block_tables[seq * shape.max_blocks + position / bs] * block_stride + (position % bs) * head_dim;
   };
 
-#if defined(KILN_ISA_AMX)  // a bf16 model on tiles (attention_amx.h), its pool bf16, int8 or FP8; fp32 stays here
-  const bool amx = std::is_same_v<T, bf16> && amx_attention_fits(shape);
+#if defined(KILN_ISA_AMX)  // a bf16 pool on tiles (attention_amx.h); int8 / FP8 pools and fp32 stay here
+  const bool amx = std::is_same_v<T, bf16> && !quantized && amx_attention_fits(shape);
 #else
   constexpr bool amx = false;
 #endif
@@ -489,21 +489,14 @@ void paged_attention_impl(const T* qkv, const T* cos, const T* sin, P* k_pool, P
   // the same whichever thread computes it.
   if (amx) {
 #if defined(KILN_ISA_AMX)
-    if constexpr (std::is_same_v<T, bf16>) {
+    if constexpr (std::is_same_v<T, bf16> && !quantized) {
       std::vector<int64_t> positions(tokens);
       for (int64_t t = 0; t < tokens; ++t) positions[t] = position_of(t);
-      // the queries in bf16: exactly (rotary embedding rounded them to bf16), or, with K's scales
-      // folded in (a quantized pool), rounded to nearest, and what that left out rounded again
-      const int64_t count = static_cast<int64_t>(queries.size());
-      std::vector<bf16> queries_bf16(count), queries_lo(quantized ? count : 0);
-      for (int64_t i = 0; i < count; ++i) {
-        store_as(queries_bf16.data() + i, queries[i]);
-        if constexpr (quantized) store_as(queries_lo.data() + i, queries[i] - to_f32(queries_bf16[i]));
-      }
-      amx_attend_items<P>({queries_bf16.data(), queries_lo.data(), k_pool, v_pool, quantized ? kv_scales + row : nullptr,
-                           widened.empty() ? nullptr : widened.data(), out, block_tables, token_seq, query_start,
-                           positions.data(), chunks.data(), per_chunk.data(), first_part.data(), parts.get(), scale},
-                          shape);
+      std::vector<bf16> queries_bf16(queries.size());  // exactly: rotary embedding rounded them to bf16
+      widen_to_bf16(queries_bf16.data(), queries.data(), static_cast<int64_t>(queries.size()));
+      amx_attend_items({queries_bf16.data(), k_pool, v_pool, out, block_tables, token_seq, query_start,
+                        positions.data(), chunks.data(), per_chunk.data(), first_part.data(), parts.get(), scale},
+                       shape);
     }
 #endif
   } else {

@@ -1,6 +1,4 @@
-// Paged attention on AMX tiles (the avx512amx level), for a bf16 model's pools: bf16, or int8 /
-// FP8 E4M3 widened to bf16 (exactly) on the way to the tiles, K's scales folded into the
-// queries (rounded to bf16 once) and V's applied to the output, as attention.h has them.
+// Paged attention on AMX tiles (the avx512amx level), for pools in the model dtype bf16.
 // attention.h's paged_attention_impl takes this route for every token of a call whose shape fits
 // (amx_attention_fits), so decode steps and prefill chunks compute each token the same way.
 //
@@ -27,11 +25,7 @@
 // threads (tests/plugins/test_attention.py).
 //
 // The queries come in unscaled (bf16 values exactly: rotary embedding rounds to bf16) and the
-// scale multiplies the scores, so over a bf16 pool the tiles add no rounding of the queries.
-// Over a quantized pool q * k_scale is not a bf16 value: it comes as its nearest bf16 value and
-// the rest (rounded to bf16 too: 16 bits of the significand in all, about fp32's accuracy for
-// the scores), each multiplying the keys; a decode token widens each block it reads, a prefill
-// chunk reads its sequence's widened copy: the same bf16 values either way.
+// scale multiplies the scores, so the tiles add no rounding of the queries.
 //
 //   amx_attention_fits   whether a call's shape takes this route
 //   amx_attend_items     the items of a call, on the library's threads
@@ -49,57 +43,47 @@ inline bool amx_attention_fits(const PagedShape& s) {
 
 // C = 16 keys (rows of `head_dim` bf16 at keys) x the query tiles 0 .. STEPS - 1, stored as 16
 // rows of 16 floats at c; with TWO, the next 16 keys too (C tiles 5 and 7, A tiles 4 and 6: the
-// two chains' loads and products overlap); with LO, the same keys times the queries' low parts
-// too (B tiles of 512 bf16 a step at lo, loaded into tile 6 in turn). The steps are written out:
-// the tile intrinsics paste their tile numbers into the instruction, so each must be a literal.
-template <int STEPS, bool TWO, bool LO>
-inline void amx_key_scores(const bf16* keys, int64_t head_dim, float* c, const bf16* lo) {
-  static_assert(!(TWO && LO), "the low parts' tile is the second chain's A tile");
+// two chains' loads and products overlap). The steps are written out: the tile intrinsics paste
+// their tile numbers into the instruction, so each must be a literal.
+template <int STEPS, bool TWO>
+inline void amx_key_scores(const bf16* keys, int64_t head_dim, float* c) {
   const int64_t stride = head_dim * static_cast<int64_t>(sizeof(bf16));
   const bf16* next = keys + kAmxAttnRows * head_dim;
   _tile_zero(5);
   if constexpr (TWO) _tile_zero(7);
   _tile_loadd(4, keys, stride);
   if constexpr (TWO) _tile_loadd(6, next, stride);
-  if constexpr (LO) _tile_loadd(6, lo, 64);
   _tile_dpbf16ps(5, 4, 0);
   if constexpr (TWO) _tile_dpbf16ps(7, 6, 0);
-  if constexpr (LO) _tile_dpbf16ps(5, 4, 6);
   if constexpr (STEPS > 1) {
     _tile_loadd(4, keys + 32, stride);
     if constexpr (TWO) _tile_loadd(6, next + 32, stride);
-    if constexpr (LO) _tile_loadd(6, lo + 512, 64);
     _tile_dpbf16ps(5, 4, 1);
     if constexpr (TWO) _tile_dpbf16ps(7, 6, 1);
-    if constexpr (LO) _tile_dpbf16ps(5, 4, 6);
   }
   if constexpr (STEPS > 2) {
     _tile_loadd(4, keys + 64, stride);
     if constexpr (TWO) _tile_loadd(6, next + 64, stride);
-    if constexpr (LO) _tile_loadd(6, lo + 1024, 64);
     _tile_dpbf16ps(5, 4, 2);
     if constexpr (TWO) _tile_dpbf16ps(7, 6, 2);
-    if constexpr (LO) _tile_dpbf16ps(5, 4, 6);
   }
   if constexpr (STEPS > 3) {
     _tile_loadd(4, keys + 96, stride);
     if constexpr (TWO) _tile_loadd(6, next + 96, stride);
-    if constexpr (LO) _tile_loadd(6, lo + 1536, 64);
     _tile_dpbf16ps(5, 4, 3);
     if constexpr (TWO) _tile_dpbf16ps(7, 6, 3);
-    if constexpr (LO) _tile_dpbf16ps(5, 4, 6);
   }
   _tile_stored(5, c, 64);
   if constexpr (TWO) _tile_stored(7, c + kAmxAttnRows * kAmxAttnRows, 64);
 }
 
-template <bool TWO, bool LO = false>
-inline void amx_key_scores(int64_t steps, const bf16* keys, int64_t head_dim, float* c, const bf16* lo = nullptr) {
+template <bool TWO>
+inline void amx_key_scores(int64_t steps, const bf16* keys, int64_t head_dim, float* c) {
   switch (steps) {
-    case 1: return amx_key_scores<1, TWO, LO>(keys, head_dim, c, lo);
-    case 2: return amx_key_scores<2, TWO, LO>(keys, head_dim, c, lo);
-    case 3: return amx_key_scores<3, TWO, LO>(keys, head_dim, c, lo);
-    default: return amx_key_scores<4, TWO, LO>(keys, head_dim, c, lo);
+    case 1: return amx_key_scores<1, TWO>(keys, head_dim, c);
+    case 2: return amx_key_scores<2, TWO>(keys, head_dim, c);
+    case 3: return amx_key_scores<3, TWO>(keys, head_dim, c);
+    default: return amx_key_scores<4, TWO>(keys, head_dim, c);
   }
 }
 
@@ -161,20 +145,11 @@ inline void amx_value_tiles(const bf16* v, int64_t n, int64_t head_dim, bf16* vb
 }
 
 // What a call's items read and write (attention.h makes the queries, the chunking and the
-// partials' layout; the merge of a token's chunks stays there). P: the pool's element, bf16 or a
-// quantized int8 / FP8 E4M3 (every one of whose values bf16 holds exactly)
-template <typename P>
+// partials' layout; the merge of a token's chunks stays there)
 struct AmxAttentionCall {
-  // [tokens, heads, head_dim] rotated, unscaled: bf16 exactly; over a quantized pool (K's scales
-  // folded in) their nearest bf16 values, and queries_lo the rest (q - queries, rounded to bf16)
-  const bf16* queries;
-  const bf16* queries_lo;
-  const P* k_pool;
-  const P* v_pool;
-  // P != bf16: V's scales [kv_heads * head_dim], and per sequence its blocks widened to bf16
-  // (keys, then values: a prefill chunk's) or empty (a decode token widens a block at a time)
-  const float* v_scales;
-  const std::vector<bf16>* widened;
+  const bf16* queries;  // [tokens, heads, head_dim] rotated, unscaled (bf16 exactly)
+  const bf16* k_pool;
+  const bf16* v_pool;
   bf16* out;
   const int32_t* block_tables;
   const int32_t* token_seq;
@@ -187,14 +162,11 @@ struct AmxAttentionCall {
   float scale;
 };
 
-template <typename P>
-inline void amx_attend_items(const AmxAttentionCall<P>& call, const PagedShape& shape) {
+inline void amx_attend_items(const AmxAttentionCall& call, const PagedShape& shape) {
   const int64_t heads = shape.heads, group = heads / shape.kv_heads, head_dim = shape.head_dim;
   const int64_t bs = shape.block_size, steps = head_dim / 32, tokens = shape.tokens;
   const int64_t row = shape.kv_heads * head_dim, block_stride = bs * row, head_run = bs * head_dim;
   const int64_t part_size = head_dim + 2;
-  constexpr bool quantized = !std::is_same_v<P, bf16>;
-  constexpr int64_t key_bytes = sizeof(P);
   // tiles: consecutive tokens of one sequence with the same chunk length, up to 16 / group
   const int64_t per_tile = kAmxAttnRows / group;
   std::vector<int64_t> tile_first, first_item{0};
@@ -218,12 +190,10 @@ inline void amx_attend_items(const AmxAttentionCall<P>& call, const PagedShape& 
     // one allocation a share, not zeroed (each item writes what it reads): the query tiles, a
     // block's S^T as the tiles store it (a key a row, a query row a lane: scores, then weights),
     // the accumulators, the weights' A tiles (a step of 32 keys each), the values' B tiles, C's
-    // sums, a last run of fewer than 16 keys with zero rows after it, and (a quantized pool) a
-    // block's keys and values widened, and the queries' low parts as B tiles
+    // sums, and a last run of fewer than 16 keys with zero rows after it
     const int64_t dim_tiles = head_dim / 16, max_ksteps = (bs + 31) / 32;
     const int64_t sizes[] = {4 * 512 * 2, bs * kAmxAttnRows * 4, kAmxAttnRows * head_dim * 4, max_ksteps * 512 * 2,
-                             max_ksteps * dim_tiles * 512 * 2, 4 * 256 * 4, kAmxAttnRows * head_dim * 2,
-                             quantized ? 2 * head_run * 2 : 0, quantized ? 4 * 512 * 2 : 0};
+                             max_ksteps * dim_tiles * 512 * 2, 4 * 256 * 4, kAmxAttnRows * head_dim * 2};
     int64_t total = 64;
     for (int64_t bytes : sizes) total += (bytes + 63) / 64 * 64;
     const std::unique_ptr<char[]> storage(new char[total]);
@@ -240,8 +210,6 @@ inline void amx_attend_items(const AmxAttentionCall<P>& call, const PagedShape& 
     bf16* vb = reinterpret_cast<bf16*>(carve(sizes[4]));
     float* block_sums = reinterpret_cast<float*>(carve(sizes[5]));
     bf16* staged = reinterpret_cast<bf16*>(carve(sizes[6]));
-    bf16* widened_block = reinterpret_cast<bf16*>(carve(sizes[7]));
-    bf16* qt_lo = reinterpret_cast<bf16*>(carve(sizes[8]));
     alignas(64) int32_t context[kAmxAttnRows];
     const __m512i key_rows = _mm512_mullo_epi32(
         _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0), _mm512_set1_epi32(kAmxAttnRows));
@@ -253,25 +221,19 @@ inline void amx_attend_items(const AmxAttentionCall<P>& call, const PagedShape& 
       const int64_t g = (item - first_item[tile]) / last_chunks, c = (item - first_item[tile]) % last_chunks;
       const int64_t s = call.token_seq[t0];
       const int32_t* table = call.block_tables + s * shape.max_blocks;
-      const std::vector<bf16>* copy =
-          quantized && call.widened && !call.widened[s].empty() ? &call.widened[s] : nullptr;
       for (int64_t r = 0; r < kAmxAttnRows; ++r)
         context[r] = r < rows ? static_cast<int32_t>(call.positions[t0 + r / group] + 1) : 0;
       const int64_t last_context = context[rows - 1], blocks = (last_context + bs - 1) / bs;
       const int64_t b_first = c * call.per_chunk[t0], b_last = std::min(blocks, b_first + call.per_chunk[t0]);
       // the queries as B tiles: step st holds dims [32 st, 32 st + 32), row kp the pair of dims
       // 2 kp, 2 kp + 1 (one dword) of every query row
-      auto query_tiles = [&](const bf16* queries, bf16* tiles) {
-        uint32_t* qt32 = reinterpret_cast<uint32_t*>(tiles);
-        std::fill(qt32, qt32 + steps * 256, 0u);
-        for (int64_t r = 0; r < rows; ++r) {
-          const uint32_t* q = reinterpret_cast<const uint32_t*>(
-              queries + ((t0 + r / group) * heads + g * group + r % group) * head_dim);
-          for (int64_t pair = 0; pair < head_dim / 2; ++pair) qt32[pair * kAmxAttnRows + r] = q[pair];
-        }
-      };
-      query_tiles(call.queries, qt);
-      if constexpr (quantized) query_tiles(call.queries_lo, qt_lo);
+      uint32_t* qt32 = reinterpret_cast<uint32_t*>(qt);
+      std::fill(qt32, qt32 + steps * 256, 0u);
+      for (int64_t r = 0; r < rows; ++r) {
+        const uint32_t* q = reinterpret_cast<const uint32_t*>(
+            call.queries + ((t0 + r / group) * heads + g * group + r % group) * head_dim);
+        for (int64_t pair = 0; pair < head_dim / 2; ++pair) qt32[pair * kAmxAttnRows + r] = q[pair];
+      }
       std::fill(pa, pa + max_ksteps * 512, bf16(0.f));  // the rows past the tile's stay 0
       auto load_queries = [&] {  // tiles 0 .. steps - 1; again after each block (the values' sums take them)
         _tile_loadd(0, qt, 64);
@@ -301,44 +263,22 @@ inline void amx_attend_items(const AmxAttentionCall<P>& call, const PagedShape& 
                              _mm512_setzero_si512()),
             _mm512_set1_epi32(static_cast<int32_t>(bs)));
         const int64_t at = table[b] * block_stride + group_run;
-        // this block's keys and values for KV head g in bf16: the pool's own, a prefill chunk's
-        // widened copy, or (a decode token over a quantized pool) widened here
-        const bf16* keys;
-        const bf16* values;
-        if constexpr (!quantized) {
-          keys = call.k_pool + at;
-          values = call.v_pool + at;
-        } else if (copy) {
-          keys = copy->data() + b * block_stride + group_run;
-          values = keys + copy->size() / 2;
-        } else {
-          widen_to_bf16(widened_block, call.k_pool + at, n * head_dim);
-          widen_to_bf16(widened_block + head_run, call.v_pool + at, n * head_dim);
-          keys = widened_block;
-          values = widened_block + head_run;
-        }
         // 16 keys a tile; a last run of fewer goes from a copy with zero rows after it (the
         // slots past a block's last key are not read)
-        // (a quantized pool's: times the queries' high and low parts, 16 keys at a time)
         const int64_t whole = n / kAmxAttnRows * kAmxAttnRows;
         int64_t i0 = 0;
-        if constexpr (quantized) {
-          for (; i0 < whole; i0 += kAmxAttnRows)
-            amx_key_scores<false, true>(steps, keys + i0 * head_dim, head_dim, scores + i0 * kAmxAttnRows, qt_lo);
-        } else {
-          for (; i0 + 2 * kAmxAttnRows <= whole; i0 += 2 * kAmxAttnRows)
-            amx_key_scores<true>(steps, keys + i0 * head_dim, head_dim, scores + i0 * kAmxAttnRows);
-          if (i0 < whole) {
-            amx_key_scores<false>(steps, keys + i0 * head_dim, head_dim, scores + i0 * kAmxAttnRows);
-            i0 += kAmxAttnRows;
-          }
+        for (; i0 + 2 * kAmxAttnRows <= whole; i0 += 2 * kAmxAttnRows)
+          amx_key_scores<true>(steps, call.k_pool + at + i0 * head_dim, head_dim, scores + i0 * kAmxAttnRows);
+        if (i0 < whole) {
+          amx_key_scores<false>(steps, call.k_pool + at + i0 * head_dim, head_dim, scores + i0 * kAmxAttnRows);
+          i0 += kAmxAttnRows;
         }
         if (i0 < n) {
-          std::copy(keys + i0 * head_dim, keys + n * head_dim, staged);
+          std::copy(call.k_pool + at + i0 * head_dim, call.k_pool + at + n * head_dim, staged);
           std::fill(staged + (n - i0) * head_dim, staged + kAmxAttnRows * head_dim, bf16(0.f));
-          amx_key_scores<false, quantized>(steps, staged, head_dim, scores + i0 * kAmxAttnRows, qt_lo);
+          amx_key_scores<false>(steps, staged, head_dim, scores + i0 * kAmxAttnRows);
         }
-        amx_value_tiles(values, n, head_dim, vb);  // its loads overlap the scores' work
+        amx_value_tiles(call.v_pool + at, n, head_dim, vb);  // its loads overlap the scores' work
         // scores scaled, keys past each row's position masked; the block's max per row
         __m512 block_max = minus_inf;
         for (int64_t i = 0; i < n; ++i) {
@@ -367,7 +307,7 @@ inline void amx_attend_items(const AmxAttentionCall<P>& call, const PagedShape& 
           _mm512_store_ps(scores + i * kAmxAttnRows, p);
           total = _mm512_add_ps(total, p);
           if (next)
-            for (int64_t byte = 0; byte < head_dim * key_bytes; byte += 64) {
+            for (int64_t byte = 0; byte < head_dim * 2; byte += 64) {
               prefetch_line(reinterpret_cast<const char*>(call.k_pool + next_at + i * head_dim) + byte);
               prefetch_line(reinterpret_cast<const char*>(call.v_pool + next_at + i * head_dim) + byte);
             }
@@ -410,12 +350,7 @@ inline void amx_attend_items(const AmxAttentionCall<P>& call, const PagedShape& 
         if (call.chunks[t] == 1) {
           const float inv = 1.f / sums[r];
           bf16* o = call.out + (t * heads + h) * head_dim;
-          if constexpr (quantized) {  // as attention.h's write_out: V's scales on the way out
-            const float* v_scale = call.v_scales + g * head_dim;
-            for (int64_t d = 0; d < head_dim; ++d) store_as(o + d, a[d] * inv * v_scale[d]);
-          } else {
-            for (int64_t d = 0; d < head_dim; ++d) store_as(o + d, a[d] * inv);
-          }
+          for (int64_t d = 0; d < head_dim; ++d) store_as(o + d, a[d] * inv);
         } else {
           store_partial(call.parts + (call.first_part[t] + h * call.chunks[t] + c) * part_size, maxes[r], sums[r], a,
                         head_dim);
