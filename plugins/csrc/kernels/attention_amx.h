@@ -14,7 +14,7 @@
 //     to the model dtype before multiplying the values) as A tiles, the values interleaved in
 //     pairs of keys as B tiles, 32 keys a tdpbf16ps; the block's sums are added to the row's.
 // A decode step reads each block from memory: its values are staged while the scores' tiles run,
-// and the next block's lines are asked for, into L2, a key at a time while the weights are made.
+// and the next block's lines are asked for a key at a time while the weights are made.
 //
 // A query row's arithmetic does not depend on the other rows of its tile: the tiles compute
 // each row's dot products on their own; keys past a row's position get weight 0 (values past a
@@ -254,8 +254,7 @@ inline void amx_attend_items(const AmxAttentionCall& call, const PagedShape& sha
                      std::min(bs, last_context - b_first * bs), head_dim);
       for (int64_t b = b_first; b < b_last; ++b) {
         // the next block's keys and values asked for a key at a time while this block's weights
-        // are made (measured faster than asking for a whole block's lines at once), into L2
-        // (measured faster than into L1: more of them in flight)
+        // are made (measured faster than asking for a whole block's lines at once)
         const bool next = fetch && b + 1 < b_last;
         const int64_t next_at = next ? table[b + 1] * block_stride + group_run : 0;
         const int64_t base = b * bs, n = std::min(bs, last_context - base);  // keys any row has here
@@ -309,8 +308,8 @@ inline void amx_attend_items(const AmxAttentionCall& call, const PagedShape& sha
           total = _mm512_add_ps(total, p);
           if (next)
             for (int64_t byte = 0; byte < head_dim * 2; byte += 64) {
-              prefetch_line_l2(reinterpret_cast<const char*>(call.k_pool + next_at + i * head_dim) + byte);
-              prefetch_line_l2(reinterpret_cast<const char*>(call.v_pool + next_at + i * head_dim) + byte);
+              prefetch_line(reinterpret_cast<const char*>(call.k_pool + next_at + i * head_dim) + byte);
+              prefetch_line(reinterpret_cast<const char*>(call.v_pool + next_at + i * head_dim) + byte);
             }
         }
         denom = _mm512_add_ps(denom, total);

@@ -64,14 +64,6 @@ inline void prefetch_line(const void* p) {
   _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T0);
 #endif
 }
-// the same into L2 only (prefetcht1): on the AMX Xeon measured, attention's requests for the
-// next block's keys and values, scattered 4 KB runs, kept more lines in flight this way
-// (docs/benchmarks.md, "Attention on AMX tiles")
-inline void prefetch_line_l2(const void* p) {
-#if !defined(KILN_ISA_SCALAR)
-  _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T1);
-#endif
-}
 // every cache line of [p, p + bytes)
 inline void prefetch_bytes(const void* p, int64_t bytes) {
   for (int64_t i = 0; i < bytes; i += 64) prefetch_line(static_cast<const char*>(p) + i);
