@@ -39,6 +39,9 @@ def measure(library: str | None, threads: int, isa: str | None, calls: int, toke
 
     from kiln.plugins import ops
     from kiln.plugins.build import build_plugins
+    from kiln.plugins.reference import store_kv
+
+    quantized_pools = {"int8": (torch.int8, 1 / 40), "fp8": (torch.float8_e4m3fn, 1 / 100)}  # scales for randn's range
 
     ops.load_library(library or build_plugins())
     if isa:
@@ -56,12 +59,11 @@ def measure(library: str | None, threads: int, isa: str | None, calls: int, toke
         k_pool = torch.randn(blocks, *block_shape, HEAD_DIM).bfloat16()
         v_pool = torch.randn(blocks, *block_shape, HEAD_DIM).bfloat16()
         scales = None
-        if kv_cache == "int8":
-            k_pool, v_pool = ((p.float() * 40).round().clamp(-127, 127).to(torch.int8) for p in (k_pool, v_pool))
-            scales = torch.full((2, KV_HEADS * HEAD_DIM), 1 / 40)
-        elif kv_cache == "fp8":
-            k_pool, v_pool = ((p.float() * 100).to(torch.float8_e4m3fn) for p in (k_pool, v_pool))
-            scales = torch.full((2, KV_HEADS * HEAD_DIM), 1 / 100)
+        if kv_cache != "none":  # quantized as the engine stores keys and values, one scale for all
+            pool_dtype, scale = quantized_pools[kv_cache]
+            k_pool, v_pool = (store_kv(p.reshape(-1, 1, HEAD_DIM), pool_dtype, torch.full((HEAD_DIM,), scale))
+                              .reshape(p.shape) for p in (k_pool, v_pool))
+            scales = torch.full((2, KV_HEADS * HEAD_DIM), scale)
         qkv = torch.randn(seqs * new, (HEADS + 2 * KV_HEADS) * HEAD_DIM).bfloat16()
         order = torch.randperm(blocks, generator=torch.Generator().manual_seed(1)) if scattered else torch.arange(blocks)
         tables = order[: seqs * per_seq].to(torch.int32).reshape(seqs, per_seq).contiguous()

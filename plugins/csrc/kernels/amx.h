@@ -24,8 +24,9 @@ struct AmxTileConfig {  // ldtilecfg's 64-byte operand (palette 1)
 inline void amx_configure(int tiles) {
   AmxTileConfig config;
   for (int t = 0; t < tiles; ++t) config.rows[t] = 16, config.colsb[t] = 64;
-  // every byte stored before ldtilecfg reads them: inlined into attention_amx.h's items, GCC 12
-  // dropped the colsb stores as dead (rows 16 with 0 columns: ldtilecfg faults)
+  // every byte stored before ldtilecfg reads them: inlined into a larger kernel (a version of
+  // attention_amx.h's items), GCC 12 dropped the colsb stores as dead (16 rows of 0 bytes:
+  // ldtilecfg faulted)
   asm volatile("" : : "r"(&config) : "memory");
   _tile_loadconfig(&config);
 }
