@@ -1,6 +1,8 @@
-"""Serving benchmark for the runtime issue's table (kiln bench is the general tool): output tokens/s, TTFT and inter-token latency (P50/P99) at several
+"""Serving benchmark: output tokens/s, TTFT and inter-token latency (P50/P99) at several
 concurrency levels, in process (the Executor through LLM.stream) and through a real
-tritonserver over tritonclient gRPC streaming; plus KV memory per token and paging waste.
+tritonserver over tritonclient gRPC streaming; plus KV memory per token, paging waste, and where
+the cores went (each process's CPU time over the level's wall time). `kiln bench` is the general
+tool; this script adds the in-process side and the process split.
 
     python benchmarks/serving.py --engine out/smollm2-bf16/engine \
         --repo out/smollm2-bf16/triton_repo --threads 2 --json out/serving.json
@@ -72,7 +74,18 @@ def over_grpc(url: str, tokenizer, prompt: str, max_tokens: int) -> tuple[float,
     return submitted, [(t, n * scale) for (t, _), n in zip(arrivals, per_chunk)]
 
 
-def run_level(call, prompts: list[str], concurrency: int, max_tokens: int, sampler=None) -> dict:
+def cpu_used(server=None) -> dict[str, float]:
+    """CPU seconds used so far: this process (the client, and in process the engine too) and, with
+    a server, tritonserver and each model's backend stub."""
+    from kiln.triton_repo.serve import cpu_seconds
+
+    return {"client": cpu_seconds(os.getpid()) or 0.0, **(server.cpu_seconds() if server else {})}
+
+
+def run_level(call, prompts: list[str], concurrency: int, max_tokens: int, sampler=None, server=None) -> dict:
+    """One concurrency level's figures; `cores` is each process's CPU time over the level's wall
+    time (1.0: one core busy all along), so the split of the machine between the engine, Triton's
+    processes and the client shows."""
     recorder = Recorder(concurrency)
     queue = list(prompts)
     lock = threading.Lock()
@@ -87,6 +100,7 @@ def run_level(call, prompts: list[str], concurrency: int, max_tokens: int, sampl
             recorder.add(*call(prompt, max_tokens))
 
     threads = [threading.Thread(target=worker) for _ in range(concurrency)]
+    cpu_before = cpu_used(server)
     start = time.perf_counter()
     for t in threads:
         t.start()
@@ -97,6 +111,7 @@ def run_level(call, prompts: list[str], concurrency: int, max_tokens: int, sampl
     for t in threads:
         t.join()
     wall = time.perf_counter() - start
+    cpu_after = cpu_used(server)
     row = {
         "concurrency": concurrency, "requests": len(prompts), "output_tokens": round(recorder.tokens),
         "wall_s": wall, "tokens_per_s": recorder.tokens / wall,
@@ -104,6 +119,7 @@ def run_level(call, prompts: list[str], concurrency: int, max_tokens: int, sampl
         "ttft_steady_p50_ms": 1000 * percentile(recorder.ttft_steady, 50),
         "ttft_steady_p99_ms": 1000 * percentile(recorder.ttft_steady, 99),
         "itl_p50_ms": 1000 * percentile(recorder.itl, 50), "itl_p99_ms": 1000 * percentile(recorder.itl, 99),
+        "cores": {name: (cpu_after[name] - cpu_before[name]) / wall for name in cpu_after if name in cpu_before},
     }
     if samples:
         busy = [s for s in samples if s["blocks_used"]]
@@ -169,7 +185,7 @@ def main() -> None:
                 prompts = synthetic_prompts(tokenizer, max(4, args.requests_per_level * level), args.prompt_tokens, level)
                 console.print(f"tritonserver gRPC, concurrency {level} ...")
                 rows.append({"path": "gRPC", **run_level(lambda p, n: over_grpc(url, tokenizer, p, n), prompts,
-                                                           level, args.output_tokens)})
+                                                           level, args.output_tokens, server=server)})
     finally:
         if server:
             server.stop()
@@ -195,6 +211,17 @@ def main() -> None:
                       f"{100 * waste:.1f}%" if waste is not None else "-")
     Console(width=200).print(table)
     Console().print("latencies in ms")
+    cores = Table(title=f"where the cores went: CPU time / wall time, each process ({os.cpu_count()} CPUs)")
+    names_seen = list(dict.fromkeys(name for r in rows for name in r["cores"]))
+    for column in ("path", "conc.", *names_seen, "all"):
+        cores.add_column(column, justify="right")
+    for r in rows:
+        cores.add_row(r["path"], str(r["concurrency"]),
+                      *(f"{r['cores'][n]:.2f}" if n in r["cores"] else "-" for n in names_seen),
+                      f"{sum(r['cores'].values()):.2f}")
+    Console(width=200).print(cores)
+    Console().print("client: this process (in process, the engine runs in it too); the other columns: "
+                    "tritonserver and each model's backend stub")
     Console().print(f"KV bytes per token: formula 2 x layers x kv_heads x head_dim x bytes = {formula}; "
                     f"pool: {formula} (block_size {block_size})")
     if args.json:

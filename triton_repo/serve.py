@@ -111,14 +111,26 @@ def free_port() -> int:
     return free_ports(1)[0]
 
 
-def _proc_stat(pid: int) -> tuple[str, int, int] | None:
-    """(state, parent pid, process group) of a process from /proc, or None when it is gone."""
+def _stat_fields(pid: int) -> list[str] | None:
+    """/proc/PID/stat's fields after "pid (comm) " (proc(5)'s third on), or None when it is gone."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
         return None
-    fields = stat[stat.rindex(")") + 2:].split()  # after "pid (comm) "
-    return fields[0], int(fields[1]), int(fields[2])
+    return stat[stat.rindex(")") + 2:].split()
+
+
+def _proc_stat(pid: int) -> tuple[str, int, int] | None:
+    """(state, parent pid, process group) of a process from /proc, or None when it is gone."""
+    fields = _stat_fields(pid)
+    return None if fields is None else (fields[0], int(fields[1]), int(fields[2]))
+
+
+def cpu_seconds(pid: int) -> float | None:
+    """The CPU time (user + system, all threads) a process has used so far, from /proc; None when
+    it is gone."""
+    fields = _stat_fields(pid)  # utime and stime: proc(5)'s fields 14 and 15
+    return None if fields is None else (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def group_members(pgid: int) -> dict[int, str]:
@@ -274,6 +286,13 @@ class TritonServer:
             if args and args[0].endswith(b"triton_python_backend_stub") and len(args) > 1:
                 stubs[int(entry.name)] = Path(args[1].decode(errors="replace")).parent.parent.name
         return stubs
+
+    def cpu_seconds(self) -> dict[str, float]:
+        """CPU seconds used so far by the server process ("tritonserver") and by each model's
+        backend stub (by model name), for accounting where a benchmark's cores went."""
+        used = {"tritonserver": cpu_seconds(self.process.pid) if self.process else None}
+        used |= {model: cpu_seconds(pid) for pid, model in self.stubs.items()}
+        return {name: seconds for name, seconds in used.items() if seconds is not None}
 
     def health(self) -> str | None:
         """None while the server and every backend stub it started run; else what stopped."""

@@ -5,6 +5,7 @@ import urllib.request
 
 import pytest
 
+from kiln import constants as names
 from kiln.errors import KilnError
 from kiln.triton_repo.client import stream_generate
 from kiln.triton_repo.serve import TritonServer
@@ -96,6 +97,20 @@ def test_concurrent_grpc_streams_equal_one_at_a_time(server, llm):
     with ThreadPoolExecutor(16) as pool:
         together = list(pool.map(lambda p: "".join(stream_generate(server.grpc_url, p, max_tokens=24)), prompts))
     assert together == alone
+
+
+def test_cpu_seconds_account_for_the_server_and_each_model(server):
+    """What benchmarks/serving.py reports as where the cores went: a stream costs the engine model
+    CPU time, and every model of the repository is accounted for."""
+    before = server.cpu_seconds()
+    chunks = list(stream_generate(server.grpc_url, PROMPTS[0], max_tokens=40))
+    after = server.cpu_seconds()
+    assert len(chunks) > 1
+    models = names.MODEL_NAME_SETS["kiln"]
+    engine = models[names.ROLE_ENGINE]
+    assert {"tritonserver", engine, models[names.ROLE_PREPROCESSING], models[names.ROLE_POSTPROCESSING]} <= set(after)
+    assert after[engine] - before[engine] >= 0.01, (before, after)  # 40 float32 decode steps: over a tick
+    assert all(after[name] >= before[name] for name in before), (before, after)
 
 
 def test_stream_interval_sends_fewer_responses_with_the_same_text(engine_dir, llm, tmp_path):

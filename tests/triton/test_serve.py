@@ -34,3 +34,18 @@ def test_each_environment_gets_its_own_backend_folder_and_none_changes(tmp_path,
     assert {p.name: os.readlink(p) for p in (first / "python").iterdir()} == links  # untouched
     monkeypatch.setattr(serve, "_pytriton_root", lambda: first_env)
     assert serve.backend_directory() == first
+
+
+def test_cpu_seconds_grows_with_work_and_is_none_for_a_process_gone():
+    import subprocess
+    import time
+
+    before = serve.cpu_seconds(os.getpid())
+    deadline = time.process_time() + 0.2
+    while time.process_time() < deadline:  # 0.2 s of this process's CPU time
+        pass
+    after = serve.cpu_seconds(os.getpid())
+    assert 0.15 <= after - before <= 5.0, (before, after)
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()  # exited and reaped: /proc has it no more
+    assert serve.cpu_seconds(child.pid) is None
