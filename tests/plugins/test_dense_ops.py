@@ -75,6 +75,7 @@ def test_rms_norm_bf16_rounds_as_hugging_face(isa, width):
     itself is what the same op gives in float32 with a weight of ones (the same statistics)."""
     g = generator(isa, "rms_norm", width)
     x, w = (torch.randn(3, width, generator=g) * 3).bfloat16(), torch.randn(width, generator=g).bfloat16()
+    w[1:20:3] = 1e-39  # products below float32's normal range: rounded to bf16 subnormals, not flushed to 0
     got = ops.rms_norm(x, w, 1e-6)
     normalized = ops.rms_norm(x.float(), torch.ones(width), 1e-6)
     want = (w.float() * normalized.bfloat16().float()).bfloat16()
@@ -90,6 +91,7 @@ def test_gated_bf16_rounds_as_pytorch_ops_would(isa, op, width):
     g = generator(isa, op, width)
     gate, up = ((torch.randn(3, width, generator=g) * 4).bfloat16() for _ in range(2))
     gate[0, :4] = torch.tensor([float("nan"), float("inf"), -float("inf"), 0.0])
+    gate[1, 5:30:4], up[1, 5:30:4] = 1e-20, 1e-20  # products below float32's normal range: bf16 subnormals
     got = getattr(ops, op)(torch.cat([gate, up], dim=1))
     act = getattr(ops, op)(torch.cat([gate.float(), torch.ones(gate.shape)], dim=1))
     want = (act.bfloat16().float() * up.float()).bfloat16()

@@ -365,7 +365,17 @@ inline float round_as<float>(float x) {
 #if !defined(KILN_ISA_SCALAR)
 // round_as, kLanes at a time: x rounded to bf16 and back, as c10::BFloat16(float) rounds (to nearest, ties
 // to even; NaN stays NaN)
+#if defined(KILN_ISA_AVX512BF16)
+// Lanes vcvtneps2bf16 cannot round as c10::BFloat16 does: it takes denormal inputs as zero, and
+// makes a NaN of its own. A vector without them (all but rare ones) takes the instruction.
+inline bool bf16_convertible(__m512 x) { return _mm512_fpclass_ps_mask(x, 0x20 | 0x01 | 0x80) == 0; }
+#endif
+
 inline vfloat round_bf16(vfloat x) {
+#if defined(KILN_ISA_AVX512BF16)
+  if (bf16_convertible(x))
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(x)), 16));
+#endif
 #if defined(KILN_ISA_AVX512)
   const __m512i bits = _mm512_castps_si512(x);
   const __m512i bias = _mm512_add_epi32(_mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1)),
@@ -393,6 +403,10 @@ inline vfloat vround_as(vfloat x) {
 // store_as, kLanes at a time: x rounded to T and stored (a NaN as c10::BFloat16(float) makes it, 0x7fc0)
 inline void vstore_as(float* p, vfloat x) { vstore(p, x); }
 inline void vstore_as(bf16* p, vfloat x) {
+#if defined(KILN_ISA_AVX512BF16)
+  if (bf16_convertible(x))
+    return _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), (__m256i)_mm512_cvtneps_pbh(x));
+#endif
   const vfloat nan = vset1(std::numeric_limits<float>::quiet_NaN());  // 0x7fc00000
 #if defined(KILN_ISA_AVX512)
   vstore_exact(p, _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), round_bf16(x), nan));
