@@ -385,13 +385,18 @@ void paged_attention_impl(const T* qkv, const T* cos, const T* sin, P* k_pool, P
   // each token's rotated queries, scaled (and with K's scales folded in), made once for every
   // chunk of its context that attends with them
   const int64_t group = shape.heads / shape.kv_heads, tokens = shape.tokens;
-  std::vector<float> queries(tokens * shape.heads * head_dim);
+  // The FMA loop reads them as floats; the AMX route as bf16 (exactly: rotary embedding rounds
+  // them to bf16), written here by the threads rather than converted after. Neither is zeroed:
+  // every element is written.
+  const int64_t query_count = tokens * shape.heads * head_dim;
+  const std::unique_ptr<float[]> queries(amx ? nullptr : new float[query_count]);
+  const std::unique_ptr<bf16[]> queries_bf16(amx ? new bf16[query_count] : nullptr);
   parallel_for(0, shape.tokens, 16, [&](int64_t begin, int64_t end) {
-    std::vector<float> rotated(head_dim);
+    std::vector<float> rotated(head_dim), rotated_query(amx ? head_dim : 0);
     for (int64_t t = begin; t < end; ++t) {
       const int64_t position = position_of(t);
       for (int64_t h = 0; h < shape.heads; ++h) {
-        float* q = queries.data() + (t * shape.heads + h) * head_dim;
+        float* q = amx ? rotated_query.data() : queries.get() + (t * shape.heads + h) * head_dim;
         rope_into(q, qkv + t * qkv_row + h * head_dim, cos + position * rotary, sin + position * rotary,
                   head_dim, rotary);
         if (shape.key_hadamard) hadamard_inplace(q, head_dim, shape.key_hadamard);
@@ -399,6 +404,7 @@ void paged_attention_impl(const T* qkv, const T* cos, const T* sin, P* k_pool, P
           for (int64_t d = 0; d < head_dim; ++d) q[d] *= scale;
         if constexpr (quantized)
           for (int64_t d = 0; d < head_dim; ++d) q[d] *= kv_scales[(h / group) * head_dim + d];
+        if (amx) widen_to_bf16(queries_bf16.get() + (t * shape.heads + h) * head_dim, q, head_dim);
       }
       const int64_t slot = slot_of(token_seq[t], position);
       const T* k = qkv + t * qkv_row + q_size;
@@ -492,9 +498,7 @@ void paged_attention_impl(const T* qkv, const T* cos, const T* sin, P* k_pool, P
     if constexpr (std::is_same_v<T, bf16> && !quantized) {
       std::vector<int64_t> positions(tokens);
       for (int64_t t = 0; t < tokens; ++t) positions[t] = position_of(t);
-      std::vector<bf16> queries_bf16(queries.size());  // exactly: rotary embedding rounded them to bf16
-      widen_to_bf16(queries_bf16.data(), queries.data(), static_cast<int64_t>(queries.size()));
-      amx_attend_items({queries_bf16.data(), k_pool, v_pool, out, block_tables, token_seq, query_start,
+      amx_attend_items({queries_bf16.get(), k_pool, v_pool, out, block_tables, token_seq, query_start,
                         positions.data(), chunks.data(), per_chunk.data(), first_part.data(), parts.get(), scale},
                        shape);
     }
@@ -517,7 +521,7 @@ void paged_attention_impl(const T* qkv, const T* cos, const T* sin, P* k_pool, P
         const int64_t position = position_of(t), context = position + 1, first = first_key(position);
         const int64_t blocks = (context + bs - 1) / bs;
         const int64_t b_first = first / bs + c * per_chunk[t], b_last = std::min(blocks, b_first + per_chunk[t]);
-        const float* qf = queries.data() + (t * shape.heads + g * group) * head_dim;  // the group's heads
+        const float* qf = queries.get() + (t * shape.heads + g * group) * head_dim;  // the group's heads
         // a prefill chunk's keys and values were just written or are read by its other tokens too:
         // in cache, where requesting them again only costs instructions (decode steps read them
         // from memory)
