@@ -415,7 +415,7 @@ void paged_attention_impl(const T* qkv, const T* cos, const T* sin, P* k_pool, P
         if constexpr (quantized)
           store_scaled(k_pool + slot + g * head_run, rotated.data(), inv_scales.data() + g * head_dim, head_dim);
         else
-          for (int64_t d = 0; d < head_dim; ++d) store_as(k_pool + slot + g * head_run + d, rotated[d]);
+          store_times_as(k_pool + slot + g * head_run, rotated.data(), 1.f, head_dim);  // x 1: exactly x
       }
       for (int64_t g = 0; g < shape.kv_heads; ++g) {
         const T* v = k + row + g * head_dim;
@@ -483,7 +483,7 @@ void paged_attention_impl(const T* qkv, const T* cos, const T* sin, P* k_pool, P
       const float* v_scale = kv_scales + row + g * head_dim;
       for (int64_t d = 0; d < head_dim; ++d) store_as(orow + d, acc[d] * inv * v_scale[d]);
     } else {
-      for (int64_t d = 0; d < head_dim; ++d) store_as(orow + d, acc[d] * inv);
+      store_times_as(orow, acc, inv, head_dim);
     }
   };
 

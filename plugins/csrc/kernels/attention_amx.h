@@ -350,7 +350,7 @@ inline void amx_attend_items(const AmxAttentionCall& call, const PagedShape& sha
         if (call.chunks[t] == 1) {
           const float inv = 1.f / sums[r];
           bf16* o = call.out + (t * heads + h) * head_dim;
-          for (int64_t d = 0; d < head_dim; ++d) store_as(o + d, a[d] * inv);
+          store_times_as(o, a, inv, head_dim);
         } else {
           store_partial(call.parts + (call.first_part[t] + h * call.chunks[t] + c) * part_size, maxes[r], sums[r], a,
                         head_dim);

@@ -416,6 +416,17 @@ inline void vstore_as(bf16* p, vfloat x) {
 }
 #endif
 
+// dst[i] = x[i] * s rounded to T, as store_as rounds it (kLanes at a time: the same bits)
+template <typename T>
+inline void store_times_as(T* dst, const float* x, float s, int64_t n) {
+  int64_t i = 0;
+#if !defined(KILN_ISA_SCALAR)
+  const vfloat vs = vset1(s);
+  for (; i + kLanes <= n; i += kLanes) vstore_as(dst + i, vmul(vload(x + i), vs));
+#endif
+  for (; i < n; ++i) store_as(dst + i, x[i] * s);
+}
+
 // A tile's 16 outputs of one row: out[j] = sums[j] + bias[j] (+ 0 without a bias), each rounded
 // to T as store_as rounds it (a vector at a time: the scalar loop's conversions to bf16 took as
 // long as the AMX kernels' multiplies)
