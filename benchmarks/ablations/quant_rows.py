@@ -11,8 +11,10 @@ timing is asserted anywhere.
     python benchmarks/ablations/quant_rows.py --kernel linear_w8 --shapes output --libraries OLD.so NEW.so \\
         --isa avx2 --rows 16 64 --calls 5    # SmolLM2's int8 output projection (49,152 x 576)
 
-Kernels: linear_w8a8 (SmoothQuant's W8A8, int8_sq engines' every row count), linear_w8 (W8A16 on
-the int8 row layout: int8_wo engines where the tiled int8 layout is not used), linear_w4_tiled
+Kernels: linear_w8a8 (SmoothQuant's W8A8, int8_sq engines' every row count), linear_w8a8_tiled
+(W8A8 on the tiled int8 layout: int8_sq engines where the host's kernels take it, AMX), linear_w8
+(W8A16 on the int8 row layout: int8_wo engines where the tiled int8 layout is not used),
+linear_w8_tiled (W8A16 on the tiled layout), linear_w4_tiled
 (W4A16 on the tiled int4 layout: int4_awq / int4_wo) and linear_w4a8_tiled (W4A8), these two in
 groups of 64 as SmolLM2's int4 engines, and linear (the dense bf16 kernel: bf16 engines). (A
 library is a built kiln_plugins.so: build_plugins() prints the path of the current sources' one;
@@ -30,7 +32,8 @@ from library_turns import command_line, levels_and_rows, load, median_us
 SMOLLM2_SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # (out, in): qkv, o_proj, gate_up, down
 SHAPES = {"linears": SMOLLM2_SHAPES, "output": [(49152, 576)]}  # --shapes: the layers' or the output projection
 ROWS = [1, 8, 32, 128]
-KERNELS = ("linear_w8a8", "linear_w8", "linear_w4_tiled", "linear_w4a8_tiled", "linear")
+KERNELS = ("linear_w8a8", "linear_w8a8_tiled", "linear_w8", "linear_w8_tiled", "linear_w4_tiled",
+           "linear_w4a8_tiled", "linear")
 GROUP = 64  # the int4 kernels' group size
 
 
@@ -45,10 +48,16 @@ def call(ops, kernel: str, n: int, k: int, rows: int, g: torch.Generator):
         s = torch.rand(n, generator=g) + 0.5
         wsum = w.to(torch.int32).sum(dim=1, dtype=torch.int32)
         return lambda: ops.linear_w8a8(x, w, s, wsum)
-    if kernel == "linear_w8":
+    if kernel == "linear_w8a8_tiled":
+        w = ops.pack_int8_tiled(torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=g))
+        s = torch.rand(n, generator=g) + 0.5
+        return lambda: ops.linear_w8a8_tiled(x, w, s)
+    if kernel in ("linear_w8", "linear_w8_tiled"):
         w = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=g)
         s = torch.rand(n, generator=g) * 0.01
-        return lambda: ops.linear_w8(x, w, s)
+        if kernel == "linear_w8_tiled":
+            w = ops.pack_int8_tiled(w)
+        return lambda: getattr(ops, kernel)(x, w, s)
     packed = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=g)
     scales = torch.rand(n, k // GROUP, generator=g) * 0.01
     tiled, tiled_scales = ops.pack_int4_tiled(packed, scales, GROUP)
