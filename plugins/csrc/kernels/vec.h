@@ -363,14 +363,14 @@ inline float round_as<float>(float x) {
 }
 
 #if !defined(KILN_ISA_SCALAR)
-// round_as, kLanes at a time: x rounded to bf16 and back, as c10::BFloat16(float) rounds (to nearest, ties
-// to even; NaN stays NaN)
 #if defined(KILN_ISA_AVX512BF16)
 // Lanes vcvtneps2bf16 cannot round as c10::BFloat16 does: it takes denormal inputs as zero, and
 // makes a NaN of its own. A vector without them (all but rare ones) takes the instruction.
 inline bool bf16_convertible(__m512 x) { return _mm512_fpclass_ps_mask(x, 0x20 | 0x01 | 0x80) == 0; }
 #endif
 
+// round_as, kLanes at a time: x rounded to bf16 and back, as c10::BFloat16(float) rounds (to nearest, ties
+// to even; NaN stays NaN)
 inline vfloat round_bf16(vfloat x) {
 #if defined(KILN_ISA_AVX512BF16)
   if (bf16_convertible(x))
