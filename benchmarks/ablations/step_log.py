@@ -10,6 +10,8 @@ import argparse
 import json
 from pathlib import Path
 
+from kiln.bench import percentile
+
 
 def runs_of(path: Path) -> list[list[dict]]:
     runs: list[list[dict]] = []
@@ -21,20 +23,15 @@ def runs_of(path: Path) -> list[list[dict]]:
     return runs
 
 
-def quantile(values: list[float], q: float) -> float:  # the nearest rank below, as the tables quote
-    ordered = sorted(values)
-    return ordered[int(q * (len(ordered) - 1))] if ordered else float("nan")
-
-
 def summary(run: list[dict], min_decoding: int, min_mixed: int) -> dict:
     decode = [s["ms"] for s in run if s["tokens"] == s["decode_tokens"] and s["sequences"] >= min_decoding]
     mixed = [s["ms"] for s in run if s["tokens"] > s["decode_tokens"] >= min_mixed]
     # a step's line is written as it ends: the next one began `ms` before its own end
     gaps = [(b["time"] - a["time"]) * 1000 - b["ms"] for a, b in zip(run, run[1:])]
     return {"steps": len(run),
-            "decode_only": {"n": len(decode), "p50_ms": quantile(decode, 0.5), "p99_ms": quantile(decode, 0.99)},
-            "mixed": {"n": len(mixed), "p50_ms": quantile(mixed, 0.5), "p99_ms": quantile(mixed, 0.99)},
-            "gap": {"p50_ms": quantile(gaps, 0.5), "p99_ms": quantile(gaps, 0.99)},
+            "decode_only": {"n": len(decode), "p50_ms": percentile(decode, 50), "p99_ms": percentile(decode, 99)},
+            "mixed": {"n": len(mixed), "p50_ms": percentile(mixed, 50), "p99_ms": percentile(mixed, 99)},
+            "gap": {"p50_ms": percentile(gaps, 50), "p99_ms": percentile(gaps, 99)},
             "steps_s": sum(s["ms"] for s in run) / 1000, "span_s": run[-1]["time"] - run[0]["time"]}
 
 

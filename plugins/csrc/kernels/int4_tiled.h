@@ -412,12 +412,12 @@ void tiled_w4_amx(const int8_t* hi, const int8_t* lo, const float* xs_group, con
             facc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), scales, facc[r]);
           }
         }
-        // the sums to outputs, as store_row16 rounds them, from locals (as tiled_w8a8_amx)
+        // the sums to outputs from registers and locals (as tiled_w8a8_amx)
         T* const out_rows = out + c * kTileRows * n + t * kTileRows;
-        const __m512 b16 = bias ? vload(bias + t * kTileRows) : vzero();
+        const __m512 b16 = bias16_of(bias, t * kTileRows);
         const float* const row_scales = A8 ? nullptr : xs_row + c * kTileRows;
         for (int64_t r = 0; r < std::min<int64_t>(kTileRows, rows - c * kTileRows); ++r)
-          vstore_as(out_rows + r * n, vadd(A8 ? facc[r] : scaled16(facc[r], row_scales[r]), b16));
+          store_row16(out_rows + r * n, A8 ? facc[r] : scaled16(facc[r], row_scales[r]), b16);
       }
     }
     _tile_release();

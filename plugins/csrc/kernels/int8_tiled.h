@@ -149,19 +149,19 @@ void tiled_w8_amx(const int8_t* hi, const int8_t* lo, const float* xs, const flo
         const int8_t *hc = hi + c * kTileRows * k, *lc = lo + c * kTileRows * k;
         if (P == 2) amx_w8_tiles<2>(hc, lc, wt, U * 64, L, k, c == 0, fh, fl);  // later chunks: in cache
         else amx_w8_tiles<1>(hc, lc, wt, U * 64, L, k, c == 0, fh, fl);
-        // the sums to outputs, as store_row16 rounds them, from locals (as tiled_w8a8_amx)
+        // the sums to outputs from registers and locals (as tiled_w8a8_amx)
         const float* const row_offsets = offset + c * kTileRows;
         const float* const row_scales = xs + c * kTileRows;
         T* const out_rows = out + c * kTileRows * n;
         const int64_t chunk_rows = std::min<int64_t>(kTileRows, rows - c * kTileRows);
         for (int64_t p = 0; p < P; ++p) {
           const int64_t o0 = (t + p) * kTileRows;
-          const __m512 s16 = _mm512_loadu_ps(scale + o0), b16 = bias ? vload(bias + o0) : vzero();
+          const __m512 s16 = _mm512_loadu_ps(scale + o0), b16 = bias16_of(bias, o0);
           for (int64_t r = 0; r < chunk_rows; ++r) {
             const __m512 acc = _mm512_fmadd_ps(fh[p * kTileRows + r], _mm512_set1_ps(256.f), fl[p * kTileRows + r]);
             const __m512 centred = _mm512_sub_ps(acc, _mm512_set1_ps(row_offsets[r]));
             const __m512 scaled = _mm512_mul_ps(_mm512_mul_ps(centred, _mm512_set1_ps(row_scales[r])), s16);
-            vstore_as(out_rows + r * n + o0, vadd(scaled, b16));
+            store_row16(out_rows + r * n + o0, scaled, b16);
           }
         }
       }

@@ -439,6 +439,19 @@ inline void store_row16(T* out, const float* sums, const T* bias) {
 #endif
 }
 
+#if defined(KILN_ISA_AVX512)
+// store_row16 from registers (the AMX kernels' rows): the 16 sums + bias16, bias16 being
+// bias16_of's outputs [o0, o0 + 16) of the bias, or zeros without one
+template <typename T>
+inline __m512 bias16_of(const T* bias, int64_t o0) {
+  return bias ? vload(bias + o0) : vzero();
+}
+template <typename T>
+inline void store_row16(T* out, __m512 sums, __m512 bias16) {
+  vstore_as(out, vadd(sums, bias16));
+}
+#endif
+
 // out[r] = sum_i x[r][i] * w[i] for four rows at once: w is loaded (and widened) once. Each row
 // is summed as dot() sums it (two chains over pairs of vectors, a last vector into the first,
 // then the tail), so a row gets the same bits in a group of four as alone.

@@ -161,22 +161,22 @@ void tiled_w8a8_amx(const int8_t* q, const int32_t* qsum128, const float* xs, co
         if (P == 4) amx_w8a8_group(qc, wt, L, k, c == 0, C);
         else if (P == 2) amx_w8a8_tiles<2>(qc, wt, U * 64, L, k, c == 0, C);  // later chunks: in cache
         else amx_w8a8_tiles<1>(qc, wt, U * 64, L, k, c == 0, C);
-        // the sums to outputs, as store_row16 rounds them, from locals: through the closure every
-        // store to out made the compiler load its pointers again
+        // the sums to outputs from registers and locals: through the closure every store to out
+        // made the compiler load its pointers again
         const int32_t* const row_sums = qsum128 + c * kTileRows;
         const float* const row_scales = xs + c * kTileRows;
         T* const out_rows = out + c * kTileRows * n;
         const int64_t chunk_rows = std::min<int64_t>(kTileRows, rows - c * kTileRows);
         for (int64_t p = 0; p < P; ++p) {
           const int64_t o0 = (t + p) * kTileRows;
-          const __m512 s16 = _mm512_loadu_ps(scale + o0), b16 = bias ? vload(bias + o0) : vzero();
+          const __m512 s16 = _mm512_loadu_ps(scale + o0), b16 = bias16_of(bias, o0);
           for (int64_t r = 0; r < chunk_rows; ++r) {
             const __m512i sum = P == 4 ? _mm512_load_si512(C[p] + r * kTileRows) :
                                 _mm512_add_epi32(_mm512_load_si512(C[2 * p] + r * kTileRows),
                                                  _mm512_load_si512(C[2 * p + 1] + r * kTileRows));
             const __m512 exact = _mm512_cvtepi32_ps(_mm512_sub_epi32(sum, _mm512_set1_epi32(row_sums[r])));
             const __m512 scaled = _mm512_mul_ps(_mm512_mul_ps(exact, _mm512_set1_ps(row_scales[r])), s16);
-            vstore_as(out_rows + r * n + o0, vadd(scaled, b16));
+            store_row16(out_rows + r * n + o0, scaled, b16);
           }
         }
       }
