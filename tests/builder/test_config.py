@@ -150,6 +150,20 @@ def test_stream_interval_is_a_run_time_option_and_bad_ones_are_refused():
             parse_config({"model": {"checkpoint": "x"}, "runtime": {"stream_interval": bad}})
 
 
+def test_group_size_is_auto_or_a_multiple_of_32_and_bad_ones_are_refused():
+    """Groups of any multiple of 32 up to 1,024 (SmolLM2's 576 inputs: 192, three groups a row);
+    anything else is refused naming the key and what it takes."""
+    def config(group):
+        return {"model": {"checkpoint": "x"}, "quantization": {"algo": "w4a8_awq", "group_size": group}}
+
+    for good in ("auto", 32, 96, 192, 1024):
+        assert parse_config(config(good)).quantization.group_size == good
+    for bad in (0, 16, 100, 2048, -64, True, "192", 64.0):
+        with pytest.raises(ConfigError, match="quantization.group_size: expected auto or a multiple of 32") as e:
+            parse_config(config(bad))
+        assert f"(got {bad!r})" in str(e.value)
+
+
 @pytest.mark.parametrize("path", sorted((__import__("pathlib").Path(__file__).parents[2] / "configs").glob("*.yaml")),
                          ids=lambda p: p.name)
 def test_shipped_configs_are_valid(path):

@@ -73,7 +73,7 @@ def test_linear_w8_rows_are_the_bits_of_each_row_alone(isa, dtype, rows, k, n):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("group", [32, 64, 128])
+@pytest.mark.parametrize("group", [32, 64, 96, 128])
 @pytest.mark.parametrize("rows, k, n", [s for s in SHAPES if s[1] % 2 == 0])
 def test_linear_w4_matches_reference(isa, dtype, group, rows, k, n):
     g = generator(isa, str(dtype), group, rows, k, n)
@@ -149,7 +149,7 @@ TILED_SHAPES = [(1, 576, 64), (3, 64, 48), (5, 1536, 96), (8, 200, 112), (2, 211
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("group", [8, 32, 64, 128])
+@pytest.mark.parametrize("group", [8, 32, 64, 96, 128, 192])  # any multiple of 8; 96 and 192 not powers of two
 @pytest.mark.parametrize("rows, k, n", TILED_SHAPES)
 def test_linear_w4_tiled_matches_reference(isa, dtype, group, rows, k, n):
     """The tiled layout: packing equals the reshape-built reference; the GEMV and the
@@ -321,7 +321,7 @@ def test_quant_ops_validate_their_inputs(plugin_isas):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("group", [8, 32, 64, 128])
+@pytest.mark.parametrize("group", [8, 32, 64, 96, 128, 192])  # any multiple of 8; 96 and 192 not powers of two
 @pytest.mark.parametrize("rows, k, n", TILED_SHAPES + [(40, 576, 48)])
 def test_linear_w4a8_tiled_matches_exact_integer_reference(isa, dtype, group, rows, k, n):
     g = generator(isa, str(dtype), group, rows, k, n, "w4a8 tiled")
@@ -338,7 +338,7 @@ def test_linear_w4a8_tiled_matches_exact_integer_reference(isa, dtype, group, ro
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("group", [32, 64, 128])
+@pytest.mark.parametrize("group", [32, 64, 96, 128])
 @pytest.mark.parametrize("rows, k, n", [s for s in SHAPES if s[1] % 2 == 0] + [(40, 576, 24)])
 def test_linear_w4a8_matches_exact_integer_reference(isa, dtype, group, rows, k, n):
     g = generator(isa, str(dtype), group, rows, k, n)
@@ -446,12 +446,14 @@ def test_avx_vnni_sums_the_same_integers_as_avx2(plugin_isas, kernel, rows, k, n
 @pytest.mark.parametrize("kernel", ["linear_w4_tiled", "linear_w4a8_tiled"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows, k, n, group", [(16, 576, 64, 64), (17, 1536, 48, 64), (64, 576, 80, 128),
-                                               (33, 576, 16, 192), (100, 128, 112, 64)])
+                                               (33, 576, 16, 192), (100, 128, 112, 64), (20, 64, 32, 64),
+                                               (16, 256, 32, 64)])
 def test_amx_int4_gives_the_bits_of_avx512_vnni(plugin_isas, kernel, dtype, rows, k, n, group):
     """int4 (W4A16, W4A8) on AMX tiles (tdpbssd, from 16 rows) sums the row kernel's integers and
     turns them to float in its order, so avx512amx and avx512bf16 give the same bits: whole and
     padded chunks of 16 rows, a last group shorter than the others (576 by 128), groups of three
-    tiles (192), a zero row, bias; and both match the reference."""
+    tiles (192), one to 24 groups (fewer than, as many as and more than W4A8's four in flight), a
+    zero row, bias; and both match the reference."""
     if "avx512amx" not in plugin_isas:
         pytest.skip("this CPU lacks AMX (avx512amx), or the kernel does not grant it")
     g = generator("amx int4", kernel, str(dtype), rows, k, n, group)
