@@ -62,36 +62,36 @@ def _serve(args) -> int:
         openai = OpenAIServer(ServedModel.from_repo(args.repo, args.served_model_name), server.grpc_url,
                               args.address, args.openai_port)
     # SIGTERM stops it like Ctrl-C, from before the server starts: a supervisor that gives up on a
-    # slow start must not leave a tritonserver behind (start() stops it on the way out). Noted, as
-    # an interrupt inside an import can come out as an ImportError.
-    stopped: list[int] = []
-
+    # slow start must not leave a tritonserver behind. The handler only asks (request_stop):
+    # start() and watch() look between their steps, so the signal never lands inside starting
+    # the process (which would leave it running unrecorded) or a client's request.
     def interrupt(signum, frame):
-        stopped.append(signum)
-        raise KeyboardInterrupt
+        server.request_stop()
 
     signal.signal(signal.SIGTERM, interrupt)
     signal.signal(signal.SIGINT, interrupt)
     print(f"starting tritonserver on {args.repo} ...", file=sys.stderr, flush=True)
     try:
         server.start(args.timeout)
-        if openai is not None:
+        if openai is not None and not server.stop_requested.is_set():
             openai.start()
-    except BaseException as exc:
+    except BaseException:
         if openai is not None:
             openai.stop()
         server.stop()  # (start() has stopped it where it failed; the OpenAI frontend's failure is after)
-        if isinstance(exc, KeyboardInterrupt) or stopped:
-            print("kiln serve: stopped before the server was ready", file=sys.stderr)
-            return 130
-        raise
+        if not server.stop_requested.is_set():
+            raise
+    if server.stop_requested.is_set():  # before 'ready:' (start() stopped the server, or it is stopped here)
+        if openai is not None:
+            openai.stop()
+        server.stop()
+        print("kiln serve: stopped before the server was ready", file=sys.stderr)
+        return 130
     extra = f"  OpenAI {openai.url}" if openai is not None else ""
     print(f"ready: gRPC {server.grpc_url}  HTTP {server.http_url}  metrics {server.address}:{server.metrics_port}"
           f"{extra}", file=sys.stderr, flush=True)
     try:
         problem = server.watch(frontend=openai)
-    except KeyboardInterrupt:
-        problem = None
     finally:
         if openai is not None:
             openai.stop()

@@ -17,6 +17,7 @@ import subprocess
 import sys
 import sysconfig
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -24,6 +25,10 @@ from kiln import constants as names
 from kiln.errors import KilnError
 
 READY_TIMEOUT_S = 300.0
+
+
+class StartInterrupted(KilnError):
+    """TritonServer.start() gave up because request_stop() was called (the server is stopped)."""
 # what tritonserver says on every machine without a GPU: harmless, and never the reason it failed
 CPU_NOISE = ("CUDA", "Cuda", "NVML", "DCGM", "GPU")
 
@@ -185,6 +190,10 @@ class TritonServer:
         self.process: subprocess.Popen | None = None
         self.stubs: dict[int, str] = {}  # backend stub pid -> its model, seen once the server is ready
         self.failed = False  # set when a start failed or health() found a problem
+        # set by request_stop() (a signal handler may call it at any moment): start() and watch()
+        # look at it between their steps, so no step (starting the process, a client's request)
+        # is cut off halfway, as an exception raised by a signal handler can cut one
+        self.stop_requested = threading.Event()
 
     @property
     def grpc_url(self) -> str:
@@ -223,6 +232,11 @@ class TritonServer:
         env[names.SERVER_GRPC_URL_ENV] = self.grpc_url
         return env
 
+    def request_stop(self) -> None:
+        """Ask start() to give up (it stops the server and raises StartInterrupted) or watch() to
+        return None; safe to call from a signal handler."""
+        self.stop_requested.set()
+
     def start(self, timeout: float = READY_TIMEOUT_S) -> "TritonServer":
         _adopt_orphans()
         output = open(self.log_file, "ab")
@@ -254,6 +268,8 @@ class TritonServer:
 
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
+            if self.stop_requested.is_set():
+                raise StartInterrupted("stopped before the server was ready")
             if self.process.poll() is not None:
                 raise KilnError(
                     f"tritonserver exited with code {self.process.returncode} while loading {self.repo}:\n"
@@ -310,14 +326,16 @@ class TritonServer:
 
     def watch(self, interval: float = 1.0, frontend=None) -> str:
         """Block until health() reports a problem, or the frontend beside the server (an
-        OpenAIServer) stops; returns what happened (the server is left to stop())."""
-        while True:
+        OpenAIServer) stops; returns what happened (the server is left to stop()), or None once
+        request_stop() was called."""
+        while not self.stop_requested.is_set():
             problem = self.health()
             if problem is not None:
                 return problem
             if frontend is not None and not frontend.alive():
                 return "the OpenAI frontend stopped"
-            time.sleep(interval)
+            self.stop_requested.wait(interval)
+        return None
 
     def stop(self, timeout: float = 30.0) -> None:
         if self.process is None:

@@ -69,6 +69,39 @@ def test_kiln_serve_stopped_while_starting_leaves_nothing(tiny_engines):
     assert group_members(server) == {}  # the server and its stubs ended and reaped
 
 
+def test_a_signal_while_the_server_process_is_being_started_stops_it(tiny_engines, monkeypatch):
+    """SIGTERM landing inside the call that starts tritonserver (the process exists, the call has
+    not returned: the race a supervisor's early SIGTERM can hit): kiln serve still stops that
+    server and exits 130. (A handler that raised there left the server running, unrecorded.)"""
+    from kiln import cli
+
+    repo = tiny_engines("llama").parent / "triton_repo"
+    started, real_popen = [], subprocess.Popen
+
+    def popen_then_signal(*args, **kwargs):
+        process = real_popen(*args, **kwargs)
+        started.append(process)
+        os.kill(os.getpid(), signal.SIGTERM)  # its handler runs before this call returns
+        time.sleep(0.2)
+        return process
+
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+    monkeypatch.setattr(subprocess, "Popen", popen_then_signal)
+    try:
+        code = cli.main(["serve", str(repo)])
+        left = {process.pid: group_members(process.pid) for process in started}
+    finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+        monkeypatch.undo()
+        for process in started:  # (left running only where the test fails)
+            if process.poll() is None:
+                os.killpg(process.pid, signal.SIGKILL)
+                process.wait()
+    assert code == 130 and len(started) == 1
+    assert left == {started[0].pid: {}}, left  # the server and its stubs ended and reaped
+
+
 def test_a_dead_engine_process_is_noticed_and_its_streams_get_errors(smollm2_engines):
     repo = smollm2_engines("float32").parent / "triton_repo"
     server = TritonServer(repo).start()
