@@ -347,9 +347,9 @@ class W4A8Linear(TiledInt4, QuantLinear):
 
 class W8A8Linear(TiledInt8, QuantLinear):
     """Activations int8 per row at run time, or with one static input_scale when the engine has
-    one (Model Optimizer's W8A8_SQ_PER_CHANNEL checkpoints). Where the host multiplies int8 on AMX
-    tiles (ops.tiled("w8a8")), the weights take the tiled int8 layout (TiledInt8) and run
-    linear_w8a8_tiled: the same outputs, bit for bit."""
+    one (Model Optimizer's W8A8_SQ_PER_CHANNEL checkpoints). Where the host multiplies int8 with
+    AVX-512 VNNI (ops.tiled("w8a8"); AMX tiles too where it has them), the weights take the tiled
+    int8 layout (TiledInt8) and run linear_w8a8_tiled: the same outputs, bit for bit."""
 
     kind = names.LINEAR_W8A8
     plan_kind = "w8a8"

@@ -5,6 +5,7 @@ command line; in the subprocess it runs the script's measure() and prints its JS
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import subprocess
 import sys
@@ -48,7 +49,7 @@ def command_line(script: str, description: str, measure, calls: int, rows: list[
     """Parse --libraries (two only, A and B, where `two`), --isa, --threads, --calls, --rounds, --rows,
     --json, and the script's own `options` ({flag: add_argument's keywords}). In the subprocess
     (--measure LIBRARY): print measure(library, isas, threads, calls, rows, **options' values)'s JSON
-    and exit. Otherwise -> (args, in_turns's runs), the subprocesses given the same options."""
+    (and turn=, the library's place in --libraries, where measure takes it) and exit. Otherwise -> (args, in_turns's runs), the subprocesses given the same options."""
     parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     if two:
         parser.add_argument("--libraries", nargs=2, required=True, metavar=("A", "B"))
@@ -67,9 +68,11 @@ def command_line(script: str, description: str, measure, calls: int, rows: list[
     own = {flag: getattr(args, flag.lstrip("-").replace("-", "_")) for flag in options or {}}
     if args.measure:
         values = {flag.lstrip("-").replace("-", "_"): value for flag, value in own.items()}
+        if "turn" in inspect.signature(measure).parameters:  # which of --libraries this process runs
+            values["turn"] = args.libraries.index(args.measure)
         print(json.dumps(measure(args.measure, args.isa, args.threads, args.calls, args.rows, **values)))
         sys.exit(0)
-    passed_on = [word for flag, value in own.items() for word in (flag, str(value))]
+    passed_on = [word for flag, value in own.items() if value is not None for word in (flag, str(value))]
     return args, in_turns(script, args.libraries, args.rounds, ["--isa", *args.isa, "--threads", str(args.threads),
                                                                "--calls", str(args.calls), "--rows", *map(str, args.rows),
                                                                *passed_on])

@@ -12,6 +12,8 @@ timing is asserted anywhere.
         --isa avx2 --rows 16 64 --calls 5    # SmolLM2's int8 output projection (49,152 x 576)
     python benchmarks/ablations/quant_rows.py --kernel linear_w4a8_tiled --group 192 --libraries OLD.so NEW.so \\
         --isa avx512amx --rows 16 64 512    # groups of 192 inputs (quantization.group_size: 192)
+    python benchmarks/ablations/quant_rows.py --kernel linear_w8a8 --b-kernel linear_w8a8_tiled \\
+        --libraries OLD.so NEW.so --isa avx512bf16    # W8A8's row layout (A) against the tiled one (B)
 
 Kernels: linear_w8a8 (SmoothQuant's W8A8, int8_sq engines' every row count), linear_w8a8_tiled
 (W8A8 on the tiled int8 layout: int8_sq engines where the host's kernels take it, AMX), linear_w8
@@ -68,9 +70,11 @@ def call(ops, kernel: str, n: int, k: int, rows: int, g: torch.Generator, group:
 
 
 def measure(library: str, isas: list[str], threads: int, calls: int, row_counts: list[int], kernel: str,
-            shapes: str, group: int) -> list[dict]:
-    """Median microseconds of `kernel` at each (isa, rows, shape) in this process, on `library`."""
+            shapes: str, group: int, b_kernel: str | None, turn: int) -> list[dict]:
+    """Median microseconds of `kernel` (library B: `b_kernel` where given) at each (isa, rows, shape) in
+    this process, on `library`."""
     ops, g = load(library, threads, 20261202)
+    kernel = b_kernel if turn == 1 and b_kernel else kernel
     out = []
     for isa, rows in levels_and_rows(ops, isas, row_counts):
         for n, k in SHAPES[shapes]:
@@ -84,7 +88,10 @@ def main() -> None:
                               options={"--kernel": dict(choices=KERNELS, default="linear_w8a8"),
                                        "--shapes": dict(choices=tuple(SHAPES), default="linears"),
                                        "--group": dict(type=int, default=64,
-                                                       help="int4 kernels: inputs a scale covers")})
+                                                       help="int4 kernels: inputs a scale covers"),
+                                       "--b-kernel": dict(choices=KERNELS, default=None,
+                                                          help="library B runs this kernel instead (two "
+                                                               "layouts of one kind side by side)")})
     a, b = args.libraries
     rows = []
     for i, entry in enumerate(runs[a][0]):
@@ -95,7 +102,8 @@ def main() -> None:
     from rich.table import Table
 
     grouped = f" in groups of {args.group}" if "w4" in args.kernel else ""
-    table = Table(title=f"{args.kernel}{grouped}, bf16 rows, {args.threads} thread(s), median of {args.rounds} "
+    kernels = f"{args.kernel} (B: {args.b_kernel})" if args.b_kernel else args.kernel
+    table = Table(title=f"{kernels}{grouped}, bf16 rows, {args.threads} thread(s), median of {args.rounds} "
                         f"rounds x {args.calls} calls; A = {Path(a).parent.name}, B = {Path(b).parent.name}")
     for column in ("isa", "rows", "shape", "A µs", "B µs", "A / B"):
         table.add_column(column, justify="right")
@@ -108,8 +116,8 @@ def main() -> None:
         from host import host_info
 
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        meta = {**host_info(), "kernel": args.kernel, "shapes": args.shapes, "group": args.group,
-                "threads": args.threads, "calls": args.calls, "rounds": args.rounds, "libraries": args.libraries}
+        meta = {**host_info(), "kernel": args.kernel, "b_kernel": args.b_kernel, "shapes": args.shapes,
+                "group": args.group, "threads": args.threads, "calls": args.calls, "rounds": args.rounds, "libraries": args.libraries}
         args.json.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
 
 

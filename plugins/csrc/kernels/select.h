@@ -98,14 +98,15 @@ constexpr auto linear_bf16_tiled = linear_bf16_tiled_ref;
 #endif
 
 // --- W8A8 (w8a8.h, w8a8_tiled.h) ---------------------------------------------------------------
-// W8A8 weights take the tiled int8 layout where AMX multiplies them (from 16 rows; the VNNI GEMV
-// below): 2.1-3.7x faster at 16 rows than PyTorch's int8 GEMM, which the row layout's many rows
-// take (docs/benchmarks.md). Elsewhere they stay [out, in] and the tiled layout has only its
-// reference.
+// W8A8 weights take the tiled int8 layout where AVX-512 VNNI multiplies them (its GEMV, and AMX
+// tiles from 16 rows where the CPU has them): without AMX 1.5-1.7x the row layout's kernel at one
+// row, 2.5-3.2x at 4 and 1.1-1.9x at 16-64 rows, where the row layout takes PyTorch's int8 GEMM;
+// with AMX 2.1-3.7x that GEMM at 16 rows (docs/benchmarks.md). Elsewhere they stay [out, in] and
+// the tiled layout has only its reference.
 template <typename T> constexpr auto linear_w8a8 = linear_w8a8_rows<T>;
-#if defined(KILN_ISA_AMX)
+#if defined(KILN_ISA_VNNI)
 constexpr bool kTiledW8A8 = true;
-template <typename T> constexpr auto linear_w8a8_tiled = linear_w8a8_tiled_amx<T>;
+template <typename T> constexpr auto linear_w8a8_tiled = linear_w8a8_tiled_vnni<T>;
 #else
 constexpr bool kTiledW8A8 = false;
 template <typename T> constexpr auto linear_w8a8_tiled = linear_w8a8_tiled_ref<T>;

@@ -1,5 +1,5 @@
 // SmoothQuant W8A8 on the tiled int8 layout (formats.h: pack_int8_tiled at load, each weight + 128
-// as uint8), which W8A8 weights take where AMX multiplies int8 (select.h, kTiledW8A8). Included per
+// as uint8), which W8A8 weights take where select.h says (kTiledW8A8). Included per
 // ISA inside kiln::<isa> after int8_tiled.h and w8a8.h.
 //
 // The input rows are quantized as linear_w8a8_rows quantizes them (quantize_row_u8: the same int8
@@ -9,10 +9,10 @@
 // output scale + bias) makes linear_w8a8's bits from them, at every row count and on every path
 // (the tests compare the two ops).
 //
-//   linear_w8a8_tiled_ref   plain loops on the tiled bytes (the levels without AMX)
-//   linear_w8a8_tiled_amx   below kAmxRowsFrom rows, tiled_gemv with VNNI (tiles_w8a8t: one
-//                           vpdpbusd multiplies 16 outputs by 4 inputs of a row); from
-//                           kAmxRowsFrom rows tdpbsud, 16 rows x 64 inputs x 16 outputs, the
+//   linear_w8a8_tiled_ref   plain loops on the tiled bytes (the levels without VNNI)
+//   linear_w8a8_tiled_vnni  tiled_gemv with VNNI (tiles_w8a8t: one vpdpbusd multiplies 16
+//                           outputs by 4 inputs of a row); with AMX from kAmxRowsFrom rows
+//                           tiled_w8a8_amx: tdpbsud, 16 rows x 64 inputs x 16 outputs, the
 //                           layout's vectors a B tile as they lie (as tiled_w8_amx), a tile
 //                           group's four tiles a step (one stream), each tile's int32 sums
 //                           stored once per chunk of 16 rows
@@ -50,7 +50,7 @@ void linear_w8a8_tiled_ref(const T* x, const uint8_t* w, const float* scale, flo
   });
 }
 
-#if defined(KILN_ISA_AMX)
+#if defined(KILN_ISA_VNNI)
 // V tiles (u0.. of a tile group of width U; w at the group's start) x R rows of q (row stride k):
 // acc[v * R + r] = the row's exact sums for the tile's 16 outputs (the + 128 taken off), as float
 template <int R, int V>
@@ -74,6 +74,25 @@ __attribute__((noinline)) void tiles_w8a8t(const int8_t* q, const int32_t* qsum1
       acc[v * R + r] = _mm512_cvtepi32_ps(_mm512_sub_epi32(a[v * R + r], _mm512_set1_epi32(qsum128[r])));
 }
 
+// The rows quantized (quantize_row_s8) against the tiled layout with VNNI (tiled_gemv: one row in
+// one pass of the share's tiles of a group, several rows tile by tile, four rows at a time)
+template <typename T>
+void tiled_w8a8_vnni(const int8_t* q, const int32_t* qsum128, const float* xs, const uint8_t* w, const float* scale,
+                     const T* bias, T* out, int64_t rows, int64_t k, int64_t n) {
+  const TiledLayout L = tiled_int8_layout(k, n);
+  tiled_gemv(L, bias, out, rows, n,
+             [&](auto R, auto V, int64_t t0, int64_t U, int64_t u0, int64_t m0, __m512* acc) {
+               tiles_w8a8t<decltype(R)::value, decltype(V)::value>(q + m0 * k, qsum128 + m0, w + t0 * L.kb * 64, L,
+                                                                   U, u0, k, acc);
+             },
+             [&](int64_t m, int64_t o0, __m512 acc, float* sums) {  // store_w8a8's products, in its order
+               _mm512_storeu_ps(sums, _mm512_mul_ps(_mm512_mul_ps(acc, _mm512_set1_ps(xs[m])),
+                                                    _mm512_loadu_ps(scale + o0)));
+             });
+}
+#endif
+
+#if defined(KILN_ISA_AMX)
 // One step of 64 inputs (blocks b .. b + 15) against A tile `a`: the rows' inputs into a, then
 // each tile's vectors into B tile 6 or 7 and one tdpbsud into its C tile. (GCC's tile intrinsics
 // take tile numbers as literals: macros, not functions of them.)
@@ -185,11 +204,12 @@ void tiled_w8a8_amx(const int8_t* q, const int32_t* qsum128, const float* xs, co
     _tile_release();
   });
 }
+#endif
 
+#if defined(KILN_ISA_VNNI)
 template <typename T>
-void linear_w8a8_tiled_amx(const T* x, const uint8_t* w, const float* scale, float static_scale, const T* bias,
-                           T* out, int64_t rows, int64_t k, int64_t n) {
-  const TiledLayout L = tiled_int8_layout(k, n);
+void linear_w8a8_tiled_vnni(const T* x, const uint8_t* w, const float* scale, float static_scale, const T* bias,
+                            T* out, int64_t rows, int64_t k, int64_t n) {
   std::vector<int8_t> q(rows * k);
   std::vector<float> xs(rows);
   std::vector<int32_t> qsum128(rows);
@@ -197,16 +217,10 @@ void linear_w8a8_tiled_amx(const T* x, const uint8_t* w, const float* scale, flo
     for (int64_t m = begin; m < end; ++m)
       xs[m] = quantize_row_s8(x + m * k, q.data() + m * k, k, static_scale, &qsum128[m]);
   });
+#if defined(KILN_ISA_AMX)
   if (rows >= kAmxRowsFrom && k % kAmxK == 0)
     return tiled_w8a8_amx(q.data(), qsum128.data(), xs.data(), w, scale, bias, out, rows, k, n);
-  tiled_gemv(L, bias, out, rows, n,
-             [&](auto R, auto V, int64_t t0, int64_t U, int64_t u0, int64_t m0, __m512* acc) {
-               tiles_w8a8t<decltype(R)::value, decltype(V)::value>(q.data() + m0 * k, qsum128.data() + m0,
-                                                                   w + t0 * L.kb * 64, L, U, u0, k, acc);
-             },
-             [&](int64_t m, int64_t o0, __m512 acc, float* sums) {  // store_w8a8's products, in its order
-               _mm512_storeu_ps(sums, _mm512_mul_ps(_mm512_mul_ps(acc, _mm512_set1_ps(xs[m])),
-                                                    _mm512_loadu_ps(scale + o0)));
-             });
+#endif
+  tiled_w8a8_vnni(q.data(), qsum128.data(), xs.data(), w, scale, bias, out, rows, k, n);
 }
 #endif
