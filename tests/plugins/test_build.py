@@ -32,7 +32,8 @@ AVX2_REFERENCE_KERNELS = {
     "linear_w8_tiled_ref": "int8 weights are laid out tiled only on AVX-512 (select.h: kTiledInt8)",
     "dequantize_int8_tiled_ref": "int8 weights are laid out tiled only on AVX-512 (select.h: kTiledInt8)",
     "linear_w4a8_ref": "only W4A8 weights whose shape the tiled layout cannot hold (out_features % 16)",
-    "linear_w8a8_tiled_ref": "W8A8 weights are laid out tiled only where AMX multiplies them (select.h: kTiledW8A8)",
+    "linear_w8a8_tiled_ref": "W8A8 weights are laid out tiled only where AVX-512 VNNI multiplies them (select.h: "
+                             "kTiledW8A8)",
 }
 
 

@@ -105,8 +105,8 @@ def test_fused_decode_equals_the_python_loop(arch, dtype, quantization, tiny_mod
         assert model.layers[0].qkv.tiled == (dtype == "bfloat16" and ops.active_isa() == "avx512amx")
     if quantization["algo"] == "int8_wo":  # tiled where the kernels are AVX-512 ones
         assert model.layers[0].qkv.tiled == ops.active_isa().startswith("avx512")
-    if quantization["algo"] == "int8_sq":  # tiled where AMX multiplies int8
-        assert model.layers[0].qkv.tiled == (ops.active_isa() == "avx512amx")
+    if quantization["algo"] == "int8_sq":  # tiled where AVX-512 VNNI (or AMX) multiplies int8
+        assert model.layers[0].qkv.tiled == (ops.active_isa() in ("avx512bf16", "avx512amx"))
     if quantization["algo"] in ("int4_awq", "int4_wo", "w4a8_awq"):
         assert model.layers[0].qkv.tiled
     rotated = quantization.get("key_rotation", "auto") == "hadamard" or (
