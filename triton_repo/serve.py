@@ -25,12 +25,12 @@ from kiln import constants as names
 from kiln.errors import KilnError
 
 READY_TIMEOUT_S = 300.0
+# what tritonserver says on every machine without a GPU: harmless, and never the reason it failed
+CPU_NOISE = ("CUDA", "Cuda", "NVML", "DCGM", "GPU")
 
 
 class StartInterrupted(KilnError):
     """TritonServer.start() gave up because request_stop() was called (the server is stopped)."""
-# what tritonserver says on every machine without a GPU: harmless, and never the reason it failed
-CPU_NOISE = ("CUDA", "Cuda", "NVML", "DCGM", "GPU")
 
 
 def _pytriton_root() -> Path:

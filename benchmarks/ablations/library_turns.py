@@ -49,7 +49,8 @@ def command_line(script: str, description: str, measure, calls: int, rows: list[
     """Parse --libraries (two only, A and B, where `two`), --isa, --threads, --calls, --rounds, --rows,
     --json, and the script's own `options` ({flag: add_argument's keywords}). In the subprocess
     (--measure LIBRARY): print measure(library, isas, threads, calls, rows, **options' values)'s JSON
-    (and turn=, the library's place in --libraries, where measure takes it) and exit. Otherwise -> (args, in_turns's runs), the subprocesses given the same options."""
+    (and turn=, the library's place in --libraries, where measure takes it) and exit. Otherwise ->
+    (args, in_turns's runs), the subprocesses given the same options (those not None)."""
     parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     if two:
         parser.add_argument("--libraries", nargs=2, required=True, metavar=("A", "B"))
