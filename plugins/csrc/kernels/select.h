@@ -99,10 +99,10 @@ constexpr auto linear_bf16_tiled = linear_bf16_tiled_ref;
 
 // --- W8A8 (w8a8.h, w8a8_tiled.h) ---------------------------------------------------------------
 // W8A8 weights take the tiled int8 layout where AVX-512 VNNI multiplies them (its GEMV, and AMX
-// tiles from 16 rows where the CPU has them): without AMX 1.5-1.7x the row layout's kernel at one
-// row, 2.5-3.2x at 4 and 1.1-1.9x at 16-64 rows, where the row layout takes PyTorch's int8 GEMM;
-// with AMX 2.1-3.7x that GEMM at 16 rows (docs/benchmarks.md). Elsewhere they stay [out, in] and
-// the tiled layout has only its reference.
+// tiles from 16 rows where the CPU has them): without AMX (Zen 4) 1.6-2.6x the row layout's
+// kernel at one row, 2.9-3.5x at 4, 1.5-2.3x at 16 and 1.0-1.5x at 64-512 rows, where the row
+// layout takes PyTorch's int8 GEMM; with AMX 2.1-3.7x that GEMM at 16 rows (docs/benchmarks.md).
+// Elsewhere they stay [out, in] and the tiled layout has only its reference.
 template <typename T> constexpr auto linear_w8a8 = linear_w8a8_rows<T>;
 #if defined(KILN_ISA_VNNI)
 constexpr bool kTiledW8A8 = true;
