@@ -76,12 +76,12 @@ def _serve(args) -> int:
         if openai is not None and not server.stop_requested.is_set():
             openai.start()
     except BaseException:
-        if openai is not None:
-            openai.stop()
-        server.stop()  # (start() has stopped it where it failed; the OpenAI frontend's failure is after)
-        if not server.stop_requested.is_set():
+        if not server.stop_requested.is_set():  # (a requested stop is below)
+            if openai is not None:
+                openai.stop()
+            server.stop()  # (start() has stopped it where it failed; the OpenAI frontend's failure is after)
             raise
-    if server.stop_requested.is_set():  # before 'ready:' (start() stopped the server, or it is stopped here)
+    if server.stop_requested.is_set():  # before 'ready:' (start() may have stopped the server already)
         if openai is not None:
             openai.stop()
         server.stop()

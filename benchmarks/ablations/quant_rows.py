@@ -15,9 +15,10 @@ timing is asserted anywhere.
     python benchmarks/ablations/quant_rows.py --kernel linear_w8a8 --b-kernel linear_w8a8_tiled \\
         --libraries OLD.so NEW.so --isa avx512bf16    # W8A8's row layout (A) against the tiled one (B)
 
-Kernels: linear_w8a8 (SmoothQuant's W8A8 on the row layout: int8_sq engines without VNNI), linear_w8a8_tiled
-(W8A8 on the tiled int8 layout: int8_sq engines where the host has AVX-512 VNNI), linear_w8
-(W8A16 on the int8 row layout: int8_wo engines where the tiled int8 layout is not used),
+Kernels: linear_w8a8 (SmoothQuant's W8A8 on the row layout: int8_sq engines without AVX-512
+VNNI), linear_w8a8_tiled (W8A8 on the tiled int8 layout: int8_sq engines where the host has
+AVX-512 VNNI), linear_w8 (W8A16 on the int8 row layout: int8_wo engines where the tiled int8
+layout is not used),
 linear_w8_tiled (W8A16 on the tiled layout), linear_w4_tiled
 (W4A16 on the tiled int4 layout: int4_awq / int4_wo) and linear_w4a8_tiled (W4A8), these two in
 groups of --group inputs (default 64, as SmolLM2's int4 engines), and linear (the dense bf16
