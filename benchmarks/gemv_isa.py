@@ -18,8 +18,9 @@ the same run); every copy is read once, untimed, before the timed calls:
 
 --rows N times calls of N input rows instead (a step of N sequences), --kinds picks kernel kinds
 ("int8 tiled": W8A16 on the tiled int8 layout, AVX-512 engines' int8 linears; bf16 and W8A8 run
-on their tiled layouts on the avx512amx level, as engines do there) and
---output-projection adds the output projection's shape (49,152 x 576):
+on their tiled layouts on the levels that lay them out so, as engines do there: bf16 on
+avx512bf16 and avx512amx, W8A8 on the AVX-512 VNNI levels) and --output-projection adds the
+output projection's shape (49,152 x 576):
 
     python benchmarks/gemv_isa.py --isa avx512bf16 avx512amx --rows 16 --kinds "int4 tiled" \
         "w4a8 tiled" "int8 tiled" --output-projection"""
@@ -45,7 +46,7 @@ GROUP = 64
 
 KINDS = ["int4 tiled", "w4a8 tiled", "int8 rows", "w8a8", "fp8", "bf16"]
 EXTRA_KINDS = ["int8 tiled"]  # only with --kinds
-TILED = {"bf16": False, "w8a8": False}  # whether the level being timed lays these out tiled (AMX), set per turn
+TILED = {"bf16": False, "w8a8": False}  # whether the level being timed lays these out tiled, set per turn
 
 
 def kernel(kind: str, n: int, k: int, g: torch.Generator):
@@ -70,7 +71,7 @@ def kernel(kind: str, n: int, k: int, g: torch.Generator):
         w8sum = w8.to(torch.int32).sum(dim=1, dtype=torch.int32)
         if not ops.w8a8_tiles_fit(n, k):
             return (lambda x: ops.linear_w8a8(x, w8, s8, w8sum)), w8.nbytes + s8.nbytes
-        t8 = ops.to_hugepages(ops.pack_int8_tiled(w8))  # the layout of the avx512amx level (a second copy)
+        t8 = ops.to_hugepages(ops.pack_int8_tiled(w8))  # the layout of the AVX-512 VNNI levels (a second copy)
         return (lambda x: ops.linear_w8a8_tiled(x, t8, s8) if TILED["w8a8"] else ops.linear_w8a8(x, w8, s8, w8sum)), \
             w8.nbytes + s8.nbytes
     if kind == "fp8":
@@ -79,7 +80,7 @@ def kernel(kind: str, n: int, k: int, g: torch.Generator):
     wb = ops.to_hugepages(torch.randn(n, k, generator=g).bfloat16())
     if not ops.bf16_tiles_fit(n, k):
         return (lambda x: ops.linear(x, wb)), wb.nbytes
-    wt = ops.to_hugepages(ops.pack_bf16_tiled(wb))  # the layout of the avx512amx level (a second copy)
+    wt = ops.to_hugepages(ops.pack_bf16_tiled(wb))  # the layout of the BF16 levels (a second copy)
     return (lambda x: ops.linear_bf16_tiled(x, wt) if TILED["bf16"] else ops.linear(x, wb)), wb.nbytes
 
 

@@ -171,7 +171,8 @@ def linear(x, weight, bias=None):
 @op
 def linear_bf16_tiled(x, weight, bias=None):
     """x @ weight.T (+ bias) for bf16 rows, any number of them, on a weight from pack_bf16_tiled
-    (AMX tiles on the avx512amx level: each row's bits do not depend on the other rows)."""
+    (vdpbf16ps on the avx512bf16 level, AMX tiles on avx512amx: each row's bits do not depend on
+    the other rows)."""
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
 

@@ -130,10 +130,11 @@ class Routed:
 
 
 class DenseLinear(Routed):
-    """Where the host multiplies bf16 on AMX tiles (ops.tiled("bf16")), a bf16 weight whose shape
-    allows it is reordered once, at load, into the tiled layout (ops.pack_bf16_tiled; the engine
-    file keeps [out, in]; a tied output projection gets its own copy beside the embedding table),
-    and every row count takes linear_bf16_tiled: one route, so no tactic applies."""
+    """Where the host multiplies bf16 pairs (AVX512-BF16's vdpbf16ps or AMX tiles: ops.tiled("bf16")),
+    a bf16 weight whose shape allows it is reordered once, at load, into the tiled layout
+    (ops.pack_bf16_tiled; the engine file keeps [out, in]; a tied output projection gets its own
+    copy beside the embedding table), and every row count takes linear_bf16_tiled: one route, so
+    no tactic applies."""
 
     streamed_attr = "weight"  # the tensor a GEMV streams (runtime/weight_arena.py)
     # bf16, AVX2 (AMD EPYC, Zen 3, one thread): the kernel 1.11-1.29x PyTorch's at 64 rows (the output

@@ -21,8 +21,9 @@ AVX-512 VNNI), linear_w8 (W8A16 on the int8 row layout: int8_wo engines where th
 layout is not used),
 linear_w8_tiled (W8A16 on the tiled layout), linear_w4_tiled
 (W4A16 on the tiled int4 layout: int4_awq / int4_wo) and linear_w4a8_tiled (W4A8), these two in
-groups of --group inputs (default 64, as SmolLM2's int4 engines), and linear (the dense bf16
-kernel: bf16 engines). (A library is a built kiln_plugins.so: build_plugins() prints the path of
+groups of --group inputs (default 64, as SmolLM2's int4 engines), linear (the dense bf16
+kernel on the row layout: bf16 engines below AVX512-BF16) and linear_bf16_tiled (bf16 on the tiled
+layout: bf16 engines on avx512bf16 and avx512amx). (A library is a built kiln_plugins.so: build_plugins() prints the path of
 the current sources' one; an older commit's stays in the build cache.)"""
 from __future__ import annotations
 
@@ -38,7 +39,7 @@ SMOLLM2_SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # (out, in)
 SHAPES = {"linears": SMOLLM2_SHAPES, "output": [(49152, 576)]}  # --shapes: the layers' or the output projection
 ROWS = [1, 8, 32, 128]
 KERNELS = ("linear_w8a8", "linear_w8a8_tiled", "linear_w8", "linear_w8_tiled", "linear_w4_tiled",
-           "linear_w4a8_tiled", "linear")
+           "linear_w4a8_tiled", "linear", "linear_bf16_tiled")
 
 
 def call(ops, kernel: str, n: int, k: int, rows: int, g: torch.Generator, group: int):
@@ -48,6 +49,9 @@ def call(ops, kernel: str, n: int, k: int, rows: int, g: torch.Generator, group:
     if kernel == "linear":
         w = (torch.randn(n, k, generator=g) / k ** 0.5).bfloat16()
         return lambda: ops.linear(x, w)
+    if kernel == "linear_bf16_tiled":
+        w = ops.pack_bf16_tiled((torch.randn(n, k, generator=g) / k ** 0.5).bfloat16())
+        return lambda: ops.linear_bf16_tiled(x, w)
     if kernel == "linear_w8a8":
         w = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=g)
         s = torch.rand(n, generator=g) + 0.5

@@ -22,15 +22,16 @@ def private_cache(tmp_path, monkeypatch):
 
 @pytest.fixture(autouse=True, scope="module")
 def row_layout_level(plugin_isas):
-    """Tactics choose between kiln's kernel on the row layouts and PyTorch's GEMM. On avx512amx a bf16
-    dense linear has one route (AMX tiles at every row count; test_tiled_bf16_linears_get_no_tactic),
-    so there this module runs the level below it, whose bf16 linears have both."""
+    """Tactics choose between kiln's kernel on the row layouts and PyTorch's GEMM. On avx512bf16 and
+    avx512amx a bf16 dense linear has one route (the tiled layout at every row count;
+    test_tiled_bf16_linears_get_no_tactic), so there this module runs avx512, whose bf16 linears
+    have both."""
     from kiln.plugins import ops
 
-    if ops.active_isa() != "avx512amx":
+    if ops.active_isa() not in ("avx512bf16", "avx512amx"):
         yield
         return
-    ops.select_isa("avx512bf16")
+    ops.select_isa("avx512")
     yield
     ops.select_isa(os.environ.get("KILN_ISA", "auto"))
 
@@ -103,21 +104,23 @@ def test_linears_with_one_route_get_no_tactic(tiny_engines, monkeypatch):
     assert chosen["linears"] == {}
 
 
-def test_tiled_bf16_linears_get_no_tactic(tiny_engines, plugin_isas, monkeypatch):
-    """On avx512amx every bf16 linear of the model takes the AMX tiles at every row count: nothing is
-    timed or recorded (and a tactic of the row layout's never applies: runtime/test_tactics.py)."""
+@pytest.mark.parametrize("isa", ["avx512bf16", "avx512amx"])
+def test_tiled_bf16_linears_get_no_tactic(isa, tiny_engines, plugin_isas, monkeypatch):
+    """On avx512bf16 and avx512amx every bf16 linear of the model takes the tiled layout at every
+    row count (vdpbf16ps, AMX tiles): nothing is timed or recorded (and a tactic of the row layout's
+    never applies: runtime/test_tactics.py)."""
     from kiln.plugins import ops
 
-    if "avx512amx" not in plugin_isas:
-        pytest.skip("this CPU lacks avx512amx")
+    if isa not in plugin_isas:
+        pytest.skip(f"this CPU lacks {isa}")
     before = ops.active_isa()
-    ops.select_isa("avx512amx")
+    ops.select_isa(isa)
     try:
         engine = Engine(tiny_engines("llama", "bfloat16"))
         assert all(linear.tiled for linear in engine.model.linears())
         monkeypatch.setattr(tactics, "median_us", lambda run, repeats: pytest.fail("nothing to choose between"))
         chosen = tactics.choose(engine.model, "fast", 64, 4, engine.dir / engine.meta["plugins"]["file"])
-        assert chosen["isa"] == "avx512amx" and chosen["linears"] == {}
+        assert chosen["isa"] == isa and chosen["linears"] == {}
     finally:
         ops.select_isa(before)  # the module's level (row_layout_level)
 

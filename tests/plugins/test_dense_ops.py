@@ -164,9 +164,10 @@ def test_linear_matches_reference(isa, dtype, rows, k, n):
     assert (over <= 0).all(), f"error {float(over.max()):.3g} over the bound at {int(over.argmax())}"
 
 
-# The tiled bf16 layout (AMX tiles on avx512amx; the reference loops on every other level): one
-# group of 16 outputs and one tile of 32 inputs; 3 and 5 groups (the last alone); 6 groups, 18 and
-# 48 tiles of inputs. Rows: one, a chunk of 16 and one more, chunks in pairs and one left, 64.
+# The tiled bf16 layout (vdpbf16ps on avx512bf16, AMX tiles on avx512amx; the reference loops on
+# every other level): one group of 16 outputs and one tile of 32 inputs; 3 and 5 groups (the last
+# alone); 6 groups, 18 and 48 tiles of inputs. Rows: one, blocks of six with 1-5 left over (7, 8,
+# 9, 16, 17), a chunk of 16 and one more, chunks in pairs and one left, 64.
 TILED_BF16_SHAPES = [(1, 32, 16), (2, 64, 48), (7, 576, 96), (8, 1536, 80), (9, 96, 16), (16, 576, 48),
                      (17, 64, 80), (33, 576, 96), (64, 160, 48)]
 

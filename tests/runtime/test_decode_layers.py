@@ -101,8 +101,8 @@ def test_fused_decode_equals_the_python_loop(arch, dtype, quantization, tiny_mod
     engine = Engine(build_engine(tmp_path / "e", tiny_models[arch], dtype, quantization={**quantization, **SMALL}))
     model = engine.model
     assert model.layers[0].qkv.plan()["kind"].startswith("dense") == (quantization["algo"] == "none")
-    if quantization["algo"] == "none":  # bf16 tiled where AMX multiplies it, at every row count
-        assert model.layers[0].qkv.tiled == (dtype == "bfloat16" and ops.active_isa() == "avx512amx")
+    if quantization["algo"] == "none":  # bf16 tiled where AVX512-BF16 (or AMX) multiplies it, at every row count
+        assert model.layers[0].qkv.tiled == (dtype == "bfloat16" and ops.active_isa() in ("avx512bf16", "avx512amx"))
     if quantization["algo"] == "int8_wo":  # tiled where the kernels are AVX-512 ones
         assert model.layers[0].qkv.tiled == ops.active_isa().startswith("avx512")
     if quantization["algo"] == "int8_sq":  # tiled where AVX-512 VNNI (or AMX) multiplies int8

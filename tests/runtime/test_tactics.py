@@ -65,7 +65,7 @@ def test_a_forced_tactic_changes_which_implementation_runs_not_the_result(plugin
         for name, fn in (("gemv", ops.linear), ("dense", linear.gemm)):
             monkeypatch.setattr(linear.ops if name == "gemv" else linear, "linear" if name == "gemv" else "gemm",
                                 lambda *a, fn=fn, name=name: ran.append(name) or fn(*a))
-    if make == "dense" and layer.tiled:  # bf16 on AMX tiles: one route whatever the tactic
+    if make == "dense" and layer.tiled:  # bf16 on the tiled layout: one route whatever the tactic
         monkeypatch.setattr(linear.ops, "linear_bf16_tiled",
                             lambda *a, fn=ops.linear_bf16_tiled: ran.append("tiled") or fn(*a))
         outs = []
@@ -91,8 +91,8 @@ def test_without_a_tactic_each_kind_takes_its_default(plugin_isas):
     g = generator("defaults")
     int4, int8, bf16 = quantized("int4", g), quantized("int8", g), dense(g)
     assert int4.uses_kernel(2048) and int8.uses_kernel(2048)  # measured faster at every row count on AVX2
-    assert bf16.tiled == (ops.active_isa() == "avx512amx")
-    if bf16.tiled:  # AMX tiles: the kernel at every row count, nothing to choose
+    assert bf16.tiled == (ops.active_isa() in ("avx512bf16", "avx512amx"))
+    if bf16.tiled:  # the tiled layout: the kernel at every row count, nothing to choose
         assert bf16.uses_kernel(2048) and bf16.candidates() == ()
     else:
         assert bf16.uses_kernel(DenseLinear.kernel_rows) and not bf16.uses_kernel(DenseLinear.kernel_rows + 1)

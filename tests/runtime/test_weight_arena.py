@@ -39,7 +39,7 @@ def test_the_arena_holds_the_weights_in_step_order_and_changes_no_number(arch, d
         seen[t.data_ptr()] = t.nbytes
         expected += -(-t.nbytes // ALIGN) * ALIGN
     assert expected - storage.data_ptr() == storage.nbytes()
-    # (a tiled bf16 output projection is a copy of the table, in the layout of AMX tiles)
+    # (a tiled bf16 output projection is a copy of the table, in the tiled bf16 layout)
     tied = arena.spec.tie_embeddings and not quantization.get("lm_head") and not arena.model.lm_head.tiled
     lm_head = arena.model.lm_head
     assert (arena.model.embed.data_ptr() == getattr(lm_head, lm_head.streamed_attr).data_ptr()) == tied
