@@ -17,7 +17,8 @@ the same run); every copy is read once, untimed, before the timed calls:
     python benchmarks/gemv_isa.py --isa avx2vnni avx512bf16 --cold 256
 
 --rows N times calls of N input rows instead (a step of N sequences), --kinds picks kernel kinds
-("int8 tiled": W8A16 on the tiled int8 layout, AVX-512 engines' int8 linears; bf16 and W8A8 run
+("int8 tiled": W8A16 on the tiled int8 layout, AVX-512 engines' int8 linears; "bf16 rows": bf16
+on the row layout on every level; bf16 and W8A8 run
 on their tiled layouts on the levels that lay them out so, as engines do there: bf16 on
 avx512bf16 and avx512amx, W8A8 on the AVX-512 VNNI levels) and --output-projection adds the
 output projection's shape (49,152 x 576):
@@ -45,7 +46,7 @@ GROUP = 64
 
 
 KINDS = ["int4 tiled", "w4a8 tiled", "int8 rows", "w8a8", "fp8", "bf16"]
-EXTRA_KINDS = ["int8 tiled"]  # only with --kinds
+EXTRA_KINDS = ["int8 tiled", "bf16 rows"]  # only with --kinds
 TILED = {"bf16": False, "w8a8": False}  # whether the level being timed lays these out tiled, set per turn
 
 
@@ -78,7 +79,7 @@ def kernel(kind: str, n: int, k: int, g: torch.Generator):
         wf8 = ops.to_hugepages((torch.randn(n, k, generator=g) * 64).to(torch.float8_e4m3fn))
         return (lambda x: ops.linear_fp8(x, wf8, s8)), wf8.nbytes + s8.nbytes
     wb = ops.to_hugepages(torch.randn(n, k, generator=g).bfloat16())
-    if not ops.bf16_tiles_fit(n, k):
+    if kind == "bf16 rows" or not ops.bf16_tiles_fit(n, k):
         return (lambda x: ops.linear(x, wb)), wb.nbytes
     wt = ops.to_hugepages(ops.pack_bf16_tiled(wb))  # the layout of the BF16 levels (a second copy)
     return (lambda x: ops.linear_bf16_tiled(x, wt) if TILED["bf16"] else ops.linear(x, wb)), wb.nbytes

@@ -7,7 +7,9 @@ linears are cheaper in kiln's kernels, the row count at which each linear kind s
         --rows 1 4 8 9 16 32 64 128 --threads 1 2 --json out/linear-rows.json
 
 Times layer 0's linears (one of each shape) and the output projection; prints medians per
-(linear, rows) and writes JSON. No timing is asserted anywhere."""
+(linear, rows) and writes JSON. A bf16 linear on the tiled layout (avx512bf16, avx512amx) has one
+route; its dense side is PyTorch's GEMM on the weight unpacked to [out, in]. No timing is asserted
+anywhere."""
 from __future__ import annotations
 
 import argparse
@@ -30,7 +32,9 @@ def linears(engine) -> dict[str, object]:
 def time_engine(engine_dir: str, row_counts: list[int], threads: list[int], repeats: int) -> list[dict]:
     from kiln.builder.tactics import median_us  # the build's own timing: one warm call, then the median
     from kiln import constants as names
+    from kiln.plugins import reference
     from kiln.runtime.engine import Engine
+    from kiln.runtime.linear import DenseLinear, gemm
 
     engine = Engine(engine_dir)
     gen = torch.Generator().manual_seed(0)
@@ -40,6 +44,9 @@ def time_engine(engine_dir: str, row_counts: list[int], threads: list[int], repe
         for name, lin in linears(engine).items():
             kernel = lambda x, lin=lin: lin.run(x, names.TACTIC_KILN)  # noqa: E731
             dense = lambda x, lin=lin: lin.run(x, names.TACTIC_TORCH)  # noqa: E731
+            if isinstance(lin, DenseLinear) and lin.tiled:  # the tiled kernel is its only route
+                weight = reference.unpack_bf16_tiled(lin.weight)
+                dense = lambda x, lin=lin, weight=weight: gemm(x, weight, lin.bias)  # noqa: E731
             for rows in row_counts:
                 x = torch.randn(rows, lin.features[0], generator=gen).to(engine.model.dtype)
                 k_us, d_us = [], []
