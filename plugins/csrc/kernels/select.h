@@ -88,8 +88,9 @@ template <typename T> constexpr auto dequantize_int4_tiled = dequantize_int4_til
 
 // bf16 takes the tiled layout where AVX512-BF16 or AMX multiplies it, at every row count
 // (dense_tiled.h: a row's bits then do not depend on the other rows; without AMX, on Zen 4,
-// 1.3-1.6x dense.h's vdpbf16ps kernel at one row in cache, 2.0-2.6x from 4 rows; docs/benchmarks.md);
-// elsewhere bf16 runs on the rows (dense.h) and the tiled layout has only its reference.
+// 0.9-1.6x dense.h's vdpbf16ps kernel at one row in cache, 1.3-2.6x from 4 rows;
+// docs/benchmarks.md); elsewhere bf16 runs on the rows (dense.h) and the tiled layout has only
+// its reference.
 #if defined(KILN_ISA_AMX)
 constexpr bool kTiledBf16 = true;
 constexpr auto linear_bf16_tiled = linear_bf16_tiled_amx;
