@@ -18,10 +18,9 @@ the same run); every copy is read once, untimed, before the timed calls:
 
 --rows N times calls of N input rows instead (a step of N sequences), --kinds picks kernel kinds
 ("int8 tiled": W8A16 on the tiled int8 layout, AVX-512 engines' int8 linears; "bf16 rows": bf16
-on the row layout on every level; bf16 and W8A8 run
-on their tiled layouts on the levels that lay them out so, as engines do there: bf16 on
-avx512bf16 and avx512amx, W8A8 on the AVX-512 VNNI levels) and --output-projection adds the
-output projection's shape (49,152 x 576):
+on the row layout on every level; bf16 and W8A8 run on their tiled layouts on the levels that
+lay them out so, as engines do there: bf16 on avx512bf16 and avx512amx, W8A8 on the AVX-512
+VNNI levels) and --output-projection adds the output projection's shape (49,152 x 576):
 
     python benchmarks/gemv_isa.py --isa avx512bf16 avx512amx --rows 16 --kinds "int4 tiled" \
         "w4a8 tiled" "int8 tiled" --output-projection"""

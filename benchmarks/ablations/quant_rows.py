@@ -22,9 +22,10 @@ layout is not used),
 linear_w8_tiled (W8A16 on the tiled layout), linear_w4_tiled
 (W4A16 on the tiled int4 layout: int4_awq / int4_wo) and linear_w4a8_tiled (W4A8), these two in
 groups of --group inputs (default 64, as SmolLM2's int4 engines), linear (the dense bf16
-kernel on the row layout: bf16 engines below AVX512-BF16) and linear_bf16_tiled (bf16 on the tiled
-layout: bf16 engines on avx512bf16 and avx512amx). (A library is a built kiln_plugins.so: build_plugins() prints the path of
-the current sources' one; an older commit's stays in the build cache.)"""
+kernel on the row layout: bf16 engines below AVX512-BF16) and linear_bf16_tiled (bf16 on the
+tiled layout: bf16 engines on avx512bf16 and avx512amx). (A library is a built
+kiln_plugins.so: build_plugins() prints the path of the current sources' one; an older commit's
+stays in the build cache.)"""
 from __future__ import annotations
 
 import json

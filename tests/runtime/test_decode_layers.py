@@ -101,7 +101,7 @@ def test_fused_decode_equals_the_python_loop(arch, dtype, quantization, tiny_mod
     engine = Engine(build_engine(tmp_path / "e", tiny_models[arch], dtype, quantization={**quantization, **SMALL}))
     model = engine.model
     assert model.layers[0].qkv.plan()["kind"].startswith("dense") == (quantization["algo"] == "none")
-    if quantization["algo"] == "none":  # bf16 tiled where AVX512-BF16 (or AMX) multiplies it, at every row count
+    if quantization["algo"] == "none":  # bf16 tiled where AVX512-BF16 or AMX multiplies it
         assert model.layers[0].qkv.tiled == (dtype == "bfloat16" and ops.active_isa() in ("avx512bf16", "avx512amx"))
     if quantization["algo"] == "int8_wo":  # tiled where the kernels are AVX-512 ones
         assert model.layers[0].qkv.tiled == ops.active_isa().startswith("avx512")
