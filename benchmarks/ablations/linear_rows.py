@@ -43,10 +43,11 @@ def time_engine(engine_dir: str, row_counts: list[int], threads: list[int], repe
         torch.set_num_threads(t)
         for name, lin in linears(engine).items():
             kernel = lambda x, lin=lin: lin.run(x, names.TACTIC_KILN)  # noqa: E731
-            dense = lambda x, lin=lin: lin.run(x, names.TACTIC_TORCH)  # noqa: E731
             if isinstance(lin, DenseLinear) and lin.tiled:  # the tiled kernel is its only route
                 weight = reference.unpack_bf16_tiled(lin.weight)
                 dense = lambda x, lin=lin, weight=weight: gemm(x, weight, lin.bias)  # noqa: E731
+            else:
+                dense = lambda x, lin=lin: lin.run(x, names.TACTIC_TORCH)  # noqa: E731
             for rows in row_counts:
                 x = torch.randn(rows, lin.features[0], generator=gen).to(engine.model.dtype)
                 k_us, d_us = [], []

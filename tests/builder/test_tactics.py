@@ -10,7 +10,7 @@ from kiln import constants as names
 from kiln.builder import tactics
 from kiln.errors import EngineError
 from kiln.runtime.engine import Engine, sha256_file
-from tests.helpers import build_engine
+from tests.helpers import AVX512_BF16_LEVELS, build_engine
 
 KILN, TORCH = names.TACTIC_KILN, names.TACTIC_TORCH
 
@@ -28,7 +28,7 @@ def row_layout_level(plugin_isas):
     have both."""
     from kiln.plugins import ops
 
-    if ops.active_isa() not in ("avx512bf16", "avx512amx"):
+    if ops.active_isa() not in AVX512_BF16_LEVELS:
         yield
         return
     ops.select_isa("avx512")
@@ -104,7 +104,7 @@ def test_linears_with_one_route_get_no_tactic(tiny_engines, monkeypatch):
     assert chosen["linears"] == {}
 
 
-@pytest.mark.parametrize("isa", ["avx512bf16", "avx512amx"])
+@pytest.mark.parametrize("isa", AVX512_BF16_LEVELS)
 def test_tiled_bf16_linears_get_no_tactic(isa, tiny_engines, plugin_isas, monkeypatch):
     """On avx512bf16 and avx512amx every bf16 linear of the model takes the tiled layout at every
     row count (vdpbf16ps, AMX tiles): nothing is timed or recorded (and a tactic of the row layout's

@@ -10,7 +10,7 @@ import torch
 from kiln.plugins import ops
 from kiln.runtime.engine import Engine
 from kiln.runtime.model import KVPool, StepContext
-from tests.helpers import build_engine
+from tests.helpers import AVX512_BF16_LEVELS, build_engine
 
 SMALL = {"calibration": {"samples": 8, "seq_len": 64}, "accuracy": {"tokens": 512, "window": 128},
          "accuracy_gate": None}
@@ -102,11 +102,11 @@ def test_fused_decode_equals_the_python_loop(arch, dtype, quantization, tiny_mod
     model = engine.model
     assert model.layers[0].qkv.plan()["kind"].startswith("dense") == (quantization["algo"] == "none")
     if quantization["algo"] == "none":  # bf16 tiled where AVX512-BF16 or AMX multiplies it
-        assert model.layers[0].qkv.tiled == (dtype == "bfloat16" and ops.active_isa() in ("avx512bf16", "avx512amx"))
+        assert model.layers[0].qkv.tiled == (dtype == "bfloat16" and ops.active_isa() in AVX512_BF16_LEVELS)
     if quantization["algo"] == "int8_wo":  # tiled where the kernels are AVX-512 ones
         assert model.layers[0].qkv.tiled == ops.active_isa().startswith("avx512")
     if quantization["algo"] == "int8_sq":  # tiled where AVX-512 VNNI (or AMX) multiplies int8
-        assert model.layers[0].qkv.tiled == (ops.active_isa() in ("avx512bf16", "avx512amx"))
+        assert model.layers[0].qkv.tiled == (ops.active_isa() in AVX512_BF16_LEVELS)
     if quantization["algo"] in ("int4_awq", "int4_wo", "w4a8_awq"):
         assert model.layers[0].qkv.tiled
     rotated = quantization.get("key_rotation", "auto") == "hadamard" or (

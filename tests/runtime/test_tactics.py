@@ -9,7 +9,7 @@ from kiln.plugins import ops
 from kiln.quantize.formats import quantize_int4, quantize_int8
 from kiln.runtime import linear
 from kiln.runtime.linear import DenseLinear, Int4Linear, Int8Linear, Tactic, tactics_from_json
-from tests.helpers import generator
+from tests.helpers import AVX512_BF16_LEVELS, generator
 
 KILN, TORCH = names.TACTIC_KILN, names.TACTIC_TORCH
 
@@ -91,7 +91,7 @@ def test_without_a_tactic_each_kind_takes_its_default(plugin_isas):
     g = generator("defaults")
     int4, int8, bf16 = quantized("int4", g), quantized("int8", g), dense(g)
     assert int4.uses_kernel(2048) and int8.uses_kernel(2048)  # measured faster at every row count on AVX2
-    assert bf16.tiled == (ops.active_isa() in ("avx512bf16", "avx512amx"))
+    assert bf16.tiled == (ops.active_isa() in AVX512_BF16_LEVELS)
     if bf16.tiled:  # the tiled layout: the kernel at every row count, nothing to choose
         assert bf16.uses_kernel(2048) and bf16.candidates() == ()
     else:

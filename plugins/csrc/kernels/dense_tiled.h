@@ -100,7 +100,8 @@ inline void linear_bf16_tiled_amx(const bf16* x, const bf16* w, const bf16* bias
 // summed in two chains (the even pairs of inputs and the odd ones, added at the end) whatever the
 // block, the row count or the thread, so a row's bits are the same alone, among 63 others, or in
 // a prefill. One row takes one group at a time: one stream from memory (two or four groups'
-// streams side by side read memory 0.75-1.0x as fast on the Zen 4 host).
+// streams side by side read memory 0.69-1.05x as fast on the Zen 4 host;
+// docs/benchmarks-history.md).
 constexpr int kBf16DpRows = 6, kBf16DpGroups = 2;  // a block: 24 accumulators, 4 weight vectors
 
 // R rows from x (stride k) against G groups of 16 outputs from wg (group g at wg + g * 16k):
