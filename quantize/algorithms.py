@@ -46,8 +46,10 @@ LINEAR_KIND = {"int8_wo": names.LINEAR_INT8, "int4_wo": names.LINEAR_INT4, "int4
                "w4a8_awq": names.LINEAR_W4A8, "int8_sq": names.LINEAR_W8A8, "fp8": names.LINEAR_FP8}
 INT4_KINDS = (names.LINEAR_INT4, names.LINEAR_W4A8, names.LINEAR_W4A8_FP8)
 # quantization.lm_head -> the head's linear kind; int4 and w4a8 share the int4 head's weights
-# (quantize_head_int4), w4a8 quantizing its input at run time too
-HEAD_KINDS = {"int8": names.LINEAR_INT8, "int4": names.LINEAR_INT4, "w4a8": names.LINEAR_W4A8}
+# (quantize_head_int4), w4a8 quantizing its input at run time too; w8a8 has int8 weights
+# smoothed as SmoothQuant's (quantize_head_w8a8) and its input in int8 per row at run time
+HEAD_KINDS = {"int8": names.LINEAR_INT8, "int4": names.LINEAR_INT4, "w4a8": names.LINEAR_W4A8,
+              "w8a8": names.LINEAR_W8A8}
 # Layer field -> the packed tensor it is stored as (runtime.model.LINEARS, in that order)
 LINEAR_WEIGHTS = {"qkv": names.ATTN_QKV, "out": names.ATTN_OUT, "gate_up": names.MLP_GATE_UP,
                   "down": names.MLP_DOWN}
@@ -333,14 +335,35 @@ def quantize_head_int4(head: torch.Tensor, final_norm: torch.Tensor, stats: Line
     return (*round_int4(w, gram, group, clip), final_norm.float() / s)
 
 
+def quantize_head_w8a8(head: torch.Tensor, final_norm: torch.Tensor, stats: LinearStats | None,
+                       options: QuantOptions) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """The output projection as W8A8 (int8 weights per channel, its input int8 per row at run
+    time) -> (its tensors, the final norm's weight). With calibration statistics of its input
+    (the final norm's output) it takes SmoothQuant's recipe: s = max|x|^alpha / max|w|^(1 -
+    alpha) folded into the final norm (which feeds nothing else) and the weights, then GPTQ
+    rounding when the build uses it; without, int8 to nearest."""
+    w, s = head.float(), torch.ones(head.shape[1])
+    if stats is not None:
+        s = smoothquant_scales(w, stats.absmax, options.alpha)
+        w = w * s
+    if stats is not None and options.gptq and stats.gram is not None:
+        qweight, scales = quantize_int8(*gptq_int8(w, stats.gram / s[:, None] / s[None, :]))
+    else:
+        qweight, scales = quantize_int8(w)
+    parts = {names.QWEIGHT: qweight, names.WEIGHT_SCALES: scales,
+             names.WEIGHT_SUM: qweight.to(torch.int32).sum(dim=1, dtype=torch.int32)}
+    return parts, final_norm.float() / s
+
+
 def quantize_weights(weights: dict[str, torch.Tensor], spec: ModelSpec, options: QuantOptions, dtype: torch.dtype,
                      stats: dict[tuple[int, str], LinearStats] | None,
                      progress: Callable[[], None] = lambda: None,
                      grams: Callable[[int, str], torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
     """Packed float32 weights -> the engine's tensors (quantized linears, the rest in `dtype`).
-    lm_head "int8" / "int4" / "w4a8": the output projection gets int8 weights per channel (W8A16)
-    or int4 weights per group (quantize_head_int4; run as W4A16, or W4A8 with int8 activations
-    per row and group) too; with tied embeddings the embedding table
+    lm_head "int8" / "int4" / "w4a8" / "w8a8": the output projection gets int8 weights per
+    channel (W8A16) or int4 weights per group (quantize_head_int4; run as W4A16, or W4A8 with int8
+    activations per row and group) or smoothed int8 weights against int8 activations per row
+    (quantize_head_w8a8) too; with tied embeddings the embedding table
     stays as it is for the input lookup. `grams(layer, linear)`:
     the x^T x sums GPTQ rounding needs (calibrate.Grams), asked for in layer order."""
     out: dict[str, torch.Tensor] = {}
@@ -361,16 +384,20 @@ def quantize_weights(weights: dict[str, torch.Tensor], spec: ModelSpec, options:
             out[name] = tensor.to(dtype).contiguous()
     if options.lm_head in HEAD_KINDS:
         head = weights[names.EMBED if spec.tie_embeddings else names.LM_HEAD]
+        head_stats = stats and stats.get(HEAD_STATS)
         if options.lm_head == "int8":
-            qweight, scales = quantize_int8(head)
+            parts = dict(zip((names.QWEIGHT, names.WEIGHT_SCALES), quantize_int8(head)))
+        elif options.lm_head == "w8a8":
+            parts, final_norm = quantize_head_w8a8(head, weights[names.FINAL_NORM], head_stats, options)
+            out[names.FINAL_NORM] = final_norm.to(dtype).contiguous()
         else:
-            qweight, scales, final_norm = quantize_head_int4(head, weights[names.FINAL_NORM],
-                                                             stats and stats.get(HEAD_STATS), options)
+            qweight, scales, final_norm = quantize_head_int4(head, weights[names.FINAL_NORM], head_stats, options)
+            parts = {names.QWEIGHT: qweight, names.WEIGHT_SCALES: scales}
             out[names.FINAL_NORM] = final_norm.to(dtype).contiguous()
         prefix = names.linear_prefix(names.LM_HEAD)
         out.pop(names.LM_HEAD, None)
-        out[names.linear_tensor(prefix, names.QWEIGHT)] = qweight
-        out[names.linear_tensor(prefix, names.WEIGHT_SCALES)] = scales
+        for part, tensor in parts.items():
+            out[names.linear_tensor(prefix, part)] = tensor
     for i in range(spec.num_layers):
         out.update(quantize_layer(weights, i, spec, options, dtype, stats, grams))
         progress()
@@ -447,7 +474,7 @@ def quantization_meta(options: QuantOptions) -> dict:
     meta["linear"] = options.kind
     if options.lm_head in HEAD_KINDS:
         meta["lm_head"] = HEAD_KINDS[options.lm_head]
-        if options.lm_head != "int8":
+        if options.lm_head in ("int4", "w4a8"):
             meta["lm_head_group_size"] = options.group_size
     if options.kind in INT4_KINDS:
         meta["group_size"] = options.group_size

@@ -235,6 +235,62 @@ def test_the_calibrated_int4_head_beats_round_to_nearest():
     assert torch.equal(norm0, norm) and torch.equal(dequantize_int4(q0, s0, 32), dequantize_int4(*quantize_int4(w, 32), 32))
 
 
+@pytest.mark.parametrize("algo", ["int8_sq", "int8_wo"])
+def test_a_w8a8_lm_head_builds_and_runs_its_input_in_int8(algo, tiny_models, tiny_engines, tmp_path, llm_for):
+    """lm_head: w8a8 on a calibrated build (SmoothQuant's scales folded into the final norm, GPTQ)
+    and on one without calibration (int8 to nearest, the norm as it was): the head is a W8A8
+    linear whose logits are linear_w8a8's of its weights, and the engine generates."""
+    from kiln.plugins import ops
+
+    engine_dir = build_engine(tmp_path / algo, tiny_models["llama"], "bfloat16", quantization={
+        "algo": algo, "lm_head": "w8a8", "calibration": SMALL_CALIBRATION, "accuracy": SMALL_ACCURACY,
+        "accuracy_gate": None})
+    meta = json.loads((engine_dir / names.ENGINE_JSON).read_text())["quantization"]
+    assert meta["lm_head"] == names.LINEAR_W8A8 and "lm_head_group_size" not in meta
+    engine = Engine(engine_dir)
+    head = engine.model.lm_head
+    assert head.kind == names.LINEAR_W8A8 and head.tiled == ops.tiled("w8a8")
+    tensors = _weights(engine)
+    prefix = names.linear_prefix(names.LM_HEAD)
+    q = tensors[names.linear_tensor(prefix, names.QWEIGHT)]
+    assert q.dtype == torch.int8 and q.shape == (engine.spec.vocab_size, engine.spec.hidden_size)
+    assert torch.equal(tensors[names.linear_tensor(prefix, names.WEIGHT_SUM)], q.to(torch.int32).sum(dim=1, dtype=torch.int32))
+    unquantized = _weights(Engine(tiny_engines("llama", "bfloat16")))
+    folded = not torch.equal(tensors[names.FINAL_NORM], unquantized[names.FINAL_NORM])
+    assert folded == (algo == "int8_sq")  # SmoothQuant's scales live in the final norm
+    x = torch.randn(3, engine.spec.hidden_size, generator=torch.Generator().manual_seed(12)).to(torch.bfloat16)
+    s = tensors[names.linear_tensor(prefix, names.WEIGHT_SCALES)]
+    w8a8 = ops.linear_w8a8(x, q, s, q.to(torch.int32).sum(dim=1, dtype=torch.int32), None)
+    assert torch.equal(head(x), w8a8)
+    assert not torch.equal(w8a8, ops.linear_w8(x, q, s, None))  # int8 inputs: not the W8A16 head's logits
+    out = llm_for(engine_dir).generate([PROMPT, PROMPT[:5]], max_tokens=6, ignore_eos=True)
+    assert [len(o.token_ids) for o in out] == [6, 6]
+
+
+def test_the_smoothed_w8a8_head_beats_round_to_nearest():
+    """quantize_head_w8a8 with statistics (SmoothQuant's scales into the norm, GPTQ) against int8
+    to nearest with the input in int8 per row, on inputs with a few large channels."""
+    from kiln.quantize.algorithms import QuantOptions, quantize_head_w8a8
+    from kiln.quantize.calibrate import LinearStats
+    from kiln.plugins import reference
+    from kiln.quantize.formats import quantize_int8
+
+    g = torch.Generator().manual_seed(8)
+    x = correlated_inputs(512, 64, g)
+    x[:, :4] *= 20  # outlier channels, as a final norm's output has
+    w = torch.randn(96, 64, generator=g)
+    norm = torch.rand(64, generator=g) + 0.5
+    stats = LinearStats(x.abs().amax(0), x.abs().sum(0), x.shape[0], rows=x[:256], gram=x.T @ x)
+    options = QuantOptions("int8_sq", lm_head="w8a8")
+    parts, folded_norm = quantize_head_w8a8(w, norm, stats, options)
+    got = reference.linear_w8a8(x * folded_norm / norm, parts[names.QWEIGHT], parts[names.WEIGHT_SCALES])
+    nearest = reference.linear_w8a8(x, *quantize_int8(w))
+    want = x @ w.T
+    assert (got - want).pow(2).mean() < 0.75 * (nearest - want).pow(2).mean()  # seed 8: 0.53x
+    parts0, norm0 = quantize_head_w8a8(w, norm, None, options)  # no statistics: int8 to nearest
+    assert torch.equal(norm0, norm) and torch.equal(parts0[names.QWEIGHT], quantize_int8(w)[0])
+
+
 @pytest.mark.parametrize("algo, kv_cache", [("none", "int8"), ("none", "fp8"), ("int4_awq", "fp8"),
                                             ("int8_sq", "int8")])
 def test_quantized_kv_cache_builds_runs_and_reports(algo, kv_cache, tiny_models, tmp_path, llm_for):
@@ -543,6 +599,13 @@ def test_options_for_another_algorithm_are_refused(tmp_path):
                           quantization={"algo": "int4_wo", "weight_rounding": "nearest"})
     with pytest.raises(ConfigError, match="weight_rounding applies to algo int4_awq / w4a8_awq / int8_sq / fp8"):
         load_config(config)
+    config = write_config(tmp_path / "q.yaml", "/nonexistent", "bfloat16",
+                          quantization={"algo": "int4_awq", "smoothquant_alpha": 0.7})
+    with pytest.raises(ConfigError, match="smoothquant_alpha applies to algo int8_sq"):
+        load_config(config)
+    config = write_config(tmp_path / "q.yaml", "/nonexistent", "bfloat16",  # a w8a8 head is smoothed with it
+                          quantization={"algo": "int4_awq", "smoothquant_alpha": 0.7, "lm_head": "w8a8"})
+    assert load_config(config).quantization.smoothquant_alpha == 0.7
     config = write_config(tmp_path / "q.yaml", "/nonexistent", "bfloat16",
                           quantization={"algo": "int8_wo", "key_rotation": "hadamard"})
     with pytest.raises(ConfigError, match="key_rotation: hadamard rotates the keys of a quantized KV cache"):
