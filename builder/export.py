@@ -201,7 +201,8 @@ def export_checkpoint(engine_dir: Path, output: Path) -> Path:
     out: dict[str, torch.Tensor] = {names.TRTLLM_EMBED: weights[names.EMBED].to(dtype).contiguous(),
                                     names.TRTLLM_FINAL_NORM: weights[names.FINAL_NORM].to(dtype).contiguous()}
     head_prefix = names.linear_prefix(names.LM_HEAD)
-    if names.linear_tensor(head_prefix, names.QWEIGHT) in weights:  # int8 / int4 / w4a8 / w8a8 lm_head: dequantized (float32)
+    # an int8 / int4 / w4a8 / w8a8 lm_head: dequantized (float32)
+    if names.linear_tensor(head_prefix, names.QWEIGHT) in weights:
         q = weights[names.linear_tensor(head_prefix, names.QWEIGHT)]
         s = weights[names.linear_tensor(head_prefix, names.WEIGHT_SCALES)]
         if quant.get("lm_head") in (names.LINEAR_INT4, names.LINEAR_W4A8):

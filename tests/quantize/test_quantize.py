@@ -254,13 +254,14 @@ def test_a_w8a8_lm_head_builds_and_runs_its_input_in_int8(algo, tiny_models, tin
     prefix = names.linear_prefix(names.LM_HEAD)
     q = tensors[names.linear_tensor(prefix, names.QWEIGHT)]
     assert q.dtype == torch.int8 and q.shape == (engine.spec.vocab_size, engine.spec.hidden_size)
-    assert torch.equal(tensors[names.linear_tensor(prefix, names.WEIGHT_SUM)], q.to(torch.int32).sum(dim=1, dtype=torch.int32))
+    weight_sum = q.to(torch.int32).sum(dim=1, dtype=torch.int32)
+    assert torch.equal(tensors[names.linear_tensor(prefix, names.WEIGHT_SUM)], weight_sum)
     unquantized = _weights(Engine(tiny_engines("llama", "bfloat16")))
     folded = not torch.equal(tensors[names.FINAL_NORM], unquantized[names.FINAL_NORM])
     assert folded == (algo == "int8_sq")  # SmoothQuant's scales live in the final norm
     x = torch.randn(3, engine.spec.hidden_size, generator=torch.Generator().manual_seed(12)).to(torch.bfloat16)
     s = tensors[names.linear_tensor(prefix, names.WEIGHT_SCALES)]
-    w8a8 = ops.linear_w8a8(x, q, s, q.to(torch.int32).sum(dim=1, dtype=torch.int32), None)
+    w8a8 = ops.linear_w8a8(x, q, s, weight_sum, None)
     assert torch.equal(head(x), w8a8)
     assert not torch.equal(w8a8, ops.linear_w8(x, q, s, None))  # int8 inputs: not the W8A16 head's logits
     out = llm_for(engine_dir).generate([PROMPT, PROMPT[:5]], max_tokens=6, ignore_eos=True)
