@@ -36,6 +36,7 @@ import torch
 from kiln import constants as names
 from kiln.plugins import ops
 from kiln.quantize.calibrate import HEAD_STATS, KVStats, LinearStats
+from kiln.runtime.linear import FP8_ACTIVATION_KINDS
 from kiln.runtime.model import EXPERT_LINEARS, expert_key
 from kiln.quantize.formats import (
     FP8_MAX, fake_quant_fp8, group_view, int4_scales, int8_scales, quantize_fp8, quantize_int4,
@@ -117,7 +118,7 @@ class QuantOptions:
 
     @property
     def fp8_activations(self) -> bool:
-        return self.algo != "none" and self.kind in (names.LINEAR_FP8, names.LINEAR_W4A8_FP8)
+        return self.algo != "none" and self.kind in FP8_ACTIVATION_KINDS
 
     @property
     def needs_calibration(self) -> bool:
@@ -342,17 +343,13 @@ def quantize_head_w8a8(head: torch.Tensor, final_norm: torch.Tensor, stats: Line
     (the final norm's output) it takes SmoothQuant's recipe: s = max|x|^alpha / max|w|^(1 -
     alpha) folded into the final norm (which feeds nothing else) and the weights, then GPTQ
     rounding when the build uses it; without, int8 to nearest."""
-    w, s = head.float(), torch.ones(head.shape[1])
+    w, s, gram = head.float(), torch.ones(head.shape[1]), None
     if stats is not None:
         s = smoothquant_scales(w, stats.absmax, options.alpha)
         w = w * s
-    if stats is not None and options.gptq and stats.gram is not None:
-        qweight, scales = quantize_int8(*gptq_int8(w, stats.gram / s[:, None] / s[None, :]))
-    else:
-        qweight, scales = quantize_int8(w)
-    parts = {names.QWEIGHT: qweight, names.WEIGHT_SCALES: scales,
-             names.WEIGHT_SUM: qweight.to(torch.int32).sum(dim=1, dtype=torch.int32)}
-    return parts, final_norm.float() / s
+        if options.gptq and stats.gram is not None:
+            gram = stats.gram / s[:, None] / s[None, :]
+    return quantize_linear(w, options, None, gram, None, kind=names.LINEAR_W8A8), final_norm.float() / s
 
 
 def quantize_weights(weights: dict[str, torch.Tensor], spec: ModelSpec, options: QuantOptions, dtype: torch.dtype,
@@ -444,10 +441,11 @@ def quantize_layer(weights: dict[str, torch.Tensor], i: int, spec: ModelSpec, op
 
 
 def quantize_linear(w: torch.Tensor, options: QuantOptions, inputs: LinearStats | None, gram: torch.Tensor | None,
-                    clip: torch.Tensor | None) -> dict[str, torch.Tensor]:
-    """One linear's weights (scales already applied) on the build's grid, GPTQ-rounded when x^T x
-    is given -> its stored parts (names.QWEIGHT, ...). inputs: statistics of what it sees."""
-    kind = options.kind
+                    clip: torch.Tensor | None, kind: str | None = None) -> dict[str, torch.Tensor]:
+    """One linear's weights (scales already applied) on the grid of `kind` (the build's layers'
+    by default), GPTQ-rounded when x^T x is given -> its stored parts (names.QWEIGHT, ...).
+    inputs: statistics of what it sees."""
+    kind = kind or options.kind
     if kind in INT4_KINDS:
         qweight, w_scales = round_int4(w, gram, options.group_size, clip)
     elif kind == names.LINEAR_FP8:
@@ -459,7 +457,7 @@ def quantize_linear(w: torch.Tensor, options: QuantOptions, inputs: LinearStats 
     parts = {names.QWEIGHT: qweight, names.WEIGHT_SCALES: w_scales}
     if kind == names.LINEAR_W8A8:
         parts[names.WEIGHT_SUM] = qweight.to(torch.int32).sum(dim=1, dtype=torch.int32)
-    if options.fp8_activations:
+    if kind in FP8_ACTIVATION_KINDS:
         parts[names.INPUT_SCALE] = torch.tensor([fp8_input_scale(inputs.rows, inputs.absmax)], dtype=torch.float32)
     return parts
 

@@ -211,20 +211,27 @@ def test_an_int4_lm_head_builds_and_runs_on_the_tiled_kernel(algo, lm_head, tiny
     assert len(out.token_ids) == 8
 
 
+def outlier_head_problem(seed):
+    """An output projection [96, 64], the final norm's weight and calibration statistics of its
+    input, whose first four channels are large (as a final norm's output has them)."""
+    from kiln.quantize.calibrate import LinearStats
+
+    g = torch.Generator().manual_seed(seed)
+    x = correlated_inputs(512, 64, g)
+    x[:, :4] *= 20
+    w = torch.randn(96, 64, generator=g)
+    norm = torch.rand(64, generator=g) + 0.5
+    return x, w, norm, LinearStats(x.abs().amax(0), x.abs().sum(0), x.shape[0], rows=x[:256], gram=x.T @ x)
+
+
 def test_the_calibrated_int4_head_beats_round_to_nearest():
     """quantize_head_int4 with statistics (AWQ scales into the norm, clipping, GPTQ) against
     rounding the same head to nearest, on inputs with a few large channels."""
     from kiln.quantize.algorithms import QuantOptions, quantize_head_int4
-    from kiln.quantize.calibrate import LinearStats
     from kiln.plugins.formats import dequantize_int4
     from kiln.quantize.formats import quantize_int4
 
-    g = torch.Generator().manual_seed(7)
-    x = correlated_inputs(512, 64, g)
-    x[:, :4] *= 20  # outlier channels, as a final norm's output has
-    w = torch.randn(96, 64, generator=g)
-    norm = torch.rand(64, generator=g) + 0.5
-    stats = LinearStats(x.abs().amax(0), x.abs().sum(0), x.shape[0], rows=x[:256], gram=x.T @ x)
+    x, w, norm, stats = outlier_head_problem(7)
     options = QuantOptions("int4_awq", group_size=32, lm_head="int4")
     q, scales, folded_norm = quantize_head_int4(w, norm, stats, options)
     got = (x * folded_norm / norm) @ dequantize_int4(q, scales, 32).T
@@ -272,16 +279,10 @@ def test_the_smoothed_w8a8_head_beats_round_to_nearest():
     """quantize_head_w8a8 with statistics (SmoothQuant's scales into the norm, GPTQ) against int8
     to nearest with the input in int8 per row, on inputs with a few large channels."""
     from kiln.quantize.algorithms import QuantOptions, quantize_head_w8a8
-    from kiln.quantize.calibrate import LinearStats
     from kiln.plugins import reference
     from kiln.quantize.formats import quantize_int8
 
-    g = torch.Generator().manual_seed(8)
-    x = correlated_inputs(512, 64, g)
-    x[:, :4] *= 20  # outlier channels, as a final norm's output has
-    w = torch.randn(96, 64, generator=g)
-    norm = torch.rand(64, generator=g) + 0.5
-    stats = LinearStats(x.abs().amax(0), x.abs().sum(0), x.shape[0], rows=x[:256], gram=x.T @ x)
+    x, w, norm, stats = outlier_head_problem(8)
     options = QuantOptions("int8_sq", lm_head="w8a8")
     parts, folded_norm = quantize_head_w8a8(w, norm, stats, options)
     got = reference.linear_w8a8(x * folded_norm / norm, parts[names.QWEIGHT], parts[names.WEIGHT_SCALES])
