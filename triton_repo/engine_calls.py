@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import queue
+import time
 from typing import Callable, Iterator
 
 import numpy as np
@@ -24,6 +25,7 @@ from kiln import constants as names
 log = logging.getLogger("kiln.triton.bls")
 
 CANCEL_POLL_S = 0.2  # how often a stream waiting for the engine asks whether its client cancelled
+STOP_GRACE_S = 10.0  # a stopped request's engine has this long to end it before its stream is cut
 
 Arrays = dict[str, np.ndarray]
 
@@ -37,8 +39,11 @@ class RequestFailed(Exception):
 
 
 class GrpcEngine:
-    """The engine model over the server's gRPC endpoint: one stream per request, cancelled with
-    the stream (the engine model sees the cancellation and frees the request's KV blocks)."""
+    """The engine model over the server's gRPC endpoint: one stream per request. When the BLS's
+    client cancels, the stream carries TensorRT-LLM's `stop` for the request and is read to the
+    engine's final response (the engine frees the request's KV blocks); the stream is cut only
+    where that takes longer than STOP_GRACE_S (Triton 2.51's gRPC frontend has races in its
+    handling of cancelled calls that can take the whole server down)."""
 
     def __init__(self, url: str, model: str):
         self.url, self.model = url, model
@@ -51,17 +56,29 @@ class GrpcEngine:
 
         arrived: queue.SimpleQueue = queue.SimpleQueue()
         client = grpcclient.InferenceServerClient(self.url)
+        stopped_at = None  # when the stop went out; then the request and the stop each end (2 finals)
+        finals = 0
         try:
             client.start_stream(callback=lambda result, error: arrived.put((result, error)))
-            client.async_stream_infer(self.model, _grpc_inputs(inputs), request_id=request_id,
+            client.async_stream_infer(self.model, grpc_inputs(inputs), request_id=request_id,
                                       enable_empty_final_response=True,
                                       parameters={names.CODED_ERRORS_PARAMETER: True})
             while True:
+                if stopped_at is None and cancelled():
+                    client.async_stream_infer(self.model, grpc_inputs(stop_inputs(inputs)), request_id=request_id,
+                                              enable_empty_final_response=True)
+                    stopped_at = time.monotonic()
+                if stopped_at is not None and time.monotonic() - stopped_at > STOP_GRACE_S:
+                    cancel_stream(client)
+                    return
                 try:
                     result, error = arrived.get(timeout=CANCEL_POLL_S)
                 except queue.Empty:
-                    if cancelled():
-                        cancel_stream(client)
+                    continue
+                final = error is not None or result.get_response().parameters["triton_final_response"].bool_param
+                if stopped_at is not None:  # nothing more is passed on: the request's end is awaited
+                    finals += final
+                    if finals == 2:
                         return
                     continue
                 if error is not None:
@@ -71,10 +88,7 @@ class GrpcEngine:
                 arrays = {output.name: result.as_numpy(output.name) for output in response.outputs}
                 if arrays:
                     yield arrays
-                if response.parameters["triton_final_response"].bool_param:
-                    return
-                if cancelled():
-                    cancel_stream(client)
+                if final:
                     return
         finally:
             with contextlib.suppress(Exception):  # closing a stream the server already ended
@@ -82,7 +96,14 @@ class GrpcEngine:
                 client.close()
 
 
-def _grpc_inputs(inputs: Arrays) -> list:
+def stop_inputs(inputs: Arrays) -> Arrays:
+    """TensorRT-LLM's `stop` for the request these inputs started (the engine model's required
+    inputs, and `stop`)."""
+    required = {name: inputs[name] for name in (names.INPUT_LENGTHS, names.REQUEST_OUTPUT_LEN)}
+    return required | {names.STOP: np.array([[True]])}
+
+
+def grpc_inputs(inputs: Arrays) -> list:
     import tritonclient.grpc as grpcclient
     from tritonclient.utils import np_to_triton_dtype
 
@@ -132,10 +153,9 @@ class InProcessEngine:
         """TensorRT-LLM's `stop` for the request with this id."""
         import triton_python_backend_utils as pb_utils
 
-        required = [pb_utils.Tensor(name, inputs[name]) for name in (names.INPUT_LENGTHS, names.REQUEST_OUTPUT_LEN)]
         stop = pb_utils.InferenceRequest(
             model_name=self.model, requested_output_names=[], request_id=request_id,
-            inputs=required + [pb_utils.Tensor(names.STOP, np.array([[True]]))],
+            inputs=[pb_utils.Tensor(name, array) for name, array in stop_inputs(inputs).items()],
         )
         for _ in stop.exec(decoupled=True):
             pass

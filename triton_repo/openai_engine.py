@@ -21,6 +21,7 @@ from kiln import constants as names
 from kiln.errors import KilnError
 from kiln.runtime.detokenizer import TokenBytes, decode_delta
 from kiln.triton_repo.chat_template import ChatTemplate
+from kiln.triton_repo.engine_calls import STOP_GRACE_S, grpc_inputs, stop_inputs
 from kiln.triton_repo.model_utils import split_coded
 from kiln.triton_repo.openai_protocol import OpenAIError
 
@@ -163,32 +164,86 @@ class Chunk:
     log_probs: list[float]
 
 
+_BACKGROUND: set[asyncio.Task] = set()  # tasks that outlive their request (asyncio keeps weak references)
+
+
+def _in_background(coroutine) -> asyncio.Task:
+    task = asyncio.ensure_future(coroutine)
+    _BACKGROUND.add(task)
+    task.add_done_callback(_BACKGROUND.discard)
+    return task
+
+
 class EngineCall:
-    """One streaming call of the engine model; `cancel()` ends it (the engine model sees the
-    cancellation and frees the request). Iterating yields Chunks until the engine is done."""
+    """One streaming call of the engine model. Iterating `chunks()` yields Chunks until the engine
+    is done. `stop()` ends the engine request as TensorRT-LLM's clients do, with a `stop` request
+    for its id: the engine sends its last responses and the call ends as any call ends;
+    `abandon()` also reads those itself, for when chunks() is left (an error, a client gone).
+    The gRPC call is cut (`cancel()`) only where the engine has not ended the request within
+    STOP_GRACE_S: Triton 2.51's gRPC frontend has races in its handling of cancelled calls that
+    can take the whole server down (fixed in later releases)."""
 
     def __init__(self, client, served: ServedModel, request: EngineRequest):
-        import tritonclient.grpc as grpcclient
-        from tritonclient.utils import np_to_triton_dtype
-
-        self.served = served
-        tensors = []
-        for name, array in request.tensors().items():
-            tensor = grpcclient.InferInput(name, list(array.shape), np_to_triton_dtype(array.dtype))
-            tensor.set_data_from_numpy(array)
-            tensors.append(tensor)
-
-        async def one_request():
-            yield {"model_name": served.engine_model, "inputs": tensors, "request_id": uuid.uuid4().hex,
-                   "parameters": {names.CODED_ERRORS_PARAMETER: True}}
-
-        self._responses = client.stream_infer(one_request())
+        self.client, self.served = client, served
+        self.request_id = uuid.uuid4().hex
+        arrays = request.tensors()
+        self._stop_arrays = stop_inputs(arrays)
+        self._responses = client.stream_infer(self._one_request(arrays))
         self.cancelled = False
+        self.engine_ended = False  # the engine answered with an error: the request is over
+        self.stopping: asyncio.Task | None = None
+        self._draining: asyncio.Task | None = None
+        self.ended = asyncio.Event()  # the call was read to its end
+
+    def _one_request(self, arrays: dict[str, np.ndarray]):
+        request = {"model_name": self.served.engine_model, "inputs": grpc_inputs(arrays),
+                   "request_id": self.request_id, "parameters": {names.CODED_ERRORS_PARAMETER: True}}
+
+        async def one():
+            yield request
+
+        return one()
 
     def cancel(self) -> None:
         if not self.cancelled:
             self.cancelled = True
             self._responses.cancel()
+
+    def stop(self) -> None:
+        """Ask the engine to end this request (a call of its own carries the `stop`); the engine's
+        last responses still come, for chunks() to read (or abandon() to)."""
+        if self.stopping is None and not (self.cancelled or self.engine_ended or self.ended.is_set()):
+            self.stopping = _in_background(self._stop())
+
+    def abandon(self) -> None:
+        """Nobody reads chunks() any more (an error, a client gone): stop the request and read the
+        call's last responses here, without which its status never comes."""
+        self.stop()
+        if self._draining is None and not self.cancelled and not self.ended.is_set():
+            self._draining = _in_background(self._drain())
+
+    async def status(self):
+        """The call's gRPC status code once it has ended (OK, or CANCELLED where it was cut)."""
+        return await self._responses._grpc_call.code()
+
+    async def _stop(self) -> None:
+        import grpc
+
+        try:
+            async for _result, _error in self.client.stream_infer(self._one_request(self._stop_arrays)):
+                pass  # an error: the request ended before the stop came
+            await asyncio.wait_for(self.ended.wait(), STOP_GRACE_S)
+        except (grpc.aio.AioRpcError, asyncio.TimeoutError):  # the server did not take it, or not in time
+            self.cancel()
+
+    async def _drain(self) -> None:
+        try:
+            async with asyncio.timeout(STOP_GRACE_S):
+                async for _result, _error in self._responses:
+                    pass
+            self.ended.set()
+        except Exception:  # the call cut, or not ended in time
+            self.cancel()
 
     async def chunks(self) -> AsyncIterator[Chunk]:
         import grpc
@@ -196,6 +251,7 @@ class EngineCall:
         try:
             async for result, error in self._responses:
                 if error is not None:
+                    self.engine_ended = True
                     code, message = split_coded(error.message())
                     raise OpenAIError(HTTP_STATUS.get(code, 500), message)
                 ids = result.as_numpy(names.OUTPUT_IDS)
@@ -207,10 +263,12 @@ class EngineCall:
                 log_probs = result.as_numpy(names.OUTPUT_LOG_PROBS)
                 yield Chunk(token_ids, decode_delta(self.served.tokenizer, prefix_ids, token_ids),
                             [] if log_probs is None else log_probs.reshape(-1).tolist())
+            self.ended.set()
         except asyncio.CancelledError:  # grpc's answer to reading a call cancel() ended
             if not self.cancelled or asyncio.current_task().cancelling():
                 raise
         except grpc.aio.AioRpcError as exc:
+            self.ended.set()
             if exc.code() == grpc.StatusCode.CANCELLED and self.cancelled:
                 return
             raise OpenAIError(503, f"the Triton server does not answer: {exc.details()}") from None

@@ -80,16 +80,18 @@ class Generation:
         stopped = ended = False
         try:
             async for chunk in self.call.chunks():
+                if stopped:  # what the engine made before it took the stop: not part of the answer
+                    continue
                 self.token_ids += chunk.token_ids
                 self.log_probs += chunk.log_probs
                 text, stopped = self.stop.feed(chunk.text)
+                if stopped:  # a stop sequence: the engine ends the request, its call ends as calls do
+                    self.call.stop()
                 yield text, chunk
-                if stopped:
-                    break
             ended = True
         finally:
-            if not ended or stopped:  # a stop sequence, an error, a client gone: the engine stops too
-                self.call.cancel()
+            if not ended:  # an error, a client gone: nobody reads the call to its end
+                self.call.abandon()
         if not stopped:
             rest = self.stop.flush()
             if rest:
@@ -188,7 +190,7 @@ class Frontend:
         generation = Generation(call, len(prompt_ids), engine_request.max_tokens, body.stop)
         pieces = generation.pieces()
         disconnect = asyncio.ensure_future(_wait_disconnect(request))
-        disconnect.add_done_callback(lambda task: task.cancelled() or call.cancel())
+        disconnect.add_done_callback(lambda task: task.cancelled() or call.stop())
         try:
             first = await anext(pieces, None)
         except BaseException:
@@ -273,7 +275,7 @@ class Frontend:
         finally:
             disconnect.cancel()
             if generation.finish_reason is None:
-                generation.call.cancel()
+                generation.call.abandon()
         yield DONE
 
 

@@ -52,6 +52,16 @@ def server(repo, served, tmp_path_factory):
             frontend.stop()
 
 
+@pytest.fixture(autouse=True)
+def the_server_stays_up(request):
+    """After each test on the shared server: it and its backend processes still run (else the
+    test errors with the exit code and the server's last words, for the tests after it)."""
+    yield
+    if "server" in request.fixturenames:
+        problem = request.getfixturevalue("server").health()
+        assert problem is None, problem
+
+
 @pytest.fixture(scope="module")
 def client(server):
     import openai
@@ -204,6 +214,48 @@ def test_a_dropped_stream_frees_its_engine_request(server, client):
     with pytest.raises(openai.APITimeoutError):
         impatient.completions.create(model=MODEL, prompt="Count to a thousand:", max_tokens=800,
                                      extra_body={"ignore_eos": True})
+    assert wait_for_running(server, 0) == 0
+    assert metric(server, names.METRIC_KV_BLOCKS, "used") == 0
+
+
+@pytest.mark.parametrize("read_to_the_end", [True, False], ids=["stopped", "abandoned"])
+def test_an_engine_call_ended_early_is_stopped_not_cut(server, served, read_to_the_end):
+    """A stop sequence (stop(), the rest read by chunks()) or a client gone (abandon()): the engine
+    ends the request on TensorRT-LLM's `stop` and frees its blocks, and the gRPC call ends with
+    status OK, never cancelled (Triton 2.51's handling of cancelled calls can take it down)."""
+    import asyncio
+
+    import grpc
+    import tritonclient.grpc.aio as grpcaio
+
+    from kiln.triton_repo.openai_engine import EngineCall, EngineRequest
+
+    async def run():
+        client = grpcaio.InferenceServerClient(server.grpc_url)
+        try:
+            call = EngineCall(client, served, EngineRequest(served.encode("Count to a thousand:"), 800,
+                                                            ignore_eos=True))
+            chunks, got = call.chunks(), 0
+            async for _ in chunks:
+                got += 1
+                if got == 3:
+                    break
+            started = time.monotonic()
+            if read_to_the_end:
+                call.stop()
+                async for _ in chunks:
+                    got += 1
+            else:
+                call.abandon()
+            status = await asyncio.wait_for(call.status(), 30)
+            await call.stopping
+            return status, got, time.monotonic() - started, call.cancelled
+        finally:
+            await client.close()
+
+    status, got, took, cut = asyncio.run(run())
+    assert status == grpc.StatusCode.OK and not cut, (status, cut)
+    assert took < 5 and got < 100, (took, got)  # ended by the stop, long before its 800 tokens
     assert wait_for_running(server, 0) == 0
     assert metric(server, names.METRIC_KV_BLOCKS, "used") == 0
 
