@@ -60,6 +60,9 @@ def choose_tactics(config, spec, weights: dict, dtype, quant_meta: dict | None, 
                                 config.build.max_batch_size, library, advance)
     for key, entry in chosen["linears"].items():
         console.print(f"      {key}: {describe_routes(entry['buckets'], entry['choices'])}")
+    prefetch = chosen[names.TACTIC_PREFETCH]
+    steps = ", ".join(f"{us / 1000:.2f} ms at {nbytes} bytes" for nbytes, us in prefetch["step_us"].items())
+    console.print(f"      weight prefetch: {prefetch['bytes']} bytes ahead (one-token decode steps: {steps})")
     return chosen
 
 

@@ -11,6 +11,12 @@ use (LlamaModel.apply_tactics).
     exhaustive  every bucket timed, the median of 9 calls
     none        no tactics: each linear kind's default route
 
+The same step times how far ahead the GEMVs prefetch their weights in software (kernels/vec.h):
+one-token decode steps of the engine's own model at each distance in PREFETCH_BYTES, taking
+turns, the fastest median recorded (the library's default on a tie). The gain differs by host: on
+Intel Xeons measured 4 KB ahead decodes 1.13-1.67x faster than none, on an AMD EPYC (Zen 4) none
+is as fast or faster (docs/benchmarks.md).
+
 Each timing is kept in a cache (~/.cache/kiln/tactics.json, or KILN_TACTICS_CACHE) keyed by the
 CPU model, the kernel level, the thread count, PyTorch's version and the plugin library's hash,
 so a rebuild on the same host times nothing it has timed before."""
@@ -31,6 +37,10 @@ from kiln.plugins.host import cpu_model
 
 REPEATS = {"fast": 3, "exhaustive": 9}
 SEED = 0  # the inputs' generator (the timings do not depend on the values)
+PREFETCH_BYTES = (0, 4096)  # the software prefetch distances timed; 4096: the library's default
+DEFAULT_PREFETCH_BYTES = 4096  # (csrc/library.cpp, without KILN_PREFETCH_BYTES): chosen on a tie
+PREFETCH_STEPS = {"fast": 7, "exhaustive": 21}  # decode steps timed at each distance
+PREFETCH_CONTEXT = 16  # tokens already cached in those steps
 
 
 def cache_path() -> Path:
@@ -110,7 +120,47 @@ def choose(model, mode: str, max_num_tokens: int, max_batch_size: int, library: 
         linears[key] = time_linear(linear, key, x, rows_wanted, mode, repeats, cache)
         progress()
     cache.save()
-    return {"mode": mode, "isa": isa, "cpu": cpu_model(), "threads": threads, "linears": linears}
+    return {"mode": mode, "isa": isa, "cpu": cpu_model(), "threads": threads, "linears": linears,
+            names.TACTIC_PREFETCH: choose_prefetch(model, mode)}
+
+
+def seconds(run: Callable[[], object]) -> float:
+    """How long one call of run() took."""
+    start = time.perf_counter()
+    run()
+    return time.perf_counter() - start
+
+
+def choose_prefetch(model, mode: str) -> dict:
+    """How far ahead of their reads the decode GEMVs prefetch their weights on this host: the
+    median of one-token decode steps (every weight read once; from memory where the weights
+    outgrow the caches) at each distance, the distances taking turns after a round that warms up.
+    {"bytes": the fastest, "step_us": {distance: median µs}}; the linears take their tactics
+    after this, so the steps run each linear's default route."""
+    from kiln.runtime.model import KVPool, StepContext
+
+    block_size = 16
+    blocks = -(-(PREFETCH_CONTEXT + 1) // block_size)
+    table = list(range(blocks))
+    pool = KVPool(model.spec, blocks, block_size, model.kv_dtype)
+    generator = torch.Generator().manual_seed(SEED)
+    tokens = torch.randint(model.spec.vocab_size, (PREFETCH_CONTEXT + 1,), generator=generator)
+    step = StepContext.single(PREFETCH_CONTEXT, 1, table)
+    times: dict[int, list[float]] = {nbytes: [] for nbytes in PREFETCH_BYTES}
+    before = ops.set_prefetch(DEFAULT_PREFETCH_BYTES)
+    try:
+        model.forward(tokens[:-1], StepContext.single(0, PREFETCH_CONTEXT, table), pool)
+        for round_ in range(PREFETCH_STEPS[mode] + 1):
+            for nbytes in PREFETCH_BYTES:
+                ops.set_prefetch(nbytes)
+                taken = seconds(lambda: model.forward(tokens[-1:], step, pool))
+                if round_:
+                    times[nbytes].append(taken)
+    finally:
+        ops.set_prefetch(before)
+    step_us = {nbytes: round(1e6 * statistics.median(taken), 1) for nbytes, taken in times.items()}
+    best = min(step_us, key=lambda nbytes: (step_us[nbytes], nbytes != DEFAULT_PREFETCH_BYTES))
+    return {"bytes": best, "step_us": {str(nbytes): us for nbytes, us in step_us.items()}}
 
 
 def time_linear(linear, key: str, x: torch.Tensor, rows_wanted: list[int], mode: str, repeats: int,

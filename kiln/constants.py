@@ -88,6 +88,8 @@ TACTICS = "tactics"
 TACTIC_KILN = "kiln"  # kiln's kernel on the packed weights (row-invariant: a row's bits never depend on the others)
 TACTIC_TORCH = "torch"  # the weights dequantized, then PyTorch's GEMM (runtime/linear.py gemm())
 TACTICS_MODES = ("fast", "exhaustive", "none")  # build.tactics
+TACTIC_PREFETCH = "prefetch"  # tactics' software weight prefetch distance: {"bytes", "step_us"}
+PREFETCH_BYTES_ENV = "KILN_PREFETCH_BYTES"  # sets the distance at load, over the engine's tactic
 
 
 def linear_prefix(weight_name: str) -> str:

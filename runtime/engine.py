@@ -4,6 +4,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -136,7 +137,7 @@ class Engine:
         """The build's tactics (engine.json), where this host runs the kernels they were timed on;
         says which routes the linears take."""
         tactics = self.meta.get(names.TACTICS)
-        if not tactics or not tactics["linears"]:
+        if not tactics:
             return "defaults (the engine has no tactics)"
         if tactics["isa"] != self.isa:
             log.warning("%s: tactics were timed on %s kernels (%s); this host runs %s kernels, so each linear "
@@ -144,10 +145,30 @@ class Engine:
                         tactics["isa"], tactics["cpu"], self.isa)
             return f"defaults (tactics timed on {tactics['isa']} kernels, this host runs {self.isa})"
         try:
-            taken = self.model.apply_tactics(tactics_from_json(tactics))
+            taken = self.model.apply_tactics(tactics_from_json(tactics)) if tactics["linears"] else 0
+            prefetch = self.apply_prefetch(tactics.get(names.TACTIC_PREFETCH))
         except (KeyError, TypeError, ValueError) as exc:
             raise EngineError(f"{self.dir}: engine.json's tactics are malformed ({exc}); rebuild the engine") from None
         host = cpu_model()
         if tactics["cpu"] != host:
             log.info("%s: tactics timed on %s, this host is %s (the same kernels)", self.dir, tactics["cpu"], host)
-        return f"tactics of {tactics['cpu']} ({tactics['mode']}) for {taken} linears"
+        return f"tactics of {tactics['cpu']} ({tactics['mode']}) for {taken} linears{prefetch}"
+
+    @staticmethod
+    def apply_prefetch(tactic: dict | None) -> str:
+        """The GEMVs' software prefetch distance the build chose (engines built before it have
+        none), unless KILN_PREFETCH_BYTES sets it; what was done, for apply_tactics' line. The
+        distance is the plugin library's, for every engine of the process: the last one loaded
+        sets it."""
+        if tactic is None:
+            return ""
+        nbytes = tactic["bytes"]
+        if type(nbytes) is not int:
+            raise TypeError(f"prefetch bytes {nbytes!r} is not an integer")
+        if os.environ.get(names.PREFETCH_BYTES_ENV) is not None:
+            return f"; weight prefetch as {names.PREFETCH_BYTES_ENV} sets it (the build chose {nbytes} bytes)"
+        try:
+            ops.set_prefetch(nbytes)
+        except RuntimeError as exc:  # out of the library's range
+            raise ValueError(str(exc).splitlines()[0]) from None
+        return f"; weight prefetch {nbytes} bytes ahead"

@@ -85,12 +85,18 @@ def test_the_fastest_candidate_is_chosen_at_each_bucket(tiny_engines, monkeypatc
     assert all(rows <= (256 if mode == "exhaustive" else 32) for _, rows in timed)
 
 
+def without_prefetch(section: dict) -> dict:
+    return {key: value for key, value in section.items() if key != names.TACTIC_PREFETCH}
+
+
 def test_a_rebuild_times_nothing_it_has_timed_before(tiny_engines, monkeypatch):
     engine = Engine(tiny_engines("llama", "bfloat16"))
     library = engine.dir / engine.meta["plugins"]["file"]
     first = tactics.choose(engine.model, "fast", 64, 4, library)
     monkeypatch.setattr(tactics, "median_us", lambda run, repeats: pytest.fail("timed again"))
-    assert tactics.choose(engine.model, "fast", 64, 4, library) == first
+    again = tactics.choose(engine.model, "fast", 64, 4, library)
+    # (the prefetch distance is timed afresh: a few decode steps of the whole model, no cache)
+    assert without_prefetch(again) == without_prefetch(first)
     # exhaustive wants more calls a bucket than fast timed: it times again
     with pytest.raises(pytest.fail.Exception, match="timed again"):
         tactics.choose(engine.model, "exhaustive", 64, 4, library)
@@ -159,17 +165,109 @@ def test_tactics_of_other_kernels_are_not_taken(engine_with_tactics, monkeypatch
     assert all(linear.tactic is None for linear in engine.model.linears())
 
 
-def test_malformed_tactics_are_refused(engine_with_tactics, tmp_path):
+def edited_copy(engine_dir, destination, edit):
+    """A copy of the engine whose engine.json's tactics section edit() changed (manifest updated)."""
     import shutil
 
-    copy = tmp_path / "engine"
-    shutil.copytree(engine_with_tactics, copy)
-    meta = json.loads((copy / names.ENGINE_JSON).read_text())
-    entry = next(iter(meta[names.TACTICS]["linears"].values()))
-    entry["choices"][0] = "onednn"
-    (copy / names.ENGINE_JSON).write_text(json.dumps(meta))
-    manifest = json.loads((copy / names.MANIFEST_FILE).read_text())
-    manifest["files"][names.ENGINE_JSON] = sha256_file(copy / names.ENGINE_JSON)
-    (copy / names.MANIFEST_FILE).write_text(json.dumps(manifest))
+    shutil.copytree(engine_dir, destination)
+    meta = json.loads((destination / names.ENGINE_JSON).read_text())
+    edit(meta[names.TACTICS])
+    (destination / names.ENGINE_JSON).write_text(json.dumps(meta))
+    manifest = json.loads((destination / names.MANIFEST_FILE).read_text())
+    manifest["files"][names.ENGINE_JSON] = sha256_file(destination / names.ENGINE_JSON)
+    (destination / names.MANIFEST_FILE).write_text(json.dumps(manifest))
+    return destination
+
+
+def test_malformed_tactics_are_refused(engine_with_tactics, tmp_path):
+    def unknown_choice(section):
+        next(iter(section["linears"].values()))["choices"][0] = "onednn"
+
+    copy = edited_copy(engine_with_tactics, tmp_path / "engine", unknown_choice)
     with pytest.raises(EngineError, match="tactics are malformed.*unknown tactic choice.*rebuild"):
+        Engine(copy)
+
+
+@pytest.mark.parametrize("slow_at", tactics.PREFETCH_BYTES)
+def test_the_prefetch_distance_chosen_is_the_fastest(tiny_engines, monkeypatch, slow_at):
+    """Decode steps timed 1 ms, 4 ms at one distance: the other is chosen with the medians
+    recorded, every step ran the model at the distance set, and the library's distance is what
+    it was before."""
+    from kiln.plugins import ops
+
+    engine = Engine(tiny_engines("llama", "bfloat16"))
+    steps = []
+
+    def seconds(run):
+        run()
+        now = ops.set_prefetch(0)
+        ops.set_prefetch(now)
+        steps.append(now)
+        return 0.004 if now == slow_at else 0.001
+
+    monkeypatch.setattr(tactics, "seconds", seconds)
+    before = ops.set_prefetch(1024)
+    try:
+        chosen = tactics.choose_prefetch(engine.model, "fast")
+        assert ops.set_prefetch(before) == 1024
+    finally:
+        ops.set_prefetch(before)
+    other = next(nbytes for nbytes in tactics.PREFETCH_BYTES if nbytes != slow_at)
+    assert chosen == {"bytes": other, "step_us": {str(slow_at): 4000.0, str(other): 1000.0}}
+    rounds = tactics.PREFETCH_STEPS["fast"] + 1  # (the first warms up)
+    assert steps == list(tactics.PREFETCH_BYTES) * rounds
+
+
+@pytest.mark.parametrize("arch", ["gemma3", "qwen3_moe"])
+def test_the_prefetch_distance_is_timed_on_every_family(tiny_engines, arch):
+    """The decode steps run the family's own model (sliding windows, experts): a distance and
+    a positive median for each."""
+    engine = Engine(tiny_engines(arch, "bfloat16"))
+    chosen = tactics.choose_prefetch(engine.model, "fast")
+    assert chosen["bytes"] in tactics.PREFETCH_BYTES
+    assert set(chosen["step_us"]) == {str(nbytes) for nbytes in tactics.PREFETCH_BYTES}
+    assert all(us > 0 for us in chosen["step_us"].values())
+
+
+def test_a_prefetch_tie_keeps_the_default(tiny_engines, monkeypatch):
+    engine = Engine(tiny_engines("llama", "bfloat16"))
+    monkeypatch.setattr(tactics, "seconds", lambda run: 0.002)
+    assert tactics.choose_prefetch(engine.model, "fast")["bytes"] == tactics.DEFAULT_PREFETCH_BYTES
+
+
+@pytest.mark.parametrize("nbytes", tactics.PREFETCH_BYTES)
+def test_the_loader_sets_the_prefetch_distance_the_build_chose(engine_with_tactics, tmp_path, nbytes):
+    from kiln.plugins import ops
+
+    section = json.loads((engine_with_tactics / names.ENGINE_JSON).read_text())[names.TACTICS]
+    assert section[names.TACTIC_PREFETCH]["bytes"] in tactics.PREFETCH_BYTES
+    copy = edited_copy(engine_with_tactics, tmp_path / "engine",
+                       lambda section: section[names.TACTIC_PREFETCH].update(bytes=nbytes))
+    before = ops.set_prefetch(1024)
+    try:
+        engine = Engine(copy)
+        assert ops.set_prefetch(before) == nbytes
+    finally:
+        ops.set_prefetch(before)
+    assert engine.tactics.endswith(f"; weight prefetch {nbytes} bytes ahead")
+
+
+def test_kiln_prefetch_bytes_outranks_the_build(engine_with_tactics, monkeypatch):
+    from kiln.plugins import ops
+
+    monkeypatch.setenv(names.PREFETCH_BYTES_ENV, "1024")
+    before = ops.set_prefetch(2048)  # what the library would have taken from the variable at load
+    try:
+        engine = Engine(engine_with_tactics)
+        assert ops.set_prefetch(before) == 2048
+    finally:
+        ops.set_prefetch(before)
+    assert f"weight prefetch as {names.PREFETCH_BYTES_ENV} sets it" in engine.tactics
+
+
+@pytest.mark.parametrize("nbytes", [-1, 1 << 30, "4096"])
+def test_a_malformed_prefetch_distance_is_refused(engine_with_tactics, tmp_path, nbytes):
+    copy = edited_copy(engine_with_tactics, tmp_path / "engine",
+                       lambda section: section[names.TACTIC_PREFETCH].update(bytes=nbytes))
+    with pytest.raises(EngineError, match="tactics are malformed.*prefetch.*rebuild"):
         Engine(copy)
