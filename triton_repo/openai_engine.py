@@ -223,7 +223,8 @@ class EngineCall:
             self._draining = _in_background(self._drain())
 
     async def status(self):
-        """The call's gRPC status code once it has ended (OK, or CANCELLED where it was cut)."""
+        """The call's gRPC status code once it has ended (OK, or CANCELLED where it was cut); for
+        tests: it reads tritonclient's iterator's call (`_grpc_call`), which has no public name."""
         return await self._responses._grpc_call.code()
 
     async def _stop(self) -> None:
