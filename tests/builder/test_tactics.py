@@ -219,9 +219,9 @@ def test_the_prefetch_distance_chosen_is_the_fastest(tiny_engines, monkeypatch, 
 
 
 @pytest.mark.parametrize("arch", ["gemma3", "qwen3_moe"])
-def test_the_prefetch_distance_is_timed_on_every_family(tiny_engines, arch):
-    """The decode steps run the family's own model (sliding windows, experts): a distance and
-    a positive median for each."""
+def test_the_prefetch_distance_is_timed_on_sliding_window_and_expert_models(tiny_engines, arch):
+    """The decode steps run the model's own layers (Gemma 3's sliding windows, Qwen3-MoE's
+    experts): a distance chosen and a positive median for each."""
     engine = Engine(tiny_engines(arch, "bfloat16"))
     chosen = tactics.choose_prefetch(engine.model, "fast")
     assert chosen["bytes"] in tactics.PREFETCH_BYTES
